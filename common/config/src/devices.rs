@@ -1,0 +1,126 @@
+//! Device lists: `"cpu"` or GPU indices (`"0,1,2"`, `"cuda:0,cuda:1"`).
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// One compute device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Device {
+    Cpu,
+    Cuda(u32),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// The devices a role owns, in order. Never empty; CPU never mixes with GPUs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct DeviceList(Vec<Device>);
+
+impl DeviceList {
+    pub fn cpu() -> Self {
+        Self(vec![Device::Cpu])
+    }
+
+    pub fn cuda(indices: impl IntoIterator<Item = u32>) -> Self {
+        Self(indices.into_iter().map(Device::Cuda).collect())
+    }
+
+    pub fn devices(&self) -> &[Device] {
+        &self.0
+    }
+
+    pub fn is_cpu(&self) -> bool {
+        self.0 == [Device::Cpu]
+    }
+
+    /// GPU indices (empty for CPU).
+    pub fn cuda_indices(&self) -> Vec<u32> {
+        self.0
+            .iter()
+            .filter_map(|d| match d {
+                Device::Cuda(i) => Some(*i),
+                Device::Cpu => None,
+            })
+            .collect()
+    }
+}
+
+impl TryFrom<String> for DeviceList {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl std::str::FromStr for DeviceList {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("cpu") {
+            return Ok(Self::cpu());
+        }
+        let mut out = Vec::new();
+        for part in s.split(',').map(str::trim) {
+            let idx = part.strip_prefix("cuda:").unwrap_or(part);
+            let i: u32 = idx.parse().map_err(|_| {
+                format!("'{part}' is not a device: use \"cpu\" or GPU indices like \"0,1,2\"")
+            })?;
+            let d = Device::Cuda(i);
+            if out.contains(&d) {
+                return Err(format!("GPU {i} is listed twice in \"{s}\""));
+            }
+            out.push(d);
+        }
+        if out.is_empty() {
+            return Err("the device list is empty".into());
+        }
+        Ok(Self(out))
+    }
+}
+
+impl From<DeviceList> for String {
+    fn from(d: DeviceList) -> String {
+        d.to_string()
+    }
+}
+
+impl fmt::Display for DeviceList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_cpu() {
+            return f.write_str("cpu");
+        }
+        let parts: Vec<String> = self.cuda_indices().iter().map(u32::to_string).collect();
+        f.write_str(&parts.join(","))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_cpu_and_gpu_lists() {
+        assert!("cpu".parse::<DeviceList>().unwrap().is_cpu());
+        let l: DeviceList = "0, 1,cuda:4".parse().unwrap();
+        assert_eq!(l.cuda_indices(), vec![0, 1, 4]);
+        assert_eq!(l.to_string(), "0,1,4");
+    }
+
+    #[test]
+    fn rejects_garbage_and_duplicates() {
+        assert!("gpu0".parse::<DeviceList>().unwrap_err().contains("gpu0"));
+        assert!("1,1".parse::<DeviceList>().unwrap_err().contains("twice"));
+        assert!("".parse::<DeviceList>().is_err());
+    }
+}

@@ -1,0 +1,137 @@
+//! The startup printout: one grouped, readable block per role.
+
+use std::fmt;
+
+use crate::{MalformedPolicy, RunConfig};
+
+fn opt<T: fmt::Display>(v: &Option<T>) -> String {
+    v.as_ref().map_or_else(|| "unset".to_string(), T::to_string)
+}
+
+fn bytes(n: u32) -> String {
+    if n % (1 << 20) == 0 {
+        format!("{} MiB", n >> 20)
+    } else {
+        format!("{} KiB", n >> 10)
+    }
+}
+
+impl fmt::Display for RunConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (r, m, d, data, t, p, dev, ck, e, fl) = (
+            &self.run,
+            &self.model,
+            &self.drafter,
+            &self.data,
+            &self.training,
+            &self.pipeline,
+            &self.devices,
+            &self.checkpoint,
+            &self.eval,
+            &self.faults,
+        );
+        let steps = if r.max_steps == 0 { "all".to_string() } else { r.max_steps.to_string() };
+        writeln!(f, "Run")?;
+        writeln!(f, "  Name: {}, seed: {}, epochs: {}, max steps: {steps}", r.name, r.seed, r.epochs)?;
+        writeln!(f, "Target")?;
+        writeln!(f, "  Model: {} (dtype {})", m.target_path, m.dtype)?;
+        writeln!(f, "  Captured layers: {:?}", m.target_layer_ids)?;
+        writeln!(f, "  Devices: {}", dev.target)?;
+        writeln!(f, "Drafter")?;
+        writeln!(
+            f,
+            "  Layers: {}, block size: {}, mask token id: {}, gamma: {}",
+            d.num_layers,
+            d.block_size,
+            opt(&d.mask_token_id),
+            opt(&d.effective_gamma())
+        )?;
+        writeln!(f, "  Devices: {}, init from: {}", dev.drafter, opt(&d.init_from))?;
+        writeln!(f, "Data")?;
+        let malformed = match data.on_malformed {
+            MalformedPolicy::Error => "error",
+            MalformedPolicy::Skip => "skip and count",
+        };
+        writeln!(f, "  Train: {}", data.train_path)?;
+        writeln!(f, "  Max sequence length: {}, malformed lines: {malformed}", data.max_seq_len)?;
+        writeln!(f, "Training")?;
+        writeln!(
+            f,
+            "  AdamW lr: {:e}, betas: ({}, {}), eps: {:e}, weight decay: {}, grad clip: {}",
+            t.lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.grad_clip
+        )?;
+        writeln!(
+            f,
+            "  Schedule: warmup {}% then cosine to {}x",
+            t.warmup_ratio * 100.0,
+            t.min_lr_ratio
+        )?;
+        writeln!(
+            f,
+            "  Anchors per sequence: {}, feature noise std: {}, max blocks per micro-batch: {}",
+            t.anchors_per_sequence, t.feature_noise_std, t.max_blocks_per_micro_batch
+        )?;
+        writeln!(f, "Pipeline")?;
+        writeln!(f, "  Token budget: {}, max batch size: {}", p.token_budget, p.max_batch_size)?;
+        writeln!(f, "  Prefetch depth: {}, HS queue: {}", p.prefetch_depth, p.hs_queue_depth)?;
+        writeln!(
+            f,
+            "  Target postprocess depth: {}, split FC layers: {}",
+            p.target_postprocess_depth, p.split_fc_layers
+        )?;
+        writeln!(
+            f,
+            "  In-flight batches per target: {}, chunk size: {}",
+            p.max_inflight_batches,
+            bytes(p.chunk_bytes)
+        )?;
+        writeln!(f, "Checkpoints")?;
+        let keep = if ck.keep_last == 0 { "all".to_string() } else { ck.keep_last.to_string() };
+        writeln!(f, "  Dir: {}, every {} steps, keep {keep}", ck.dir, ck.interval_steps)?;
+        writeln!(f, "Evaluation")?;
+        if e.prompts_path.is_empty() {
+            writeln!(f, "  Periodic acceptance-length evaluation: off")?;
+        } else {
+            writeln!(
+                f,
+                "  Prompts: {} ({} prompts, {} new tokens, every {} steps)",
+                e.prompts_path, e.max_prompts, e.max_new_tokens, e.interval_steps
+            )?;
+        }
+        writeln!(f, "Faults")?;
+        write!(
+            f,
+            "  Heartbeat: {} ms, instance timeout: {} ms, lease timeout: {} ms, drafter absence timeout: {} ms",
+            fl.heartbeat_interval_ms,
+            fl.instance_timeout_ms,
+            fl.lease_timeout_ms,
+            fl.drafter_absence_timeout_ms
+        )
+    }
+}
+
+impl RunConfig {
+    /// The block each role logs once at startup.
+    pub fn startup_banner(&self, role: &str, run_id: &str) -> String {
+        let body: String = self.to_string().lines().map(|l| format!("  {l}\n")).collect();
+        format!("{role} effective run config (run {run_id}):\n{body}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn printout_names_the_pipeline_knobs_on_adjacent_lines() {
+        let mut c = RunConfig::default();
+        c.pipeline.prefetch_depth = 3;
+        c.pipeline.hs_queue_depth = 9;
+        c.pipeline.target_postprocess_depth = 2;
+        c.pipeline.split_fc_layers = false;
+        let text = c.startup_banner("drafter", "r1");
+        assert!(text.contains(
+            "Prefetch depth: 3, HS queue: 9\n    Target postprocess depth: 2, split FC layers: false"
+        ), "{text}");
+    }
+}

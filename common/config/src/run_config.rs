@@ -1,0 +1,340 @@
+//! The run config: every setting of a run, grouped by concern.
+//!
+//! The coordinator loads it once (see [`crate::ConfigLoader`]), validates it,
+//! resolves what depends on the target model (layer ids, gamma, mask token),
+//! and hands the result to every target and drafter as TOML when they register.
+
+use serde::{Deserialize, Serialize};
+
+use crate::devices::DeviceList;
+
+/// Every setting of one training run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    pub run: RunSection,
+    pub model: ModelSection,
+    pub drafter: DrafterSection,
+    pub data: DataSection,
+    pub training: TrainingSection,
+    pub pipeline: PipelineSection,
+    pub devices: DevicesSection,
+    pub checkpoint: CheckpointSection,
+    pub eval: EvalSection,
+    pub faults: FaultSection,
+}
+
+/// Identity and length of the run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunSection {
+    /// Human-readable run name (also names the ledger and checkpoints).
+    pub name: String,
+    /// Seed of the data order, anchor sampling, noise and initialisation.
+    pub seed: u64,
+    /// Passes over the training data.
+    pub epochs: u32,
+    /// Stop after this many optimizer steps (0: run all epochs).
+    pub max_steps: u64,
+    /// Log a training line every this many steps.
+    pub log_every_steps: u64,
+}
+
+impl Default for RunSection {
+    fn default() -> Self {
+        Self { name: "dflash".into(), seed: 0, epochs: 6, max_steps: 0, log_every_steps: 10 }
+    }
+}
+
+/// The frozen target model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// Hugging Face directory: config.json, *.safetensors, tokenizer.json.
+    pub target_path: String,
+    /// Target layers whose residual stream feeds the drafter (HF
+    /// `hidden_states[id + 1]`). Empty: spread evenly as DFLASH.md says.
+    pub target_layer_ids: Vec<u32>,
+    /// Compute dtype: "auto" (bf16 on CUDA, f32 on CPU), "f32" or "bf16".
+    pub dtype: String,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self { target_path: String::new(), target_layer_ids: Vec::new(), dtype: "auto".into() }
+    }
+}
+
+/// Shape of the drafter being trained.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DrafterSection {
+    /// Decoder layers of the drafter.
+    pub num_layers: u32,
+    /// Tokens per predicted block (anchor + block_size - 1 masks).
+    pub block_size: u32,
+    /// Token id of the MASK slots; must exist in the target's embedding and
+    /// must not be pad/eos. Unset: the tokenizer's `<|MASK|>` token.
+    pub mask_token_id: Option<u32>,
+    /// Loss decay over block slots, exp(-(k-1)/gamma). Unset: 7 for block
+    /// 16, 5 for 10, 4 for 8.
+    pub gamma: Option<f64>,
+    /// Start from the weights of this drafter checkpoint instead of random.
+    pub init_from: Option<String>,
+}
+
+impl Default for DrafterSection {
+    fn default() -> Self {
+        Self { num_layers: 5, block_size: 16, mask_token_id: None, gamma: None, init_from: None }
+    }
+}
+
+/// What to do with a dataset line that cannot be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MalformedPolicy {
+    /// Stop with an error naming file and line.
+    Error,
+    /// Skip it and count it in the log.
+    Skip,
+}
+
+/// Training data.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSection {
+    /// JSONL chat dataset (OpenAI `messages` or ShareGPT `conversations`).
+    pub train_path: String,
+    /// Longer sequences are truncated (and counted in the log).
+    pub max_seq_len: u32,
+    pub on_malformed: MalformedPolicy,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        Self { train_path: String::new(), max_seq_len: 3072, on_malformed: MalformedPolicy::Error }
+    }
+}
+
+/// Optimizer, schedule and the DFlash training step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainingSection {
+    /// Peak learning rate of AdamW.
+    pub lr: f64,
+    /// Fraction of all steps spent in linear warmup; cosine decay after.
+    pub warmup_ratio: f64,
+    /// Final learning rate as a fraction of `lr` at the end of the cosine.
+    pub min_lr_ratio: f64,
+    pub weight_decay: f64,
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+    pub adam_eps: f64,
+    /// Global gradient-norm clip (0: off).
+    pub grad_clip: f64,
+    /// Anchors sampled per sequence and step (fewer for short sequences).
+    pub anchors_per_sequence: u32,
+    /// Std of the uniform noise added to the target features (0: none).
+    pub feature_noise_std: f64,
+    /// Cap on sequences x anchors in one drafter forward; a batch over it is
+    /// split into micro-batches whose gradients are accumulated.
+    pub max_blocks_per_micro_batch: u32,
+    /// Blocks per chunk of the logits/cross-entropy computation.
+    pub loss_chunk_blocks: u32,
+    /// This many batches in a row with non-finite features or loss fail the run.
+    pub max_bad_batches_in_a_row: u32,
+}
+
+impl Default for TrainingSection {
+    fn default() -> Self {
+        Self {
+            lr: 6e-4,
+            warmup_ratio: 0.04,
+            min_lr_ratio: 0.0,
+            weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_eps: 1e-8,
+            grad_clip: 1.0,
+            anchors_per_sequence: 512,
+            feature_noise_std: 0.0,
+            max_blocks_per_micro_batch: 4096,
+            loss_chunk_blocks: 256,
+            max_bad_batches_in_a_row: 5,
+        }
+    }
+}
+
+/// Batching and the depths of every queue between the stages.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PipelineSection {
+    /// Most tokens in one target batch (sum of packed sequence lengths).
+    pub token_budget: u32,
+    /// Most sequences in one target batch.
+    pub max_batch_size: u32,
+    /// Ship per-layer hidden states (SPLIT) and let the drafter concatenate;
+    /// false: the target packs [T, k*H] itself (PACKED).
+    pub split_fc_layers: bool,
+    /// Batches waiting for postprocess per target device.
+    pub target_postprocess_depth: u32,
+    /// Batches prefetched onto the drafter device ahead of the train step.
+    pub prefetch_depth: u32,
+    /// Received batches queued on the drafter host.
+    pub hs_queue_depth: u32,
+    /// Unacknowledged batches one target may have in flight to the drafter.
+    pub max_inflight_batches: u32,
+    /// Bytes per data chunk on the hidden-state stream.
+    pub chunk_bytes: u32,
+}
+
+impl Default for PipelineSection {
+    fn default() -> Self {
+        Self {
+            token_budget: 12288,
+            max_batch_size: 32,
+            split_fc_layers: true,
+            target_postprocess_depth: 1,
+            prefetch_depth: 2,
+            hs_queue_depth: 8,
+            max_inflight_batches: 4,
+            chunk_bytes: 4 << 20,
+        }
+    }
+}
+
+/// Which devices each role computes on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DevicesSection {
+    /// One forward loop per device.
+    pub target: DeviceList,
+    /// Data-parallel replicas of the drafter.
+    pub drafter: DeviceList,
+}
+
+impl Default for DevicesSection {
+    fn default() -> Self {
+        Self { target: DeviceList::cuda(0..5), drafter: DeviceList::cuda(5..8) }
+    }
+}
+
+/// Where and how often the drafter checkpoints.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointSection {
+    pub dir: String,
+    /// Checkpoint every this many steps (and always at the end).
+    pub interval_steps: u64,
+    /// Keep this many most recent step checkpoints (0: keep all).
+    pub keep_last: u32,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        Self { dir: "runs/checkpoints".into(), interval_steps: 500, keep_last: 3 }
+    }
+}
+
+/// Held-out evaluation by real speculative decoding during training.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalSection {
+    /// JSONL of held-out prompts (empty: no periodic evaluation).
+    pub prompts_path: String,
+    /// Evaluate every this many steps (0: only at the end).
+    pub interval_steps: u64,
+    /// Prompts evaluated each time.
+    pub max_prompts: u32,
+    /// New tokens generated per prompt.
+    pub max_new_tokens: u32,
+}
+
+impl Default for EvalSection {
+    fn default() -> Self {
+        Self { prompts_path: String::new(), interval_steps: 0, max_prompts: 8, max_new_tokens: 64 }
+    }
+}
+
+/// Timeouts and limits that decide when a peer counts as gone.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultSection {
+    /// How often instances heartbeat to the coordinator.
+    pub heartbeat_interval_ms: u64,
+    /// An instance silent this long counts as dead.
+    pub instance_timeout_ms: u64,
+    /// A leased batch not acknowledged within this goes back to pending.
+    pub lease_timeout_ms: u64,
+    /// The run fails when no drafter is registered for this long.
+    pub drafter_absence_timeout_ms: u64,
+    /// Roles give up when the coordinator is unreachable for this long.
+    pub coordinator_timeout_ms: u64,
+    /// Deadline of one control RPC.
+    pub rpc_timeout_ms: u64,
+    /// How long a role may take to stop after a stop event or signal.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for FaultSection {
+    fn default() -> Self {
+        Self {
+            heartbeat_interval_ms: 1_000,
+            instance_timeout_ms: 10_000,
+            lease_timeout_ms: 120_000,
+            drafter_absence_timeout_ms: 600_000,
+            coordinator_timeout_ms: 60_000,
+            rpc_timeout_ms: 10_000,
+            shutdown_grace_ms: 20_000,
+        }
+    }
+}
+
+impl DrafterSection {
+    /// Gamma of the loss decay: the configured one or the recipe's default
+    /// for the block size (None when the block size has no default).
+    pub fn effective_gamma(&self) -> Option<f64> {
+        self.gamma.or(match self.block_size {
+            16 => Some(7.0),
+            10 => Some(5.0),
+            8 => Some(4.0),
+            _ => None,
+        })
+    }
+}
+
+/// Default capture layers for an `n`-layer target (DFLASH.md):
+/// `round(1 + i*(n-4)/(k-1))` for i in 0..k; `[n / 2]` when k == 1.
+pub fn default_target_layer_ids(num_target_layers: u32, k: u32) -> Vec<u32> {
+    if k == 1 {
+        return vec![num_target_layers / 2];
+    }
+    let n = num_target_layers as f64;
+    (0..k)
+        .map(|i| (1.0 + i as f64 * (n - 4.0) / (k as f64 - 1.0)).round() as u32)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_layer_ids_match_the_recipe() {
+        assert_eq!(default_target_layer_ids(36, 5), vec![1, 9, 17, 25, 33]);
+        assert_eq!(default_target_layer_ids(30, 1), vec![15]);
+        assert_eq!(default_target_layer_ids(30, 2), vec![1, 27]);
+    }
+
+    #[test]
+    fn gamma_defaults_follow_block_size() {
+        let mut d = DrafterSection::default();
+        assert_eq!(d.effective_gamma(), Some(7.0));
+        d.block_size = 8;
+        assert_eq!(d.effective_gamma(), Some(4.0));
+        d.block_size = 12;
+        assert_eq!(d.effective_gamma(), None);
+        d.gamma = Some(3.0);
+        assert_eq!(d.effective_gamma(), Some(3.0));
+    }
+}

@@ -1,0 +1,264 @@
+//! Validation, once, with errors that name the field.
+
+use crate::{ConfigError, FieldError, RunConfig, default_target_layer_ids};
+
+/// What the coordinator learns from the target model to finish the config.
+#[derive(Clone, Debug, Default)]
+pub struct TargetFacts {
+    pub num_layers: u32,
+    pub vocab_size: u32,
+    /// Token ids that must never be the mask token (pad, eos, bos).
+    pub reserved_ids: Vec<u32>,
+    /// The tokenizer's `<|MASK|>` token, if it has one.
+    pub mask_token: Option<u32>,
+}
+
+struct Check(Vec<FieldError>);
+
+impl Check {
+    fn require(&mut self, ok: bool, field: &str, message: impl FnOnce() -> String) {
+        if !ok {
+            self.0.push(FieldError { field: field.to_string(), message: message() });
+        }
+    }
+}
+
+impl RunConfig {
+    /// Checks every field that can be checked without the target model.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut c = Check(Vec::new());
+        let m = &self.model;
+        c.require(!m.target_path.is_empty(), "model.target_path", || {
+            "is required: a Hugging Face model directory".into()
+        });
+        c.require(matches!(m.dtype.as_str(), "auto" | "f32" | "bf16"), "model.dtype", || {
+            format!("is \"{}\"; use \"auto\", \"f32\" or \"bf16\"", m.dtype)
+        });
+        let ids = &m.target_layer_ids;
+        c.require(ids.windows(2).all(|w| w[0] < w[1]), "model.target_layer_ids", || {
+            format!("{ids:?} must be strictly increasing")
+        });
+
+        let d = &self.drafter;
+        c.require(d.num_layers >= 1, "drafter.num_layers", || "must be at least 1".into());
+        c.require(d.block_size >= 2, "drafter.block_size", || {
+            format!("is {}; a block needs the anchor and at least one mask", d.block_size)
+        });
+        match d.effective_gamma() {
+            Some(g) => c.require(g.is_finite() && g > 0.0, "drafter.gamma", || {
+                format!("is {g}; must be positive")
+            }),
+            None => c.require(false, "drafter.gamma", || {
+                format!("has no default for block size {}; set it", d.block_size)
+            }),
+        }
+
+        let data = &self.data;
+        c.require(!data.train_path.is_empty(), "data.train_path", || {
+            "is required: a JSONL chat dataset".into()
+        });
+        c.require(data.max_seq_len >= d.block_size + 1, "data.max_seq_len", || {
+            format!("is {}; must exceed drafter.block_size ({})", data.max_seq_len, d.block_size)
+        });
+
+        let t = &self.training;
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        let unit = |x: f64| x.is_finite() && (0.0..1.0).contains(&x);
+        c.require(positive(t.lr), "training.lr", || format!("is {}; must be > 0", t.lr));
+        c.require(unit(t.warmup_ratio), "training.warmup_ratio", || {
+            format!("is {}; must be in [0, 1)", t.warmup_ratio)
+        });
+        c.require(
+            t.min_lr_ratio.is_finite() && (0.0..=1.0).contains(&t.min_lr_ratio),
+            "training.min_lr_ratio",
+            || format!("is {}; must be in [0, 1]", t.min_lr_ratio),
+        );
+        c.require(t.weight_decay.is_finite() && t.weight_decay >= 0.0, "training.weight_decay", || {
+            format!("is {}; must be >= 0", t.weight_decay)
+        });
+        c.require(unit(t.adam_beta1), "training.adam_beta1", || {
+            format!("is {}; must be in [0, 1)", t.adam_beta1)
+        });
+        c.require(unit(t.adam_beta2), "training.adam_beta2", || {
+            format!("is {}; must be in [0, 1)", t.adam_beta2)
+        });
+        c.require(positive(t.adam_eps), "training.adam_eps", || {
+            format!("is {}; must be > 0", t.adam_eps)
+        });
+        c.require(t.grad_clip.is_finite() && t.grad_clip >= 0.0, "training.grad_clip", || {
+            format!("is {}; must be >= 0 (0 turns clipping off)", t.grad_clip)
+        });
+        c.require(t.anchors_per_sequence >= 1, "training.anchors_per_sequence", || {
+            "must be at least 1".into()
+        });
+        c.require(
+            t.feature_noise_std.is_finite() && t.feature_noise_std >= 0.0,
+            "training.feature_noise_std",
+            || format!("is {}; must be >= 0", t.feature_noise_std),
+        );
+        c.require(
+            t.max_blocks_per_micro_batch >= t.anchors_per_sequence,
+            "training.max_blocks_per_micro_batch",
+            || {
+                format!(
+                    "is {}; must hold one sequence's anchors (training.anchors_per_sequence = {})",
+                    t.max_blocks_per_micro_batch, t.anchors_per_sequence
+                )
+            },
+        );
+        c.require(t.loss_chunk_blocks >= 1, "training.loss_chunk_blocks", || {
+            "must be at least 1".into()
+        });
+        c.require(t.max_bad_batches_in_a_row >= 1, "training.max_bad_batches_in_a_row", || {
+            "must be at least 1".into()
+        });
+
+        let p = &self.pipeline;
+        c.require(p.token_budget >= data.max_seq_len, "pipeline.token_budget", || {
+            format!(
+                "is {}; must hold one sequence of data.max_seq_len ({})",
+                p.token_budget, data.max_seq_len
+            )
+        });
+        c.require(p.max_batch_size >= 1, "pipeline.max_batch_size", || "must be at least 1".into());
+        c.require(p.prefetch_depth >= 1, "pipeline.prefetch_depth", || "must be at least 1".into());
+        c.require(p.hs_queue_depth >= 1, "pipeline.hs_queue_depth", || "must be at least 1".into());
+        c.require(p.max_inflight_batches >= 1, "pipeline.max_inflight_batches", || {
+            "must be at least 1".into()
+        });
+        c.require(
+            (64 << 10..=64 << 20).contains(&p.chunk_bytes),
+            "pipeline.chunk_bytes",
+            || format!("is {}; must be between 64 KiB and 64 MiB", p.chunk_bytes),
+        );
+
+        let ck = &self.checkpoint;
+        c.require(!ck.dir.is_empty(), "checkpoint.dir", || "is required".into());
+        c.require(ck.interval_steps >= 1, "checkpoint.interval_steps", || {
+            "must be at least 1".into()
+        });
+
+        let e = &self.eval;
+        c.require(e.max_new_tokens >= 1, "eval.max_new_tokens", || "must be at least 1".into());
+
+        let f = &self.faults;
+        c.require(f.heartbeat_interval_ms >= 10, "faults.heartbeat_interval_ms", || {
+            "must be at least 10".into()
+        });
+        c.require(
+            f.instance_timeout_ms > 2 * f.heartbeat_interval_ms,
+            "faults.instance_timeout_ms",
+            || {
+                format!(
+                    "is {}; must exceed two heartbeats (faults.heartbeat_interval_ms = {})",
+                    f.instance_timeout_ms, f.heartbeat_interval_ms
+                )
+            },
+        );
+        for (name, v) in [
+            ("faults.lease_timeout_ms", f.lease_timeout_ms),
+            ("faults.drafter_absence_timeout_ms", f.drafter_absence_timeout_ms),
+            ("faults.coordinator_timeout_ms", f.coordinator_timeout_ms),
+            ("faults.rpc_timeout_ms", f.rpc_timeout_ms),
+            ("faults.shutdown_grace_ms", f.shutdown_grace_ms),
+        ] {
+            c.require(v >= 1, name, || "must be at least 1".into());
+        }
+
+        if c.0.is_empty() { Ok(()) } else { Err(ConfigError::Invalid(c.0)) }
+    }
+
+    /// Fills in what depends on the target (layer ids, mask token, gamma)
+    /// and checks it against the target. Idempotent.
+    pub fn resolve(&mut self, target: &TargetFacts) -> Result<(), ConfigError> {
+        let mut c = Check(Vec::new());
+        if self.model.target_layer_ids.is_empty() {
+            self.model.target_layer_ids =
+                default_target_layer_ids(target.num_layers, self.drafter.num_layers);
+        }
+        let ids = &self.model.target_layer_ids;
+        c.require(
+            ids.iter().all(|&i| i < target.num_layers),
+            "model.target_layer_ids",
+            || format!("{ids:?} names a layer the {}-layer target lacks", target.num_layers),
+        );
+        if self.drafter.mask_token_id.is_none() {
+            self.drafter.mask_token_id = target.mask_token;
+        }
+        match self.drafter.mask_token_id {
+            None => c.require(false, "drafter.mask_token_id", || {
+                "is unset and the tokenizer has no <|MASK|> token; pick a reserved, unused token id".into()
+            }),
+            Some(id) => {
+                c.require(id < target.vocab_size, "drafter.mask_token_id", || {
+                    format!("{id} is outside the target vocabulary ({})", target.vocab_size)
+                });
+                c.require(!target.reserved_ids.contains(&id), "drafter.mask_token_id", || {
+                    format!("{id} is the pad/eos/bos token; pick a reserved, unused token id")
+                });
+            }
+        }
+        if self.drafter.gamma.is_none() {
+            self.drafter.gamma = self.drafter.effective_gamma();
+        }
+        if c.0.is_empty() { Ok(()) } else { Err(ConfigError::Invalid(c.0)) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valid() -> RunConfig {
+        let mut c = RunConfig::default();
+        c.model.target_path = "m".into();
+        c.data.train_path = "d.jsonl".into();
+        c
+    }
+
+    #[test]
+    fn defaults_need_only_model_and_data() {
+        let err = RunConfig::default().validate().unwrap_err().to_string();
+        assert!(err.contains("model.target_path"), "{err}");
+        assert!(err.contains("data.train_path"), "{err}");
+        valid().validate().unwrap();
+    }
+
+    #[test]
+    fn every_bad_field_is_named() {
+        let mut c = valid();
+        c.pipeline.prefetch_depth = 0;
+        c.training.lr = f64::NAN;
+        c.pipeline.token_budget = 100;
+        let err = c.validate().unwrap_err().to_string();
+        for field in ["pipeline.prefetch_depth", "training.lr", "pipeline.token_budget"] {
+            assert!(err.contains(field), "{field} missing from: {err}");
+        }
+    }
+
+    #[test]
+    fn resolve_fills_layers_mask_and_gamma() {
+        let mut c = valid();
+        let facts = TargetFacts {
+            num_layers: 36,
+            vocab_size: 151_936,
+            reserved_ids: vec![151_643, 151_645],
+            mask_token: Some(151_669),
+        };
+        c.resolve(&facts).unwrap();
+        assert_eq!(c.model.target_layer_ids, vec![1, 9, 17, 25, 33]);
+        assert_eq!(c.drafter.mask_token_id, Some(151_669));
+        assert_eq!(c.drafter.gamma, Some(7.0));
+    }
+
+    #[test]
+    fn resolve_rejects_eos_as_mask_and_missing_layers() {
+        let mut c = valid();
+        c.drafter.mask_token_id = Some(2);
+        c.model.target_layer_ids = vec![1, 40];
+        let facts = TargetFacts { num_layers: 30, vocab_size: 49152, reserved_ids: vec![1, 2], mask_token: None };
+        let err = c.resolve(&facts).unwrap_err().to_string();
+        assert!(err.contains("drafter.mask_token_id"), "{err}");
+        assert!(err.contains("model.target_layer_ids"), "{err}");
+    }
+}

@@ -1,0 +1,33 @@
+//! Training data: chat datasets in JSONL, the target's tokenizer and chat
+//! template, assistant-only loss masks, and the deterministic batch plan.
+
+mod chat;
+mod dataset;
+mod plan;
+mod synthetic;
+mod tokenizer;
+mod tokenizer_files;
+
+use std::path::PathBuf;
+
+pub use chat::{Conversation, Message};
+pub use dataset::{Dataset, LoadOptions, LoadReport, Sample};
+pub use plan::{PlannedBatch, batch_id, plan_epoch};
+pub use synthetic::{SYNTHETIC_SPECIALS, synthetic_conversation, write_synthetic_dataset, write_synthetic_tokenizer};
+pub use tokenizer::{ChatTokenizer, Encoded};
+pub use tokenizer_files::{BpeSpec, byte_alphabet, chatml_template, write_bpe_tokenizer};
+
+/// Why data could not be read. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("{0}: {1}")]
+    Io(PathBuf, String),
+    #[error("{}:{line}: malformed line: {reason}", path.display())]
+    Malformed { path: PathBuf, line: u64, reason: String },
+    #[error("tokenizer {0}: {1}")]
+    Tokenizer(PathBuf, String),
+    #[error("chat template in {0}: {1}")]
+    Template(PathBuf, String),
+    #[error("{0}: no usable samples")]
+    Empty(PathBuf),
+}

@@ -1,0 +1,51 @@
+//! Making CUDA visible to a binary linked only against libtorch_cpu.
+//!
+//! The release binary links the CPU half of libtorch so that one build runs
+//! everywhere. On a GPU host the CUDA half must be loaded before the first
+//! CUDA call: `dlopen("libtorch_cuda.so")` registers the CUDA backend
+//! (PLATFORM.md). The library stays loaded for the life of the process.
+
+use std::sync::OnceLock;
+
+use crate::ModelError;
+
+static CUDA_LIB: OnceLock<Result<libloading::Library, String>> = OnceLock::new();
+
+/// Loads libtorch's CUDA half once and checks that every requested GPU
+/// exists. The error says what to fix.
+pub fn ensure_cuda(gpu_indices: &[u32]) -> Result<(), ModelError> {
+    let loaded = CUDA_LIB.get_or_init(|| {
+        // SAFETY: loading libtorch_cuda runs its static initialisers, which
+        // register the CUDA backend with libtorch; that is the intent.
+        unsafe { libloading::Library::new("libtorch_cuda.so") }.map_err(|e| e.to_string())
+    });
+    if let Err(e) = loaded {
+        return Err(ModelError::Device(format!(
+            "CUDA devices are configured but libtorch_cuda.so cannot be loaded ({e}); \
+             set LD_LIBRARY_PATH to the torch/lib folder of a PyTorch 2.11 CUDA install"
+        )));
+    }
+    if !tch::Cuda::is_available() {
+        return Err(ModelError::Device(
+            "libtorch_cuda.so is loaded but no CUDA device is available (driver missing?)".into(),
+        ));
+    }
+    let count = tch::Cuda::device_count() as u32;
+    if let Some(&bad) = gpu_indices.iter().find(|&&i| i >= count) {
+        return Err(ModelError::Device(format!(
+            "GPU {bad} is configured but this host has {count} GPU(s)"
+        )));
+    }
+    Ok(())
+}
+
+/// The tch device for a config device, loading CUDA when needed.
+pub fn tch_device(cuda_index: Option<u32>) -> Result<tch::Device, ModelError> {
+    match cuda_index {
+        None => Ok(tch::Device::Cpu),
+        Some(i) => {
+            ensure_cuda(&[i])?;
+            Ok(tch::Device::Cuda(i as usize))
+        }
+    }
+}

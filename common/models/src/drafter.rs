@@ -1,0 +1,287 @@
+//! The DFlash drafter (DFLASH.md "The model"): Qwen3-style layers whose
+//! keys/values see the target's fused context features ("KV injection"),
+//! predicting a block of tokens in one non-causal pass.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use tch::nn::{self, Init};
+use tch::{Device, Kind, Tensor};
+
+use crate::layers::{Linear, Mlp, RmsNorm, Rope, apply_rope, repeat_kv};
+use crate::target_config::TargetConfig;
+use crate::ModelError;
+
+/// Shape of a drafter; the width follows the target.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DrafterConfig {
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_layers: i64,
+    pub num_heads: i64,
+    pub num_kv_heads: i64,
+    pub head_dim: i64,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub vocab_size: i64,
+    pub max_position_embeddings: i64,
+    pub block_size: i64,
+    pub mask_token_id: i64,
+    /// Target layers feeding `fc`, in payload order.
+    pub target_layer_ids: Vec<i64>,
+    /// Layers of the target (recorded in the exported config).
+    pub num_target_layers: i64,
+}
+
+impl DrafterConfig {
+    /// A drafter of `num_layers` layers matching the target's shape.
+    pub fn for_target(
+        t: &TargetConfig,
+        num_layers: i64,
+        block_size: i64,
+        mask_token_id: i64,
+        target_layer_ids: Vec<i64>,
+    ) -> Self {
+        Self {
+            hidden_size: t.hidden_size,
+            intermediate_size: t.intermediate_size,
+            num_layers,
+            num_heads: t.num_heads,
+            num_kv_heads: t.num_kv_heads,
+            head_dim: t.head_dim,
+            rms_norm_eps: t.rms_norm_eps,
+            rope_theta: t.rope_theta,
+            vocab_size: t.vocab_size,
+            max_position_embeddings: t.max_position_embeddings,
+            block_size,
+            mask_token_id,
+            target_layer_ids,
+            num_target_layers: t.num_layers,
+        }
+    }
+
+    /// Width of the concatenated target features: k * H.
+    pub fn feature_width(&self) -> i64 {
+        self.target_layer_ids.len() as i64 * self.hidden_size
+    }
+
+    /// Multiply-adds of one drafter forward per query token with `ctx`
+    /// context keys, for MFU accounting (x2 for FLOPs, x3 with backward).
+    pub fn matmul_macs_per_query(&self, keys_per_query: f64) -> f64 {
+        let (h, i) = (self.hidden_size as f64, self.intermediate_size as f64);
+        let (qd, kvd) = ((self.num_heads * self.head_dim) as f64, (self.num_kv_heads * self.head_dim) as f64);
+        let per_layer = h * qd * 2.0 + h * kvd * 2.0 + 3.0 * h * i + 2.0 * qd * keys_per_query;
+        per_layer * self.num_layers as f64
+    }
+}
+
+pub(crate) struct DrafterAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+}
+
+pub(crate) struct DrafterLayer {
+    input_layernorm: RmsNorm,
+    self_attn: DrafterAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// The trainable drafter. Parameters live in a [`nn::VarStore`] under the
+/// exact names of the served checkpoint layout (DFLASH.md).
+pub struct Drafter {
+    pub config: DrafterConfig,
+    pub vs: nn::VarStore,
+    fc: Linear,
+    hidden_norm: RmsNorm,
+    layers: Vec<DrafterLayer>,
+    norm: RmsNorm,
+    rope: Rope,
+}
+
+/// Inputs of one drafter forward over `n` sequences, padded to `S` context
+/// tokens and `Q = N*B` block slots.
+pub struct DrafterInput<'a> {
+    /// Concatenated target features `[n, S, k*H]`.
+    pub features: &'a Tensor,
+    /// Embedded block tokens `[n, Q, H]` (anchor token, then masks).
+    pub block_embeds: &'a Tensor,
+    /// RoPE positions of the block slots `[n, Q]` (anchor + slot).
+    pub block_positions: &'a Tensor,
+    /// Boolean attention mask `[n, 1, Q, S + Q]` (true: may attend).
+    pub mask: &'a Tensor,
+}
+
+fn lin(p: &nn::Path, name: &str, out: i64, inp: i64) -> Linear {
+    // Hugging Face's initializer_range for Qwen3 configs.
+    let weight = (p / name).var("weight", &[out, inp], Init::Randn { mean: 0.0, stdev: 0.02 });
+    Linear { weight, bias: None }
+}
+
+fn rms(p: &nn::Path, name: &str, dim: i64, eps: f64) -> RmsNorm {
+    RmsNorm { weight: (p / name).var("weight", &[dim], Init::Const(1.0)), eps }
+}
+
+impl Drafter {
+    /// A freshly initialised drafter in `kind` on `device`.
+    pub fn new(config: DrafterConfig, device: Device, kind: Kind) -> Self {
+        let mut vs = nn::VarStore::new(device);
+        let root = vs.root();
+        let c = &config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let fc = lin(&root, "fc", h, c.feature_width());
+        let hidden_norm = rms(&root, "hidden_norm", h, c.rms_norm_eps);
+        let layers = (0..c.num_layers)
+            .map(|i| {
+                let p = root.sub("layers").sub(i.to_string());
+                let a = p.sub("self_attn");
+                let m = p.sub("mlp");
+                DrafterLayer {
+                    input_layernorm: rms(&p, "input_layernorm", h, c.rms_norm_eps),
+                    self_attn: DrafterAttention {
+                        q_proj: lin(&a, "q_proj", c.num_heads * hd, h),
+                        k_proj: lin(&a, "k_proj", c.num_kv_heads * hd, h),
+                        v_proj: lin(&a, "v_proj", c.num_kv_heads * hd, h),
+                        o_proj: lin(&a, "o_proj", h, c.num_heads * hd),
+                        q_norm: rms(&a, "q_norm", hd, c.rms_norm_eps),
+                        k_norm: rms(&a, "k_norm", hd, c.rms_norm_eps),
+                    },
+                    post_attention_layernorm: rms(&p, "post_attention_layernorm", h, c.rms_norm_eps),
+                    mlp: Mlp {
+                        gate_proj: lin(&m, "gate_proj", c.intermediate_size, h),
+                        up_proj: lin(&m, "up_proj", c.intermediate_size, h),
+                        down_proj: lin(&m, "down_proj", h, c.intermediate_size),
+                    },
+                }
+            })
+            .collect();
+        let norm = rms(&root, "norm", h, c.rms_norm_eps);
+        if kind != Kind::Float {
+            vs.set_kind(kind);
+        }
+        let rope = Rope::new(hd, c.rope_theta, device);
+        Self { config, vs, fc, hidden_norm, layers, norm, rope }
+    }
+
+    /// Loads weights saved in the served layout (`model.safetensors`).
+    pub fn load_weights(&mut self, dir: &Path) -> Result<(), ModelError> {
+        let file = dir.join("model.safetensors");
+        let tensors = Tensor::read_safetensors(&file).map_err(|e| ModelError::Weights {
+            path: file.clone(),
+            message: e.to_string(),
+        })?;
+        let mut by_name: std::collections::HashMap<String, Tensor> = tensors.into_iter().collect();
+        let _guard = tch::no_grad_guard();
+        for (name, mut var) in self.vs.variables() {
+            let src = by_name
+                .remove(&name)
+                .ok_or_else(|| ModelError::MissingTensor { dir: dir.to_path_buf(), name: name.clone() })?;
+            if src.size() != var.size() {
+                return Err(ModelError::Weights {
+                    path: file.clone(),
+                    message: format!("{name} has shape {:?}, the drafter needs {:?}", src.size(), var.size()),
+                });
+            }
+            var.copy_(&src.to_kind(var.kind()).to_device(var.device()));
+        }
+        if let Some(extra) = by_name.keys().next() {
+            return Err(ModelError::Weights {
+                path: file,
+                message: format!("unexpected tensor {extra} (is this a drafter of another shape?)"),
+            });
+        }
+        Ok(())
+    }
+
+    pub fn device(&self) -> Device {
+        self.vs.device()
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.fc.weight.kind()
+    }
+
+    /// Trainable parameters by name, sorted.
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut v: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// Fuses the target features: `hidden_norm(fc(features))`.
+    pub fn context(&self, features: &Tensor) -> Tensor {
+        self.hidden_norm.forward(&self.fc.forward(features))
+    }
+
+    /// Final-normed hidden states of the block slots, `[n, Q, H]`.
+    pub fn forward(&self, input: &DrafterInput) -> Tensor {
+        let ctx = self.context(input.features);
+        self.forward_with_context(&ctx, input)
+    }
+
+    /// Like [`Drafter::forward`] with the fused context `[n, S, H]` given.
+    pub fn forward_with_context(&self, ctx: &Tensor, input: &DrafterInput) -> Tensor {
+        let kind = self.kind();
+        let s = ctx.size()[1];
+        let ctx_pos = Tensor::arange(s, (Kind::Int64, self.device()));
+        let (cc, cs) = self.rope.cos_sin(&ctx_pos, kind); // [S, d]
+        let (bc, bs) = self.rope.cos_sin(input.block_positions, kind); // [n, Q, d]
+        let rope = RopeTables {
+            ctx_cos: cc.unsqueeze(1),
+            ctx_sin: cs.unsqueeze(1),
+            blk_cos: bc.unsqueeze(2),
+            blk_sin: bs.unsqueeze(2),
+        };
+        let mut x = input.block_embeds.to_kind(kind);
+        for layer in &self.layers {
+            x = layer.forward(&x, ctx, &rope, input.mask, &self.config);
+        }
+        self.norm.forward(&x)
+    }
+}
+
+struct RopeTables {
+    ctx_cos: Tensor,
+    ctx_sin: Tensor,
+    blk_cos: Tensor,
+    blk_sin: Tensor,
+}
+
+impl DrafterLayer {
+    fn forward(&self, x: &Tensor, ctx: &Tensor, rope: &RopeTables, mask: &Tensor, c: &DrafterConfig) -> Tensor {
+        let a = &self.self_attn;
+        let (n, q_len, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
+        let (nh, kv, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let xn = self.input_layernorm.forward(x);
+        // Queries come from the block only.
+        let q = a.q_norm.forward(&a.q_proj.forward(&xn).view([n, q_len, nh, d]));
+        let q = apply_rope(&q, &rope.blk_cos, &rope.blk_sin).transpose(1, 2);
+        // Keys/values: the context and the block through the SAME projections.
+        let kc = a.k_norm.forward(&a.k_proj.forward(ctx).view([n, s, kv, d]));
+        let kc = apply_rope(&kc, &rope.ctx_cos, &rope.ctx_sin);
+        let kb = a.k_norm.forward(&a.k_proj.forward(&xn).view([n, q_len, kv, d]));
+        let kb = apply_rope(&kb, &rope.blk_cos, &rope.blk_sin);
+        let k = Tensor::cat(&[&kc, &kb], 1).transpose(1, 2);
+        let vc = a.v_proj.forward(ctx).view([n, s, kv, d]);
+        let vb = a.v_proj.forward(&xn).view([n, q_len, kv, d]);
+        let v = Tensor::cat(&[&vc, &vb], 1).transpose(1, 2);
+        let n_rep = nh / kv;
+        let o = Tensor::scaled_dot_product_attention(
+            &q,
+            &repeat_kv(&k, n_rep),
+            &repeat_kv(&v, n_rep),
+            Some(mask),
+            0.0,
+            false,
+            None,
+            false,
+        );
+        let o = a.o_proj.forward(&o.transpose(1, 2).reshape([n, q_len, nh * d]));
+        let x = x + o;
+        &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
+    }
+}

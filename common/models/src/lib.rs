@@ -1,0 +1,49 @@
+//! Model code on libtorch (tch): the frozen targets (Llama, Qwen2, Qwen3)
+//! with layer capture, the DFlash drafter and its training step, AdamW,
+//! checkpoints in the served layout, and CUDA loading.
+
+pub mod blocks;
+pub mod checkpoint;
+pub mod cuda;
+pub mod drafter;
+mod kv_cache;
+pub mod layers;
+pub mod optim;
+pub mod synthetic;
+pub mod target;
+pub mod target_config;
+pub mod trainer;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+
+pub use drafter::{Drafter, DrafterConfig, DrafterInput};
+pub use kv_cache::KvCache;
+pub use target::{LoadScope, TargetModel};
+pub use target_config::{Family, TargetConfig};
+pub use trainer::{DeviceBatch, StepMetrics, StepOutcome, TrainSettings, Trainer};
+
+/// Why a model could not be loaded, run or saved. Variants name the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{}: {message}", path.display())]
+    Io { path: PathBuf, message: String },
+    #[error("{}: {message}", path.display())]
+    Config { path: PathBuf, message: String },
+    #[error("{}: {message}", path.display())]
+    Weights { path: PathBuf, message: String },
+    #[error("{}: missing tensor {name}", dir.display())]
+    MissingTensor { dir: PathBuf, name: String },
+    #[error("device: {0}")]
+    Device(String),
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+}
+
+impl ModelError {
+    pub fn io(path: &Path, e: impl std::fmt::Display) -> Self {
+        ModelError::Io { path: path.to_path_buf(), message: e.to_string() }
+    }
+}

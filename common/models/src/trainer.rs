@@ -1,0 +1,273 @@
+//! One DFlash training step over a batch of target features: anchors,
+//! micro-batches capped by sequences x anchors, memory-bounded chunked
+//! cross-entropy, clipping, AdamW, and the metrics DFLASH.md asks for.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tch::{Kind, Tensor};
+
+use crate::blocks::{BlockLayout, BlockSequence, BlockSettings, sample_anchors};
+use crate::drafter::{Drafter, DrafterInput};
+use crate::optim::{AdamW, AdamWSettings, LrSchedule};
+
+/// Settings of the training step.
+#[derive(Clone, Debug)]
+pub struct TrainSettings {
+    pub blocks: BlockSettings,
+    pub schedule: LrSchedule,
+    pub adamw: AdamWSettings,
+    /// Global gradient-norm clip (0: off).
+    pub grad_clip: f64,
+    /// Cap on sequences x anchors in one forward.
+    pub max_blocks_per_micro_batch: usize,
+    /// Blocks per chunk of the logits computation.
+    pub loss_chunk_blocks: usize,
+    /// Seed of anchor sampling (combined with the batch id).
+    pub seed: u64,
+}
+
+/// A batch on the drafter's device, ready to train on.
+pub struct DeviceBatch {
+    pub batch_id: u64,
+    /// Concatenated target features `[T, k*H]` in the drafter's kind.
+    pub features: Tensor,
+    pub input_ids: Vec<u32>,
+    pub loss_mask: Vec<u8>,
+    pub seq_lengths: Vec<u32>,
+}
+
+/// What one step measured.
+#[derive(Clone, Debug, Default)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    /// Token accuracy over all supervised slots.
+    pub accuracy: f64,
+    /// Accuracy of each block slot 1..B-1.
+    pub slot_accuracy: Vec<f64>,
+    /// Simulated acceptance length: 1 + leading correct slots, per block.
+    pub acceptance_length: f64,
+    pub tokens: u64,
+    pub blocks: u64,
+    pub grad_norm: f64,
+    pub lr: f64,
+}
+
+/// The outcome of training on one batch.
+#[derive(Debug)]
+pub enum StepOutcome {
+    Trained(StepMetrics),
+    /// Nothing was applied to the weights; the reason says why.
+    Skipped(String),
+}
+
+/// The drafter with its frozen target pieces and its optimizer.
+pub struct Trainer {
+    pub drafter: Drafter,
+    /// The target's embedding and LM head, on the drafter's device.
+    embed: Tensor,
+    lm_head: Tensor,
+    pub opt: AdamW,
+    pub settings: TrainSettings,
+}
+
+#[derive(Default)]
+struct Tally {
+    loss_sum: f64,
+    correct: Vec<f64>,
+    counted: Vec<f64>,
+    accept_sum: f64,
+    blocks: f64,
+}
+
+impl Trainer {
+    /// `embed` and `lm_head` are the target's `[vocab, H]` tables.
+    pub fn new(drafter: Drafter, embed: Tensor, lm_head: Tensor, settings: TrainSettings) -> Self {
+        let (device, kind) = (drafter.device(), drafter.kind());
+        let embed = embed.to_device(device).to_kind(kind).detach();
+        let lm_head = lm_head.to_device(device).to_kind(kind).detach();
+        let opt = AdamW::new(drafter.named_parameters(), settings.adamw.clone());
+        Self { drafter, embed, lm_head, opt, settings }
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn step(&self) -> u64 {
+        self.opt.step
+    }
+
+    pub fn embed(&self) -> &Tensor {
+        &self.embed
+    }
+
+    pub fn lm_head(&self) -> &Tensor {
+        &self.lm_head
+    }
+
+    /// Trains on one batch: one optimizer step, or a skip when features,
+    /// loss or gradients are not finite (the weights stay untouched).
+    pub fn train_batch(&mut self, batch: &DeviceBatch) -> StepOutcome {
+        let s = &self.settings;
+        if !bool::try_from(batch.features.isfinite().all()).unwrap_or(false) {
+            return StepOutcome::Skipped(format!("batch {}: non-finite target features", batch.batch_id));
+        }
+        // Anchors: deterministic in (seed, batch id), so a redone batch after
+        // a restart trains on the same blocks.
+        let mut rng = ChaCha8Rng::seed_from_u64(s.seed ^ batch.batch_id.wrapping_mul(0x2545_F491_4F6C_DD1D));
+        let mut seqs = Vec::with_capacity(batch.seq_lengths.len());
+        let mut offsets = Vec::with_capacity(batch.seq_lengths.len());
+        let mut start = 0usize;
+        for &len in &batch.seq_lengths {
+            let len = len as usize;
+            let ids = &batch.input_ids[start..start + len];
+            let mask = &batch.loss_mask[start..start + len];
+            let anchors = sample_anchors(mask, s.blocks.anchors_per_sequence, &mut rng);
+            offsets.push(start);
+            seqs.push(BlockSequence { input_ids: ids, loss_mask: mask, anchors });
+            start += len;
+        }
+        // Micro-batches: consecutive sequences while sequences x anchors fits.
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        let mut cur_blocks = 0usize;
+        for (i, q) in seqs.iter().enumerate() {
+            if q.anchors.is_empty() {
+                continue;
+            }
+            let n = groups.last().map_or(0, Vec::len);
+            let padded = (n + 1) * cur_blocks.max(q.anchors.len());
+            if groups.is_empty() || padded > s.max_blocks_per_micro_batch {
+                groups.push(Vec::new());
+                cur_blocks = 0;
+            }
+            cur_blocks = cur_blocks.max(q.anchors.len());
+            groups.last_mut().expect("pushed above").push(i);
+        }
+        let layouts: Vec<BlockLayout> = groups
+            .iter()
+            .map(|g| {
+                let members: Vec<BlockSequence> = g
+                    .iter()
+                    .map(|&i| BlockSequence {
+                        input_ids: seqs[i].input_ids,
+                        loss_mask: seqs[i].loss_mask,
+                        anchors: seqs[i].anchors.clone(),
+                    })
+                    .collect();
+                BlockLayout::new(&members, &s.blocks)
+            })
+            .collect();
+        let total_weight: f64 = layouts.iter().map(BlockLayout::total_weight).sum();
+        if total_weight <= 0.0 {
+            return StepOutcome::Skipped(format!("batch {}: no trainable block positions", batch.batch_id));
+        }
+
+        self.opt.zero_grad();
+        let b = s.blocks.block_size;
+        let mut tally = Tally { correct: vec![0.0; b - 1], counted: vec![0.0; b - 1], ..Tally::default() };
+        for (g, layout) in groups.iter().zip(&layouts) {
+            let feats: Vec<(usize, usize)> = g.iter().map(|&i| (offsets[i], seqs[i].input_ids.len())).collect();
+            self.micro_batch(&batch.features, &feats, layout, total_weight, &mut tally);
+        }
+        let loss = tally.loss_sum / total_weight;
+        if !loss.is_finite() {
+            self.opt.zero_grad();
+            return StepOutcome::Skipped(format!("batch {}: non-finite loss {loss}", batch.batch_id));
+        }
+        let grad_norm = self.opt.clip_grad_norm(self.settings.grad_clip);
+        if !grad_norm.is_finite() {
+            self.opt.zero_grad();
+            return StepOutcome::Skipped(format!("batch {}: non-finite gradient norm", batch.batch_id));
+        }
+        let lr = self.settings.schedule.lr(self.opt.step);
+        self.opt.step(lr);
+        let counted: f64 = tally.counted.iter().sum();
+        StepOutcome::Trained(StepMetrics {
+            step: self.opt.step,
+            loss,
+            accuracy: tally.correct.iter().sum::<f64>() / counted.max(1.0),
+            slot_accuracy: tally.correct.iter().zip(&tally.counted).map(|(c, n)| c / n.max(1.0)).collect(),
+            acceptance_length: tally.accept_sum / tally.blocks.max(1.0),
+            tokens: batch.input_ids.len() as u64,
+            blocks: tally.blocks as u64,
+            grad_norm,
+            lr,
+        })
+    }
+
+    /// Forward and backward of one micro-batch; gradients accumulate. The
+    /// loss is scaled by the whole batch's weight so that the accumulated
+    /// gradient equals the full batch's.
+    fn micro_batch(
+        &self,
+        features: &Tensor,
+        members: &[(usize, usize)],
+        layout: &BlockLayout,
+        total_weight: f64,
+        tally: &mut Tally,
+    ) {
+        let device = self.drafter.device();
+        let kind = self.drafter.kind();
+        let (n, s) = (layout.n as i64, layout.context_len as i64);
+        let q_len = (layout.blocks * layout.block_size) as i64;
+        let width = features.size()[1];
+        let padded = Tensor::zeros([n, s, width], (kind, device));
+        for (i, &(off, len)) in members.iter().enumerate() {
+            padded.get(i as i64).narrow(0, 0, len as i64).copy_(&features.narrow(0, off as i64, len as i64));
+        }
+        let ids = Tensor::from_slice(&layout.block_ids).view([n, q_len]).to_device(device);
+        let block_embeds = Tensor::embedding(&self.embed, &ids, -1, false, false);
+        let positions = Tensor::from_slice(&layout.block_positions).view([n, q_len]).to_device(device);
+        let mask = layout.attention_mask(device);
+        let hidden = self.drafter.forward(&DrafterInput {
+            features: &padded,
+            block_embeds: &block_embeds,
+            block_positions: &positions,
+            mask: &mask,
+        });
+        let h = hidden.size()[2];
+        let rows_idx = Tensor::from_slice(&layout.rows).to_device(device);
+        let rows = hidden.view([-1, h]).index_select(0, &rows_idx); // [M, H]
+        let labels = Tensor::from_slice(&layout.labels).to_device(device);
+        let weights = Tensor::from_slice(&layout.weights).to_device(device);
+
+        // Chunked logits: gradients flow into a detached copy of the rows
+        // chunk by chunk, so only one chunk of [rows x vocab] logits lives
+        // at a time; then one backward through the drafter.
+        let detached = rows.detach().set_requires_grad(true);
+        let m = layout.rows.len() as i64;
+        let chunk = (self.settings.loss_chunk_blocks * (layout.block_size - 1)) as i64;
+        let mut correct_parts = Vec::new();
+        let mut start = 0;
+        while start < m {
+            let len = chunk.min(m - start);
+            let x = detached.narrow(0, start, len);
+            let logits = x.linear(&self.lm_head, None::<Tensor>).to_kind(Kind::Float);
+            let lab = labels.narrow(0, start, len);
+            let w = weights.narrow(0, start, len);
+            let ce = logits.cross_entropy_loss::<Tensor>(&lab, None, tch::Reduction::None, -100, 0.0);
+            let part = (&ce * &w).sum(Kind::Float);
+            tally.loss_sum += part.double_value(&[]);
+            (part / total_weight).backward();
+            correct_parts.push(logits.argmax(-1, false).eq_tensor(&lab));
+            start += len;
+        }
+        let grad = detached.grad();
+        (&rows * &grad).sum(Kind::Float).backward();
+
+        // Metrics over supervised slots (weight > 0), per block of B-1 rows.
+        let bm1 = (layout.block_size - 1) as i64;
+        let valid = weights.gt(0.0).view([-1, bm1]);
+        let correct = Tensor::cat(&correct_parts, 0).view([-1, bm1]).logical_and(&valid);
+        let per_slot_correct = Vec::<f64>::try_from(correct.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double))
+            .expect("1-D");
+        let per_slot_counted = Vec::<f64>::try_from(valid.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double))
+            .expect("1-D");
+        for k in 0..per_slot_correct.len() {
+            tally.correct[k] += per_slot_correct[k];
+            tally.counted[k] += per_slot_counted[k];
+        }
+        let accepted = correct.to_kind(Kind::Int64).cumprod(1, Kind::Int64).sum(Kind::Double).double_value(&[]);
+        let blocks = layout.real_blocks as f64;
+        tally.accept_sum += accepted + blocks;
+        tally.blocks += blocks;
+    }
+}

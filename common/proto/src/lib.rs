@@ -1,0 +1,24 @@
+//! The dflash.v1 gRPC contract, generated from `proto/dflash/v1/*.proto`.
+
+/// Protocol version spoken by this build. A peer speaking another version is
+/// refused with a clear error at registration or stream start.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+#[allow(clippy::all, missing_docs)]
+pub mod v1 {
+    tonic::include_proto!("dflash.v1");
+}
+
+pub use v1::*;
+
+impl Role {
+    /// Lower-case role name used in logs and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Unspecified => "unspecified",
+            Role::Coordinator => "coordinator",
+            Role::Target => "target",
+            Role::Drafter => "drafter",
+        }
+    }
+}

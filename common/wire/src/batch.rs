@@ -1,0 +1,208 @@
+//! A hidden-state batch: what one target forward produced for the drafter.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use dflash_proto as pb;
+
+use crate::WireError;
+
+/// How the captured layers are laid out in the payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// One row-major [T, k*H] matrix, noise already added by the target.
+    Packed,
+    /// k row-major [T, H] matrices in layer-id order; the drafter concatenates.
+    Split,
+}
+
+/// Element type of the payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 | DType::F16 => 2,
+        }
+    }
+}
+
+/// Everything about a batch except its hidden states.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BatchMeta {
+    pub batch_id: u64,
+    pub epoch: u32,
+    pub target_instance: String,
+    pub layout: Layout,
+    pub dtype: DType,
+    /// Lengths of the packed sequences, in order.
+    pub seq_lengths: Vec<u32>,
+    /// Token ids of all sequences, concatenated.
+    pub input_ids: Vec<u32>,
+    /// 1 where the token is trained on (assistant tokens), else 0.
+    pub loss_mask: Vec<u8>,
+    /// Target layers captured, in payload order.
+    pub layer_ids: Vec<u32>,
+    pub hidden_size: u32,
+    pub sample_ids: Vec<u64>,
+    /// W3C trace context (traceparent, tracestate) of the batch.
+    pub trace_context: HashMap<String, String>,
+}
+
+impl BatchMeta {
+    pub fn token_count(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    /// Bytes of the hidden states: T * k * H * element size.
+    pub fn payload_bytes(&self) -> usize {
+        self.token_count() * self.layer_ids.len() * self.hidden_size as usize * self.dtype.size()
+    }
+
+    /// Checks the header's internal consistency.
+    pub fn validate(&self) -> Result<(), WireError> {
+        let bad = |what: String| Err(WireError::InvalidHeader { batch_id: self.batch_id, what });
+        let t = self.token_count();
+        if t == 0 {
+            return bad("token count is 0".into());
+        }
+        let total: u64 = self.seq_lengths.iter().map(|&l| l as u64).sum();
+        if total != t as u64 {
+            return bad(format!("sequence lengths sum to {total} but there are {t} tokens"));
+        }
+        if self.seq_lengths.contains(&0) {
+            return bad("a sequence has length 0".into());
+        }
+        if self.loss_mask.len() != t {
+            return bad(format!("loss mask has {} entries for {t} tokens", self.loss_mask.len()));
+        }
+        if self.loss_mask.iter().any(|&m| m > 1) {
+            return bad("loss mask holds values other than 0 and 1".into());
+        }
+        if self.layer_ids.is_empty() {
+            return bad("no captured layers".into());
+        }
+        if self.hidden_size == 0 {
+            return bad("hidden size is 0".into());
+        }
+        if !self.sample_ids.is_empty() && self.sample_ids.len() != self.seq_lengths.len() {
+            return bad(format!(
+                "{} sample ids for {} sequences",
+                self.sample_ids.len(),
+                self.seq_lengths.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The protobuf header announcing this batch.
+    pub fn to_header(&self) -> pb::BatchHeader {
+        pb::BatchHeader {
+            batch_id: self.batch_id,
+            target_instance: self.target_instance.clone(),
+            layout: match self.layout {
+                Layout::Packed => pb::Layout::Packed,
+                Layout::Split => pb::Layout::Split,
+            } as i32,
+            dtype: match self.dtype {
+                DType::F32 => pb::Dtype::F32,
+                DType::Bf16 => pb::Dtype::Bf16,
+                DType::F16 => pb::Dtype::F16,
+            } as i32,
+            token_count: self.token_count() as u32,
+            seq_lengths: self.seq_lengths.clone(),
+            input_ids: self.input_ids.clone(),
+            loss_mask: Bytes::copy_from_slice(&self.loss_mask),
+            layer_ids: self.layer_ids.clone(),
+            hidden_size: self.hidden_size,
+            payload_bytes: self.payload_bytes() as u64,
+            epoch: self.epoch,
+            sample_ids: self.sample_ids.clone(),
+            trace_context: self.trace_context.clone(),
+        }
+    }
+
+    /// Reads and validates a received header.
+    pub fn from_header(h: pb::BatchHeader) -> Result<Self, WireError> {
+        let bad = |what: String| WireError::InvalidHeader { batch_id: h.batch_id, what };
+        let layout = match pb::Layout::try_from(h.layout) {
+            Ok(pb::Layout::Packed) => Layout::Packed,
+            Ok(pb::Layout::Split) => Layout::Split,
+            _ => return Err(bad(format!("unknown layout {}", h.layout))),
+        };
+        let dtype = match pb::Dtype::try_from(h.dtype) {
+            Ok(pb::Dtype::F32) => DType::F32,
+            Ok(pb::Dtype::Bf16) => DType::Bf16,
+            Ok(pb::Dtype::F16) => DType::F16,
+            _ => return Err(bad(format!("unknown dtype {}", h.dtype))),
+        };
+        if h.token_count as usize != h.input_ids.len() {
+            return Err(bad(format!(
+                "token count {} but {} input ids",
+                h.token_count,
+                h.input_ids.len()
+            )));
+        }
+        let meta = BatchMeta {
+            batch_id: h.batch_id,
+            epoch: h.epoch,
+            target_instance: h.target_instance,
+            layout,
+            dtype,
+            seq_lengths: h.seq_lengths,
+            input_ids: h.input_ids,
+            loss_mask: h.loss_mask.to_vec(),
+            layer_ids: h.layer_ids,
+            hidden_size: h.hidden_size,
+            sample_ids: h.sample_ids,
+            trace_context: h.trace_context,
+        };
+        meta.validate()?;
+        if meta.payload_bytes() as u64 != h.payload_bytes {
+            return Err(WireError::InvalidHeader {
+                batch_id: meta.batch_id,
+                what: format!(
+                    "payload_bytes {} does not match T*k*H*elem = {}",
+                    h.payload_bytes,
+                    meta.payload_bytes()
+                ),
+            });
+        }
+        Ok(meta)
+    }
+}
+
+/// A batch whose hidden states sit in host memory, ready to send or train on.
+///
+/// The payload is reference-counted `Bytes`: the sender slices it into chunks
+/// without copying, and whatever owns the memory (a pooled pinned buffer, a
+/// `Vec`) is released only when the last chunk has left.
+#[derive(Clone, Debug)]
+pub struct HostBatch {
+    pub meta: BatchMeta,
+    pub payload: Bytes,
+}
+
+impl HostBatch {
+    /// Pairs a header with its payload, checking the size.
+    pub fn new(meta: BatchMeta, payload: Bytes) -> Result<Self, WireError> {
+        meta.validate()?;
+        if payload.len() != meta.payload_bytes() {
+            return Err(WireError::InvalidHeader {
+                batch_id: meta.batch_id,
+                what: format!(
+                    "payload has {} bytes, header implies {}",
+                    payload.len(),
+                    meta.payload_bytes()
+                ),
+            });
+        }
+        Ok(Self { meta, payload })
+    }
+}

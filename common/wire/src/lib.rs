@@ -1,0 +1,149 @@
+//! Hidden-state batches on the wire.
+//!
+//! A target sends each batch as a header, data chunks and an end marker with
+//! the CRC32C of the payload ([`batch_messages`]); the drafter reassembles and
+//! verifies it ([`Assembler`]). Errors say whether a resend can help
+//! ([`WireError::is_retryable`]).
+
+mod batch;
+mod stream;
+
+pub use batch::{BatchMeta, DType, HostBatch, Layout};
+pub use stream::{Assembled, Assembler, batch_messages};
+
+/// What can be wrong with a batch on the wire.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// Damaged in transit (CRC mismatch, truncation, out-of-order chunk): resend.
+    #[error("batch {batch_id} arrived corrupt: {what}")]
+    Corrupt { batch_id: u64, what: String },
+    /// The header contradicts itself; resending the same batch cannot help.
+    #[error("batch {batch_id} has an invalid header: {what}")]
+    InvalidHeader { batch_id: u64, what: String },
+    #[error("batch {batch_id} payload of {bytes} bytes exceeds the limit of {limit} bytes")]
+    TooLarge { batch_id: u64, bytes: usize, limit: usize },
+    /// Messages in an order the protocol does not allow.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+}
+
+impl WireError {
+    /// True when sending the same batch again may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, WireError::Corrupt { .. })
+    }
+
+    /// The batch the error is about, when known.
+    pub fn batch_id(&self) -> Option<u64> {
+        match self {
+            WireError::Corrupt { batch_id, .. }
+            | WireError::InvalidHeader { batch_id, .. }
+            | WireError::TooLarge { batch_id, .. } => Some(*batch_id),
+            WireError::Protocol(_) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use dflash_proto::target_message::Msg;
+
+    fn batch(tokens: usize, k: usize, h: usize) -> HostBatch {
+        let meta = BatchMeta {
+            batch_id: 42,
+            epoch: 1,
+            target_instance: "t0".into(),
+            layout: Layout::Split,
+            dtype: DType::F32,
+            seq_lengths: vec![tokens as u32 - 2, 2],
+            input_ids: (0..tokens as u32).collect(),
+            loss_mask: (0..tokens).map(|i| (i % 2) as u8).collect(),
+            layer_ids: (0..k as u32).collect(),
+            hidden_size: h as u32,
+            sample_ids: vec![7, 9],
+            trace_context: [("traceparent".to_string(), "00-ab-cd-01".to_string())].into(),
+        };
+        let payload: Vec<u8> = (0..meta.payload_bytes()).map(|i| (i * 31 % 251) as u8).collect();
+        HostBatch::new(meta, Bytes::from(payload)).unwrap()
+    }
+
+    fn assemble(asm: &mut Assembler, msgs: Vec<dflash_proto::TargetMessage>) -> Result<Option<HostBatch>, WireError> {
+        let mut out = None;
+        for m in msgs {
+            let r = match m.msg.unwrap() {
+                Msg::Header(h) => asm.push_header(h)?,
+                Msg::Chunk(c) => asm.push_chunk(c)?,
+                Msg::End(e) => asm.push_end(e)?,
+                Msg::Hello(_) => unreachable!(),
+            };
+            if let Assembled::Batch(b) = r {
+                out = Some(b);
+            }
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn bytes_round_trip_through_chunks() {
+        let b = batch(37, 3, 16);
+        let msgs = batch_messages(&b, 1000);
+        // 37*3*16*4 = 7104 bytes -> 8 chunks + header + end
+        assert_eq!(msgs.len(), 10);
+        let got = assemble(&mut Assembler::new(1 << 20), msgs).unwrap().unwrap();
+        assert_eq!(got.meta, b.meta);
+        assert_eq!(got.payload, b.payload);
+    }
+
+    #[test]
+    fn flipped_bit_fails_the_crc_and_asks_for_resend() {
+        let b = batch(37, 3, 16);
+        let mut msgs = batch_messages(&b, 1000);
+        if let Some(Msg::Chunk(c)) = &mut msgs[3].msg {
+            let mut d = c.data.to_vec();
+            d[5] ^= 1;
+            c.data = Bytes::from(d);
+        }
+        let err = assemble(&mut Assembler::new(1 << 20), msgs).unwrap_err();
+        assert!(err.is_retryable(), "{err}");
+        assert!(err.to_string().contains("CRC32C"), "{err}");
+    }
+
+    #[test]
+    fn truncated_and_reordered_chunks_are_detected() {
+        let b = batch(37, 3, 16);
+        let mut msgs = batch_messages(&b, 1000);
+        msgs.remove(4);
+        let err = assemble(&mut Assembler::new(1 << 20), msgs).unwrap_err();
+        assert!(err.is_retryable() && err.to_string().contains("chunk 4 arrived where chunk 3"), "{err}");
+
+        let mut msgs = batch_messages(&b, 1000);
+        let n = msgs.len();
+        msgs.remove(n - 2); // last chunk
+        let err = assemble(&mut Assembler::new(1 << 20), msgs).unwrap_err();
+        assert!(err.to_string().contains("truncated"), "{err}");
+    }
+
+    #[test]
+    fn oversized_and_inconsistent_headers_are_rejected() {
+        let b = batch(37, 3, 16);
+        let err = assemble(&mut Assembler::new(1000), batch_messages(&b, 1000)).unwrap_err();
+        assert!(matches!(err, WireError::TooLarge { .. }), "{err}");
+
+        let mut msgs = batch_messages(&b, 1000);
+        if let Some(Msg::Header(h)) = &mut msgs[0].msg {
+            h.seq_lengths = vec![30, 2];
+        }
+        let err = assemble(&mut Assembler::new(1 << 20), msgs).unwrap_err();
+        assert!(!err.is_retryable() && err.to_string().contains("sum to 32"), "{err}");
+    }
+
+    #[test]
+    fn chunk_without_header_is_a_protocol_error() {
+        let b = batch(37, 3, 16);
+        let msgs = batch_messages(&b, 1000).split_off(1);
+        let err = assemble(&mut Assembler::new(1 << 20), msgs).unwrap_err();
+        assert!(matches!(err, WireError::Protocol(_)), "{err}");
+    }
+}

@@ -1,0 +1,156 @@
+//! Splitting a batch into stream messages and putting it back together.
+
+use bytes::{Bytes, BytesMut};
+use dflash_proto as pb;
+use pb::target_message::Msg;
+
+use crate::{BatchMeta, HostBatch, WireError};
+
+/// The messages that carry one batch: header, chunks of at most
+/// `chunk_bytes` (zero-copy slices of the payload), end marker with CRC32C.
+pub fn batch_messages(batch: &HostBatch, chunk_bytes: usize) -> Vec<pb::TargetMessage> {
+    assert!(chunk_bytes > 0, "chunk size must be positive");
+    let id = batch.meta.batch_id;
+    let payload = &batch.payload;
+    let n_chunks = payload.len().div_ceil(chunk_bytes);
+    let mut out = Vec::with_capacity(n_chunks + 2);
+    out.push(pb::TargetMessage { msg: Some(Msg::Header(batch.meta.to_header())) });
+    for (i, start) in (0..payload.len()).step_by(chunk_bytes).enumerate() {
+        let end = (start + chunk_bytes).min(payload.len());
+        out.push(pb::TargetMessage {
+            msg: Some(Msg::Chunk(pb::BatchChunk {
+                batch_id: id,
+                index: i as u32,
+                data: payload.slice(start..end),
+            })),
+        });
+    }
+    out.push(pb::TargetMessage {
+        msg: Some(Msg::End(pb::BatchEnd {
+            batch_id: id,
+            chunk_count: n_chunks as u32,
+            crc32c: crc32c::crc32c(payload),
+        })),
+    });
+    out
+}
+
+/// Reassembles batches from the messages of one stream, verifying order,
+/// sizes and the CRC. Holds at most one partial batch, bounded by
+/// `max_payload_bytes`.
+pub struct Assembler {
+    max_payload_bytes: usize,
+    partial: Option<Partial>,
+}
+
+struct Partial {
+    meta: BatchMeta,
+    buf: BytesMut,
+    next_index: u32,
+}
+
+/// What one pushed message produced.
+#[derive(Debug)]
+pub enum Assembled {
+    /// More messages are needed.
+    Pending,
+    /// A complete, verified batch.
+    Batch(HostBatch),
+}
+
+impl Assembler {
+    pub fn new(max_payload_bytes: usize) -> Self {
+        Self { max_payload_bytes, partial: None }
+    }
+
+    /// The batch being received, if any (to answer it with a resend/reject).
+    pub fn partial_batch_id(&self) -> Option<u64> {
+        self.partial.as_ref().map(|p| p.meta.batch_id)
+    }
+
+    /// Drops the partial batch (after an error was answered).
+    pub fn reset(&mut self) {
+        self.partial = None;
+    }
+
+    /// Feeds a header, chunk or end message.
+    pub fn push_header(&mut self, header: pb::BatchHeader) -> Result<Assembled, WireError> {
+        if let Some(p) = &self.partial {
+            return Err(WireError::Protocol(format!(
+                "header of batch {} while batch {} is incomplete",
+                header.batch_id, p.meta.batch_id
+            )));
+        }
+        let meta = BatchMeta::from_header(header)?;
+        let size = meta.payload_bytes();
+        if size > self.max_payload_bytes {
+            return Err(WireError::TooLarge {
+                batch_id: meta.batch_id,
+                bytes: size,
+                limit: self.max_payload_bytes,
+            });
+        }
+        self.partial = Some(Partial { meta, buf: BytesMut::with_capacity(size), next_index: 0 });
+        Ok(Assembled::Pending)
+    }
+
+    pub fn push_chunk(&mut self, chunk: pb::BatchChunk) -> Result<Assembled, WireError> {
+        let p = self.expect(chunk.batch_id, "chunk")?;
+        if chunk.index != p.next_index {
+            return Err(WireError::Corrupt {
+                batch_id: chunk.batch_id,
+                what: format!("chunk {} arrived where chunk {} was due", chunk.index, p.next_index),
+            });
+        }
+        let expected = p.meta.payload_bytes();
+        if p.buf.len() + chunk.data.len() > expected {
+            return Err(WireError::Corrupt {
+                batch_id: chunk.batch_id,
+                what: format!(
+                    "chunks exceed the announced {expected} bytes (have {}, chunk {})",
+                    p.buf.len(),
+                    chunk.data.len()
+                ),
+            });
+        }
+        p.buf.extend_from_slice(&chunk.data);
+        p.next_index += 1;
+        Ok(Assembled::Pending)
+    }
+
+    pub fn push_end(&mut self, end: pb::BatchEnd) -> Result<Assembled, WireError> {
+        let p = self.expect(end.batch_id, "end marker")?;
+        let expected = p.meta.payload_bytes();
+        if end.chunk_count != p.next_index || p.buf.len() != expected {
+            return Err(WireError::Corrupt {
+                batch_id: end.batch_id,
+                what: format!(
+                    "truncated: {} of {} chunks, {} of {expected} bytes",
+                    p.next_index,
+                    end.chunk_count,
+                    p.buf.len()
+                ),
+            });
+        }
+        let crc = crc32c::crc32c(&p.buf);
+        if crc != end.crc32c {
+            return Err(WireError::Corrupt {
+                batch_id: end.batch_id,
+                what: format!("CRC32C {crc:#010x} != announced {:#010x}", end.crc32c),
+            });
+        }
+        let p = self.partial.take().expect("checked above");
+        let payload: Bytes = p.buf.freeze();
+        Ok(Assembled::Batch(HostBatch { meta: p.meta, payload }))
+    }
+
+    fn expect(&mut self, batch_id: u64, what: &str) -> Result<&mut Partial, WireError> {
+        match self.partial.as_ref().map(|p| p.meta.batch_id) {
+            Some(id) if id == batch_id => Ok(self.partial.as_mut().expect("checked")),
+            Some(id) => Err(WireError::Protocol(format!(
+                "{what} of batch {batch_id} while batch {id} is incomplete"
+            ))),
+            None => Err(WireError::Protocol(format!("{what} of batch {batch_id} without a header"))),
+        }
+    }
+}
