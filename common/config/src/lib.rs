@@ -4,6 +4,7 @@
 
 mod devices;
 mod display;
+mod flags;
 mod loader;
 mod run_config;
 mod validate;
@@ -11,6 +12,7 @@ mod validate;
 use std::path::PathBuf;
 
 pub use devices::{Device, DeviceList};
+pub use flags::ConfigFlags;
 pub use loader::{ConfigLoader, ENV_PREFIX, from_toml_str, to_toml_string};
 pub use run_config::*;
 pub use validate::TargetFacts;

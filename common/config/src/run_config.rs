@@ -143,6 +143,9 @@ pub struct TrainingSection {
     pub loss_chunk_blocks: u32,
     /// This many batches in a row with non-finite features or loss fail the run.
     pub max_bad_batches_in_a_row: u32,
+    /// Length of the learning-rate schedule in steps (0: every planned
+    /// batch; the coordinator fills it in).
+    pub total_steps: u64,
 }
 
 impl Default for TrainingSection {
@@ -161,6 +164,7 @@ impl Default for TrainingSection {
             max_blocks_per_micro_batch: 4096,
             loss_chunk_blocks: 256,
             max_bad_batches_in_a_row: 5,
+            total_steps: 0,
         }
     }
 }

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 pub use drafter::{Drafter, DrafterConfig, DrafterInput};
 pub use kv_cache::KvCache;
-pub use target::{LoadScope, TargetModel};
+pub use target::{LoadScope, TargetModel, load_embeddings};
 pub use target_config::{Family, TargetConfig};
 pub use trainer::{DeviceBatch, StepMetrics, StepOutcome, TrainSettings, Trainer};
 

@@ -63,6 +63,20 @@ fn layer_index(name: &str) -> Option<i64> {
     name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
 }
 
+/// The target's input embedding and LM head (`[vocab, H]` each), without
+/// its layers: what a drafter needs from its target.
+pub fn load_embeddings(dir: &Path, device: Device, kind: Kind) -> Result<(TargetConfig, Tensor, Tensor), ModelError> {
+    let c = TargetConfig::from_dir(dir)?;
+    let mut w = Weights::load(dir, device, kind, |n| n == "model.embed_tokens.weight" || n == "lm_head.weight")?;
+    let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
+    let head = match w.take_optional("lm_head.weight", &[c.vocab_size, c.hidden_size])? {
+        Some(h) => h,
+        None if c.tie_word_embeddings => embed.shallow_clone(),
+        None => return Err(ModelError::MissingTensor { dir: dir.to_path_buf(), name: "lm_head.weight".into() }),
+    };
+    Ok((c, embed, head))
+}
+
 impl TargetModel {
     /// Loads a model directory onto `device` in `kind`.
     pub fn load(dir: &Path, device: Device, kind: Kind, scope: LoadScope) -> Result<Self, ModelError> {

@@ -1,1 +1,16 @@
-//! placeholder
+//! What every role process does with the coordinator: register and receive
+//! the run config, heartbeat, watch run events, report errors, serve
+//! grpc.health.v1, and stop for one recorded cause.
+
+mod health;
+mod session;
+mod stages;
+mod stop;
+
+pub use health::serve_health_only;
+pub use session::{
+    Announce, HeldBatches, KindExt, RoleArgs, RoleError, Session, chain_of, format_chain, kind_of, lazy_channel,
+    with_timeout,
+};
+pub use stages::Stages;
+pub use stop::{Stop, StopCause};

@@ -1,1 +1,242 @@
-fn main() {}
+//! `dflash-drafter`: the drafter service. Receives hidden-state batches from
+//! targets, queues and prefetches them, trains the DFlash drafter and
+//! checkpoints it.
+
+mod prefetch;
+mod receiver;
+mod train_loop;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use dflash_config::Device;
+use dflash_models::blocks::BlockSettings;
+use dflash_models::optim::{AdamWSettings, LrSchedule};
+use dflash_models::{Drafter, DrafterConfig, TrainSettings, Trainer};
+use dflash_proto as pb;
+use dflash_proto::drafter_server::DrafterServer;
+use dflash_role::{Announce, KindExt, RoleArgs, Session, Stages, Stop, StopCause, format_chain};
+use dflash_telemetry::ErrorKind;
+use tch::Kind;
+use tonic_health::ServingStatus;
+
+use crate::prefetch::Prefetcher;
+use crate::receiver::{DrafterService, Expected};
+use crate::train_loop::TrainLoop;
+
+/// Largest gRPC message accepted on the hidden-state stream.
+const MAX_MESSAGE_BYTES: usize = 80 << 20;
+
+#[derive(Parser, Debug)]
+#[command(name = "dflash-drafter", version, about = "The dflash drafter service")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Join a run: receive target features, train, checkpoint.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    #[command(flatten)]
+    role: RoleArgs,
+    /// Address for the hidden-state stream and grpc.health.v1.
+    #[arg(long, env = "DFLASH_LISTEN", default_value = "0.0.0.0:50052")]
+    listen: SocketAddr,
+    /// URL targets use to reach this drafter (default: http://<hostname>:<port>).
+    #[arg(long, env = "DFLASH_ADVERTISE")]
+    advertise: Option<String>,
+    /// CPU threads for libtorch (0: libtorch's default).
+    #[arg(long, env = "DFLASH_THREADS", default_value_t = 0)]
+    threads: i32,
+}
+
+fn main() {
+    dflash_telemetry::init_logging();
+    let cli = Cli::parse();
+    let Command::Serve(args) = cli.command;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let code = rt.block_on(serve(args));
+    std::process::exit(code);
+}
+
+async fn serve(args: ServeArgs) -> i32 {
+    if args.threads > 0 {
+        tch::set_num_threads(args.threads);
+    }
+    let stop = Stop::new();
+    stop.stop_on_signals();
+    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!("cannot listen on {}: {e}", args.listen);
+            return 1;
+        }
+    };
+    let port = listener.local_addr().map(|a| a.port()).unwrap_or(args.listen.port());
+    let endpoint = args.advertise.clone().unwrap_or_else(|| {
+        let host = hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "127.0.0.1".into());
+        format!("http://{host}:{port}")
+    });
+    let announce = Announce { role: pb::Role::Drafter, devices: vec![], endpoint: endpoint.clone() };
+    let session = match Session::register(&args.role, announce, stop.clone()).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("{}", format_chain(&e));
+            return 1;
+        }
+    };
+    session.log_config();
+    let stages = Stages::new(stop.clone());
+    let result = start(&session, &stages, listener, &endpoint).await;
+    if result.is_ok() {
+        stop.stopped().await;
+    } else {
+        stop.stop(StopCause::Fatal("startup failed".into()));
+    }
+    stages.join(Duration::from_millis(session.config.faults.shutdown_grace_ms)).await;
+    let result = result.and(stages.take_error().map_or(Ok(()), Err));
+    session.finish(result).await
+}
+
+/// Builds the trainer from the run config and the target's embeddings.
+fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Trainer> {
+    let c = &session.config;
+    let kind = match c.model.dtype.as_str() {
+        "f32" => Kind::Float,
+        "bf16" => Kind::BFloat16,
+        _ if device.is_cuda() => Kind::BFloat16,
+        _ => Kind::Float,
+    };
+    let target_dir = Path::new(&c.model.target_path);
+    let (target, embed, lm_head) =
+        dflash_models::load_embeddings(target_dir, device, kind).kind(ErrorKind::Model)?;
+    let mask = c.drafter.mask_token_id.context("drafter.mask_token_id is unresolved").kind(ErrorKind::Config)?;
+    let dc = DrafterConfig::for_target(
+        &target,
+        c.drafter.num_layers as i64,
+        c.drafter.block_size as i64,
+        mask as i64,
+        c.model.target_layer_ids.iter().map(|&i| i as i64).collect(),
+    );
+    tch::manual_seed(c.run.seed as i64);
+    let mut drafter = Drafter::new(dc, device, kind);
+    if let Some(init) = &c.drafter.init_from {
+        drafter.load_weights(Path::new(init)).kind(ErrorKind::Checkpoint)?;
+        tracing::info!("initialised the drafter from {init}");
+    }
+    let params: i64 = drafter.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
+    tracing::info!(
+        "drafter: {} layers, hidden {}, {params} parameters, {kind:?} on {device:?}",
+        c.drafter.num_layers,
+        target.hidden_size
+    );
+    let t = &c.training;
+    let settings = TrainSettings {
+        blocks: BlockSettings {
+            block_size: c.drafter.block_size as usize,
+            mask_token_id: mask as i64,
+            gamma: c.drafter.effective_gamma().context("drafter.gamma is unresolved")?,
+            anchors_per_sequence: t.anchors_per_sequence as usize,
+        },
+        schedule: LrSchedule::new(t.lr, t.total_steps, t.warmup_ratio, t.min_lr_ratio),
+        adamw: AdamWSettings {
+            beta1: t.adam_beta1,
+            beta2: t.adam_beta2,
+            eps: t.adam_eps,
+            weight_decay: t.weight_decay,
+        },
+        grad_clip: t.grad_clip,
+        max_blocks_per_micro_batch: t.max_blocks_per_micro_batch as usize,
+        loss_chunk_blocks: t.loss_chunk_blocks as usize,
+        seed: c.run.seed,
+    };
+    Ok(Trainer::new(drafter, embed, lm_head, settings))
+}
+
+async fn start(
+    session: &Arc<Session>,
+    stages: &Stages,
+    listener: tokio::net::TcpListener,
+    endpoint: &str,
+) -> anyhow::Result<()> {
+    let c = &session.config;
+    let stop = session.stop.clone();
+    session.spawn_heartbeat(Vec::new);
+    let _events = session.spawn_event_watch();
+    let devices = c.devices.drafter.devices().to_vec();
+    if devices.len() > 1 {
+        return Err(anyhow::anyhow!(
+            "devices.drafter lists {} devices; this build trains on one device per drafter service",
+            devices.len()
+        ))
+        .kind(ErrorKind::Config);
+    }
+    let device = match devices[0] {
+        Device::Cpu => tch::Device::Cpu,
+        Device::Cuda(i) => {
+            dflash_models::cuda::ensure_cuda(&[i]).kind(ErrorKind::Device)?;
+            tch::Device::Cuda(i as usize)
+        }
+    };
+    let trainer = tokio::task::block_in_place(|| build_trainer(session, device))?;
+    let kind = trainer.drafter.kind();
+    let hidden = trainer.drafter.config.hidden_size;
+    let (hs_tx, hs_rx) = flume::bounded(c.pipeline.hs_queue_depth as usize);
+    let (pf_tx, pf_rx) = flume::bounded(c.pipeline.prefetch_depth as usize);
+
+    // Resume before accepting batches, so the coordinator resets the work
+    // this drafter will not have before any target sends it more.
+    let rt = tokio::runtime::Handle::current();
+    let mut train = TrainLoop::new(trainer, Arc::clone(session), rt, hs_tx.clone());
+    tokio::task::block_in_place(|| train.resume())?;
+
+    let k = c.model.target_layer_ids.len() as u64;
+    let max_payload = c.pipeline.token_budget as u64 * k * hidden as u64 * 4;
+    let service = DrafterService {
+        run_id: session.run_id.clone(),
+        instance_id: session.instance_id.clone(),
+        credits: c.pipeline.max_inflight_batches,
+        expected: Expected { hidden_size: hidden as u32, layer_ids: c.model.target_layer_ids.clone() },
+        max_payload_bytes: max_payload as usize,
+        queue: hs_tx,
+        stop: stop.clone(),
+        hello_timeout: session.rpc_timeout(),
+    };
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_service_status("", ServingStatus::Serving).await;
+    health.set_serving::<DrafterServer<DrafterService>>().await;
+    let server_stop = stop.clone();
+    let server = tonic::transport::Server::builder()
+        .initial_stream_window_size(Some(16 << 20))
+        .initial_connection_window_size(Some(32 << 20))
+        .max_frame_size(Some(1 << 20))
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .add_service(health_service)
+        .add_service(
+            DrafterServer::new(service)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
+            server_stop.stopped().await
+        });
+    tracing::info!("drafter listening for targets at {endpoint}");
+    stages.spawn_task("grpc", async move { server.await.context("drafter gRPC server") });
+    session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
+
+    let pf = Prefetcher { device, kind, noise_std: c.training.feature_noise_std };
+    let s = stop.clone();
+    stages.spawn_thread("prefetch", move || pf.run(hs_rx, pf_tx, s));
+    stages.spawn_thread("train", move || train.run(pf_rx));
+    Ok(())
+}

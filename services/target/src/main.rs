@@ -1,1 +1,164 @@
-fn main() {}
+//! `dflash-target`: the target service (frozen forward with layer capture,
+//! postprocess pool, hidden-state sender) and the tools that prepare target
+//! assets.
+
+mod forward;
+mod postprocess;
+mod prepare;
+mod sender;
+mod work;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use dflash_config::Device;
+use dflash_models::{LoadScope, TargetModel};
+use dflash_proto as pb;
+use dflash_role::{Announce, HeldBatches, KindExt, RoleArgs, Session, Stages, Stop, format_chain};
+use dflash_telemetry::ErrorKind;
+use dflash_wire::Layout;
+
+use crate::forward::{ForwardLoop, compute_kind};
+use crate::postprocess::{PostprocessSink, Postprocessor};
+
+#[derive(Parser, Debug)]
+#[command(name = "dflash-target", version, about = "The dflash target service and target-side tools")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Join a run: lease work, run the target forward, stream features to the drafter.
+    Serve(ServeArgs),
+    /// Write the small random Llama-style target and a generated chat dataset.
+    PrepareSynthetic(prepare::SyntheticArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    #[command(flatten)]
+    role: RoleArgs,
+    /// Address for grpc.health.v1 (liveness/readiness probes).
+    #[arg(long, env = "DFLASH_HEALTH_LISTEN", default_value = "0.0.0.0:50061")]
+    health_listen: SocketAddr,
+    /// CPU threads for libtorch (0: libtorch's default).
+    #[arg(long, env = "DFLASH_THREADS", default_value_t = 0)]
+    threads: i32,
+}
+
+fn main() {
+    dflash_telemetry::init_logging();
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Command::PrepareSynthetic(a) => match prepare::synthetic(&a) {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!("{}", format_chain(&e));
+                1
+            }
+        },
+        Command::Serve(a) => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+            rt.block_on(serve(a))
+        }
+    };
+    std::process::exit(code);
+}
+
+async fn serve(args: ServeArgs) -> i32 {
+    if args.threads > 0 {
+        tch::set_num_threads(args.threads);
+    }
+    let stop = Stop::new();
+    stop.stop_on_signals();
+    let announce = Announce { role: pb::Role::Target, devices: vec![], endpoint: String::new() };
+    let session = match Session::register(&args.role, announce, stop.clone()).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("{}", format_chain(&e));
+            return 1;
+        }
+    };
+    session.log_config();
+    let stages = Stages::new(stop.clone());
+    let result = start(&session, &stages, &args).await;
+    if result.is_ok() {
+        stop.stopped().await;
+    } else {
+        stop.stop(dflash_role::StopCause::Fatal("startup failed".into()));
+    }
+    stages.join(Duration::from_millis(session.config.faults.shutdown_grace_ms)).await;
+    let result = result.and(stages.take_error().map_or(Ok(()), Err));
+    session.finish(result).await
+}
+
+/// Loads the models and starts every stage.
+async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> anyhow::Result<()> {
+    let c = &session.config;
+    let stop = session.stop.clone();
+    stages.spawn_task("health", dflash_role::serve_health_only(args.health_listen, stop.clone()));
+    let held: HeldBatches = Arc::new(Mutex::new(BTreeSet::new()));
+    let held_for_heartbeat = Arc::clone(&held);
+    session.spawn_heartbeat(move || held_for_heartbeat.lock().expect("held lock").iter().copied().collect());
+    let drafter_endpoint = session.spawn_event_watch();
+
+    let dataset = Arc::new(tokio::task::block_in_place(|| work::load_dataset(session))?);
+    let layer_ids: Vec<i64> = c.model.target_layer_ids.iter().map(|&i| i as i64).collect();
+    let last_layer = *layer_ids.iter().max().expect("resolved by the coordinator");
+    let devices = c.devices.target.devices().to_vec();
+    let gpus = c.devices.target.cuda_indices();
+    if !gpus.is_empty() {
+        dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
+    }
+    let layout = if c.pipeline.split_fc_layers { Layout::Split } else { Layout::Packed };
+    let post = Postprocessor {
+        layout,
+        noise_std: c.training.feature_noise_std,
+        layer_ids: c.model.target_layer_ids.clone(),
+        target_instance: session.instance_id.clone(),
+    };
+    let (work_tx, work_rx) = flume::bounded(devices.len());
+    let (host_tx, host_rx) = flume::bounded(1);
+    for d in &devices {
+        let device = match d {
+            Device::Cpu => tch::Device::Cpu,
+            Device::Cuda(i) => tch::Device::Cuda(*i as usize),
+        };
+        let kind = compute_kind(&c.model.dtype, device);
+        let dir = Path::new(&c.model.target_path).to_path_buf();
+        let model = tokio::task::block_in_place(|| {
+            TargetModel::load(&dir, device, kind, LoadScope::CaptureUpTo { last_layer })
+        })
+        .kind(ErrorKind::Model)?;
+        tracing::info!(
+            "{d}: loaded {} of {} target layers ({kind:?}), capturing {layer_ids:?}, {} layout",
+            model.loaded_layers(),
+            model.config.num_layers,
+            if layout == Layout::Split { "SPLIT" } else { "PACKED" }
+        );
+        let depth = c.pipeline.target_postprocess_depth as usize;
+        let sink = if depth == 0 {
+            PostprocessSink::Inline(post.clone(), host_tx.clone())
+        } else {
+            let (cap_tx, cap_rx) = flume::bounded(depth);
+            let (p, out, s) = (post.clone(), host_tx.clone(), stop.clone());
+            stages.spawn_thread(&format!("postprocess-{d}"), move || postprocess::worker(p, cap_rx, out, s));
+            PostprocessSink::Queue(cap_tx)
+        };
+        let fl = ForwardLoop { model, layer_ids: layer_ids.clone(), label: format!("target {d}") };
+        let (rx, s) = (work_rx.clone(), stop.clone());
+        stages.spawn_thread(&format!("forward-{d}"), move || fl.run(rx, sink, s));
+    }
+    drop(host_tx);
+    session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
+    stages.spawn_task("lease", work::lease_loop(Arc::clone(session), dataset, Arc::clone(&held), work_tx));
+    let sender = sender::Sender::new(Arc::clone(session), held, host_rx, drafter_endpoint);
+    stages.spawn_task("sender", sender.run());
+    Ok(())
+}

@@ -1,0 +1,374 @@
+//! A role's session with the coordinator: registration (and
+//! re-registration after a coordinator restart), heartbeats, the event
+//! watch, and error reports.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use dflash_config::RunConfig;
+use dflash_proto as pb;
+use dflash_proto::coordinator_client::CoordinatorClient;
+use dflash_telemetry::ErrorKind;
+use tokio::sync::watch;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::{Stop, StopCause};
+
+/// Command-line settings every role shares.
+#[derive(clap::Args, Clone, Debug)]
+pub struct RoleArgs {
+    /// Coordinator URL.
+    #[arg(long, env = "DFLASH_COORDINATOR", default_value = "http://127.0.0.1:50051")]
+    pub coordinator: String,
+    /// Stable id of this instance (default: role-host-pid).
+    #[arg(long, env = "DFLASH_INSTANCE_ID")]
+    pub instance_id: Option<String>,
+    /// Seconds to keep trying to reach the coordinator at startup.
+    #[arg(long, env = "DFLASH_CONNECT_TIMEOUT_S", default_value_t = 60)]
+    pub connect_timeout_s: u64,
+}
+
+/// What a role announces about itself.
+#[derive(Clone, Debug)]
+pub struct Announce {
+    pub role: pb::Role,
+    pub devices: Vec<String>,
+    /// Data-plane URL (drafters), empty otherwise.
+    pub endpoint: String,
+}
+
+/// A registered role instance.
+pub struct Session {
+    pub run_id: String,
+    pub config: RunConfig,
+    pub instance_id: String,
+    pub role: pb::Role,
+    pub stop: Stop,
+    client: CoordinatorClient<Channel>,
+    request: pb::RegisterRequest,
+    rpc_timeout: Duration,
+}
+
+/// Bounded wait for one RPC.
+pub async fn with_timeout<T>(
+    timeout: Duration,
+    fut: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, tonic::Status> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(r) => r.map(tonic::Response::into_inner),
+        Err(_) => Err(tonic::Status::deadline_exceeded(format!("no answer within {timeout:?}"))),
+    }
+}
+
+/// A lazily connecting channel (reconnects by itself after failures).
+pub fn lazy_channel(url: &str) -> anyhow::Result<Channel> {
+    Ok(Endpoint::from_shared(url.to_string())
+        .with_context(|| format!("invalid URL {url}"))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .connect_lazy())
+}
+
+fn default_instance_id(role: pb::Role) -> String {
+    let host = hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "host".into());
+    format!("{}-{host}-{}", role.name(), std::process::id())
+}
+
+impl Session {
+    /// Registers with the coordinator, retrying until `connect_timeout_s`,
+    /// and returns the session with the validated run config.
+    pub async fn register(args: &RoleArgs, announce: Announce, stop: Stop) -> anyhow::Result<Arc<Self>> {
+        let instance_id = args.instance_id.clone().unwrap_or_else(|| default_instance_id(announce.role));
+        let host = hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
+        let request = pb::RegisterRequest {
+            protocol_version: dflash_proto::PROTOCOL_VERSION,
+            role: announce.role as i32,
+            instance_id: instance_id.clone(),
+            host,
+            devices: announce.devices,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            endpoint: announce.endpoint,
+            pid: std::process::id(),
+        };
+        let mut client = CoordinatorClient::new(lazy_channel(&args.coordinator)?);
+        let deadline = Instant::now() + Duration::from_secs(args.connect_timeout_s);
+        let resp = loop {
+            let attempt = with_timeout(Duration::from_secs(10), client.register(request.clone())).await;
+            match attempt {
+                Ok(r) => break r,
+                // The coordinator answered and refused: no retry will help.
+                Err(s) if matches!(s.code(), tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition) => {
+                    anyhow::bail!("the coordinator at {} refused registration: {}", args.coordinator, s.message());
+                }
+                Err(s) if Instant::now() >= deadline => {
+                    anyhow::bail!(
+                        "cannot reach the coordinator at {} within {} s: {}",
+                        args.coordinator,
+                        args.connect_timeout_s,
+                        s.message()
+                    );
+                }
+                Err(s) => {
+                    tracing::debug!("coordinator not ready ({}); retrying", s.message());
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        _ = stop.stopped() => anyhow::bail!("stopped while registering"),
+                    }
+                }
+            }
+        };
+        let config = dflash_config::from_toml_str(&resp.config_toml).context("run config from the coordinator")?;
+        config.validate().context("run config from the coordinator")?;
+        let rpc_timeout = Duration::from_millis(config.faults.rpc_timeout_ms);
+        Ok(Arc::new(Self {
+            run_id: resp.run_id,
+            config,
+            instance_id,
+            role: announce.role,
+            stop,
+            client,
+            request,
+            rpc_timeout,
+        }))
+    }
+
+    /// Registers again with the devices the role ended up on (known only
+    /// once the config arrived and the models loaded).
+    pub async fn announce_devices(&self, devices: Vec<String>) -> anyhow::Result<()> {
+        let mut req = self.request.clone();
+        req.devices = devices;
+        with_timeout(self.rpc_timeout, self.client().register(req))
+            .await
+            .map_err(|s| anyhow::anyhow!("re-registering with devices: {}", s.message()))?;
+        Ok(())
+    }
+
+    /// A client for this session's coordinator (cheap clone of the channel).
+    pub fn client(&self) -> CoordinatorClient<Channel> {
+        self.client.clone()
+    }
+
+    /// The run config as TOML (stored in checkpoints).
+    pub fn config_toml(&self) -> String {
+        dflash_config::to_toml_string(&self.config)
+    }
+
+    pub fn rpc_timeout(&self) -> Duration {
+        self.rpc_timeout
+    }
+
+    /// Logs the effective config once, as every role does at startup.
+    pub fn log_config(&self) {
+        tracing::info!("{}", self.config.startup_banner(self.role.name(), &self.run_id));
+    }
+
+    /// Heartbeats every `faults.heartbeat_interval_ms`, carrying the batch
+    /// ids `held` returns (to renew their leases). Re-registers when the
+    /// coordinator no longer knows this instance (it restarted); stops the
+    /// role when the coordinator is unreachable past its timeout.
+    pub fn spawn_heartbeat(self: &Arc<Self>, held: impl Fn() -> Vec<u64> + Send + Sync + 'static) {
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let f = &this.config.faults;
+            let period = Duration::from_millis(f.heartbeat_interval_ms);
+            let give_up = Duration::from_millis(f.coordinator_timeout_ms);
+            let mut last_ok = Instant::now();
+            let mut client = this.client();
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(period) => {}
+                    _ = this.stop.stopped() => return,
+                }
+                let req = pb::HeartbeatRequest {
+                    run_id: this.run_id.clone(),
+                    instance_id: this.instance_id.clone(),
+                    held_batch_ids: held(),
+                };
+                match with_timeout(this.rpc_timeout, client.heartbeat(req)).await {
+                    Ok(_) => last_ok = Instant::now(),
+                    Err(s) if s.code() == tonic::Code::NotFound => {
+                        tracing::warn!("the coordinator does not know this instance (restarted?): registering again");
+                        match with_timeout(this.rpc_timeout, client.register(this.request.clone())).await {
+                            Ok(r) if r.run_id == this.run_id => last_ok = Instant::now(),
+                            Ok(r) => {
+                                this.stop.stop(StopCause::Fatal(format!(
+                                    "the coordinator now runs run {} instead of {}",
+                                    r.run_id, this.run_id
+                                )));
+                                return;
+                            }
+                            Err(e) => tracing::warn!("re-registration failed: {}", e.message()),
+                        }
+                    }
+                    Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                        this.stop.stop(StopCause::Fatal(format!("coordinator: {}", s.message())));
+                        return;
+                    }
+                    Err(s) => {
+                        tracing::debug!("heartbeat failed: {}", s.message());
+                        if last_ok.elapsed() > give_up {
+                            this.stop.stop(StopCause::PeerLost(format!(
+                                "coordinator unreachable for {} s ({})",
+                                give_up.as_secs(),
+                                s.message()
+                            )));
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Watches run events; returns the drafter endpoint as it changes.
+    /// A stop event stops the role with the coordinator's reason.
+    pub fn spawn_event_watch(self: &Arc<Self>) -> watch::Receiver<Option<String>> {
+        let (tx, rx) = watch::channel(None);
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut client = this.client();
+            loop {
+                let req = pb::WatchEventsRequest { run_id: this.run_id.clone(), instance_id: this.instance_id.clone() };
+                let stream = tokio::select! {
+                    r = with_timeout(this.rpc_timeout, client.watch_events(req)) => r,
+                    _ = this.stop.stopped() => return,
+                };
+                if let Ok(mut stream) = stream {
+                    loop {
+                        let msg = tokio::select! {
+                            m = stream.message() => m,
+                            _ = this.stop.stopped() => return,
+                        };
+                        match msg {
+                            Ok(Some(ev)) => this.handle_event(ev, &tx),
+                            Ok(None) | Err(_) => break,
+                        }
+                    }
+                }
+                // Reconnect; the heartbeat decides when the coordinator is lost.
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    _ = this.stop.stopped() => return,
+                }
+            }
+        });
+        rx
+    }
+
+    fn handle_event(&self, ev: pb::RunEvent, tx: &watch::Sender<Option<String>>) {
+        match ev.event {
+            Some(pb::run_event::Event::Drafter(d)) => {
+                let new = (!d.endpoint.is_empty()).then_some(d.endpoint);
+                if *tx.borrow() != new {
+                    tracing::info!("drafter endpoint: {}", new.as_deref().unwrap_or("none"));
+                    let _ = tx.send(new);
+                }
+            }
+            Some(pb::run_event::Event::Stop(s)) => {
+                let cause = match pb::StopReason::try_from(s.reason) {
+                    Ok(pb::StopReason::Completed) => StopCause::RunCompleted,
+                    Ok(pb::StopReason::Cancelled) => StopCause::RunCancelled(s.message),
+                    _ => StopCause::RunFailed(s.message),
+                };
+                tracing::info!("coordinator stops the run: {cause}");
+                self.stop.stop(cause);
+            }
+            None => {}
+        }
+    }
+
+    /// Reports an error with its cause chain. Best effort: a coordinator
+    /// that cannot be reached is logged, not waited for.
+    pub async fn report_error(&self, kind: ErrorKind, err: &anyhow::Error, device: &str) {
+        let causes = chain_of(err);
+        let report = pb::ErrorReport {
+            run_id: self.run_id.clone(),
+            role: self.role as i32,
+            instance_id: self.instance_id.clone(),
+            device: device.to_string(),
+            kind: kind.as_str().to_string(),
+            message: causes.first().cloned().unwrap_or_default(),
+            causes,
+            fatal: !kind.is_retryable(),
+        };
+        if let Err(s) = with_timeout(self.rpc_timeout, self.client().report_error(report)).await {
+            tracing::warn!("could not report the error to the coordinator: {}", s.message());
+        }
+    }
+
+    /// Ends a role's main: reports a fatal error, logs why the role stops,
+    /// and returns the exit code.
+    pub async fn finish(&self, result: anyhow::Result<()>) -> i32 {
+        if let Err(e) = &result {
+            let kind = kind_of(e);
+            tracing::error!("{}", format_chain(e));
+            self.report_error(kind, e, "").await;
+            self.stop.stop(StopCause::Fatal(format_chain(e)));
+        }
+        let cause = self.stop.cause().unwrap_or(StopCause::RunCompleted);
+        let code = cause.exit_code();
+        if code == 0 {
+            tracing::info!("stopping: {cause}");
+        } else {
+            tracing::error!("stopping: {cause}");
+        }
+        code
+    }
+}
+
+/// An error with its policy kind attached (see [`ErrorKind`]). Displays
+/// as the error it wraps, so cause chains do not repeat it.
+#[derive(Debug)]
+pub struct RoleError {
+    pub kind: ErrorKind,
+    pub source: anyhow::Error,
+}
+
+impl std::fmt::Display for RoleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.source.fmt(f)
+    }
+}
+
+impl std::error::Error for RoleError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.source()
+    }
+}
+
+/// The policy kind of an error: the innermost-tagged [`RoleError`] in its
+/// chain, else `internal`.
+pub fn kind_of(e: &anyhow::Error) -> ErrorKind {
+    e.chain().find_map(|c| c.downcast_ref::<RoleError>()).map_or(ErrorKind::Internal, |r| r.kind)
+}
+
+/// Tags an error with its kind for the coordinator's policy.
+pub trait KindExt<T> {
+    fn kind(self, kind: ErrorKind) -> anyhow::Result<T>;
+}
+
+impl<T, E: Into<anyhow::Error>> KindExt<T> for Result<T, E> {
+    fn kind(self, kind: ErrorKind) -> anyhow::Result<T> {
+        self.map_err(|e| RoleError { kind, source: e.into() }.into())
+    }
+}
+
+/// The messages of an error's chain, outermost first, without repeats.
+pub fn chain_of(e: &anyhow::Error) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for p in e.chain().map(ToString::to_string) {
+        if out.last().is_none_or(|prev| !prev.ends_with(&p)) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// `outer: inner: innermost` for logs.
+pub fn format_chain(e: &anyhow::Error) -> String {
+    chain_of(e).join(": ")
+}
+
+/// Shared, cheap-to-read set of batch ids (for heartbeats).
+pub type HeldBatches = Arc<Mutex<std::collections::BTreeSet<u64>>>;

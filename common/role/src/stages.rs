@@ -1,0 +1,105 @@
+//! Running a role's pipeline stages (threads for compute, tasks for I/O)
+//! so that the first failure stops the role with its cause, and stopping
+//! waits for every stage with a bound.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::{Stop, StopCause, format_chain};
+
+/// The stages of one role and the first error any of them returned.
+#[derive(Clone)]
+pub struct Stages {
+    stop: Stop,
+    first_error: Arc<Mutex<Option<anyhow::Error>>>,
+    threads: Arc<Mutex<Vec<(String, std::thread::JoinHandle<()>)>>>,
+    tasks: Arc<Mutex<Vec<(String, tokio::task::JoinHandle<()>)>>>,
+}
+
+impl Stages {
+    pub fn new(stop: Stop) -> Self {
+        Self {
+            stop,
+            first_error: Arc::new(Mutex::new(None)),
+            threads: Arc::new(Mutex::new(Vec::new())),
+            tasks: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+
+    fn fail(&self, name: &str, e: anyhow::Error) {
+        let e = e.context(format!("stage {name}"));
+        let line = format_chain(&e);
+        let mut slot = self.first_error.lock().expect("first error lock");
+        if slot.is_none() {
+            *slot = Some(e);
+        }
+        drop(slot);
+        self.stop.stop(StopCause::Fatal(line));
+    }
+
+    /// Runs blocking work (a forward or train loop) on its own OS thread.
+    /// A panic counts as an error.
+    pub fn spawn_thread(&self, name: &str, f: impl FnOnce() -> anyhow::Result<()> + Send + 'static) {
+        let this = self.clone();
+        let n = name.to_string();
+        let handle = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => this.fail(&n, e),
+                Err(p) => {
+                    let msg = p
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "unknown panic".into());
+                    this.fail(&n, anyhow::anyhow!("panicked: {msg}"));
+                }
+            })
+            .expect("spawn thread");
+        self.threads.lock().expect("threads lock").push((name.to_string(), handle));
+    }
+
+    /// Runs async work on the runtime.
+    pub fn spawn_task(&self, name: &str, f: impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static) {
+        let this = self.clone();
+        let n = name.to_string();
+        let handle = tokio::spawn(async move {
+            if let Err(e) = f.await {
+                this.fail(&n, e);
+            }
+        });
+        self.tasks.lock().expect("tasks lock").push((name.to_string(), handle));
+    }
+
+    /// The first stage error, if any (taken once).
+    pub fn take_error(&self) -> Option<anyhow::Error> {
+        self.first_error.lock().expect("first error lock").take()
+    }
+
+    /// Waits for every stage to end after a stop, at most `grace`; stages
+    /// still running then are named in the log (threads are left to the
+    /// process exit, tasks are aborted).
+    pub async fn join(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        let tasks: Vec<_> = std::mem::take(&mut *self.tasks.lock().expect("tasks lock"));
+        for (name, mut h) in tasks {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if tokio::time::timeout(left, &mut h).await.is_err() {
+                tracing::warn!("task {name} did not stop within {grace:?}; aborting it");
+                h.abort();
+            }
+        }
+        let threads: Vec<_> = std::mem::take(&mut *self.threads.lock().expect("threads lock"));
+        for (name, h) in threads {
+            while !h.is_finished() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            } else {
+                tracing::warn!("thread {name} did not stop within {grace:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! The one-machine launcher behind `dflash up`: prepares assets, starts the
+//! three roles as separate processes on loopback ports, prefixes their logs,
+//! and stops them together.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::Context;
+use dflash_config::ConfigFlags;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// Assets `dflash up` can prepare before starting.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prepare {
+    /// The small random Llama-style target and a generated chat dataset.
+    Synthetic,
+}
+
+/// Options of `dflash up` beyond the run config.
+#[derive(clap::Args, Debug, Clone)]
+pub struct UpArgs {
+    /// Prepare these assets first (skipped when they exist).
+    #[arg(long, value_enum)]
+    pub prepare: Option<Prepare>,
+    /// Folder for the ledger and logs of this run.
+    #[arg(long, default_value = "runs/up")]
+    pub workdir: PathBuf,
+    /// libtorch threads of the target process (0: libtorch's default).
+    #[arg(long, default_value_t = 0)]
+    pub target_threads: u32,
+    /// libtorch threads of the drafter process (0: libtorch's default).
+    #[arg(long, default_value_t = 0)]
+    pub drafter_threads: u32,
+    /// Seconds the roles get to stop after Ctrl-C or a failure before they are killed.
+    #[arg(long, default_value_t = 30)]
+    pub grace_s: u64,
+}
+
+pub struct Launcher {
+    config: ConfigFlags,
+    up: UpArgs,
+    bin_dir: PathBuf,
+}
+
+struct Role {
+    name: &'static str,
+    child: Child,
+}
+
+/// A free loopback port (bound and released; the role binds it next).
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn bin(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
+    let p = dir.join(name);
+    if !p.is_file() {
+        anyhow::bail!("{} not found next to dflash (build the workspace: cargo build --release)", p.display());
+    }
+    Ok(p)
+}
+
+/// Forwards a child's output line by line with a role prefix.
+fn prefix_lines(name: &'static str, stream: impl tokio::io::AsyncRead + Unpin + Send + 'static) {
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stream).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            println!("[{name:<11}] {line}");
+        }
+    });
+}
+
+impl Launcher {
+    pub fn new(config: ConfigFlags, up: UpArgs) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("locating the dflash binary")?;
+        let bin_dir = exe.parent().context("dflash has no parent folder")?.to_path_buf();
+        Ok(Self { config, up, bin_dir })
+    }
+
+    fn spawn(&self, name: &'static str, program: &Path, args: &[String]) -> anyhow::Result<Role> {
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Own process group: Ctrl-C reaches the launcher only, which
+            // then stops the roles in order.
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().with_context(|| format!("starting {}", program.display()))?;
+        prefix_lines(name, child.stdout.take().expect("piped"));
+        prefix_lines(name, child.stderr.take().expect("piped"));
+        Ok(Role { name, child })
+    }
+
+    async fn prepare(&self) -> anyhow::Result<()> {
+        let Some(Prepare::Synthetic) = self.up.prepare else { return Ok(()) };
+        let config = self.config.loader()?.load()?;
+        let target = bin(&self.bin_dir, "dflash-target")?;
+        let args = vec![
+            "prepare-synthetic".to_string(),
+            "--model-dir".into(),
+            config.model.target_path.clone(),
+            "--dataset".into(),
+            config.data.train_path.clone(),
+        ];
+        let mut role = self.spawn("prepare", &target, &args)?;
+        let status = role.child.wait().await?;
+        if !status.success() {
+            anyhow::bail!("preparing the synthetic assets failed ({status})");
+        }
+        Ok(())
+    }
+
+    /// Runs the roles until the run ends, one fails, or Ctrl-C. Returns the
+    /// exit code.
+    pub async fn run(self) -> anyhow::Result<i32> {
+        self.prepare().await?;
+        std::fs::create_dir_all(&self.up.workdir)
+            .with_context(|| format!("creating {}", self.up.workdir.display()))?;
+        let coord_port = free_port()?;
+        let drafter_port = free_port()?;
+        let target_health = free_port()?;
+        let coord_url = format!("http://127.0.0.1:{coord_port}");
+        let mut coord_args = self.config.to_args();
+        coord_args.extend([
+            "--listen".into(),
+            format!("127.0.0.1:{coord_port}"),
+            "--ledger".into(),
+            self.up.workdir.join("ledger.sqlite").display().to_string(),
+        ]);
+        let mut roles = vec![self.spawn("coordinator", &bin(&self.bin_dir, "dflash-coordinator")?, &coord_args)?];
+        let drafter_args = vec![
+            "serve".into(),
+            "--coordinator".into(),
+            coord_url.clone(),
+            "--listen".into(),
+            format!("127.0.0.1:{drafter_port}"),
+            "--advertise".into(),
+            format!("http://127.0.0.1:{drafter_port}"),
+            "--threads".into(),
+            self.up.drafter_threads.to_string(),
+        ];
+        roles.push(self.spawn("drafter", &bin(&self.bin_dir, "dflash-drafter")?, &drafter_args)?);
+        let target_args = vec![
+            "serve".into(),
+            "--coordinator".into(),
+            coord_url,
+            "--health-listen".into(),
+            format!("127.0.0.1:{target_health}"),
+            "--threads".into(),
+            self.up.target_threads.to_string(),
+        ];
+        roles.push(self.spawn("target", &bin(&self.bin_dir, "dflash-target")?, &target_args)?);
+        supervise(roles, Duration::from_secs(self.up.grace_s)).await
+    }
+}
+
+fn terminate(roles: &[Role]) {
+    for r in roles {
+        if let Some(pid) = r.child.id() {
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+        }
+    }
+}
+
+/// Waits for the roles. The coordinator ends the run; every other role
+/// follows it. A failing role or Ctrl-C stops all of them (SIGTERM, then
+/// SIGKILL after `grace`).
+async fn supervise(mut roles: Vec<Role>, grace: Duration) -> anyhow::Result<i32> {
+    let mut failed = false;
+    let mut stopping: Option<tokio::time::Instant> = None;
+    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    while !roles.is_empty() {
+        let deadline = stopping.map(|t| t + grace);
+        tokio::select! {
+            _ = &mut ctrl_c, if stopping.is_none() => {
+                eprintln!("[dflash     ] interrupted: stopping every role");
+                terminate(&roles);
+                stopping = Some(tokio::time::Instant::now());
+                failed = true;
+            }
+            _ = sigterm.recv(), if stopping.is_none() => {
+                terminate(&roles);
+                stopping = Some(tokio::time::Instant::now());
+                failed = true;
+            }
+            _ = tokio::time::sleep_until(deadline.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(3600))), if deadline.is_some() => {
+                for r in &mut roles {
+                    eprintln!("[dflash     ] {} did not stop within {grace:?}: killing it", r.name);
+                    let _ = r.child.start_kill();
+                }
+                stopping = Some(tokio::time::Instant::now() + Duration::from_secs(3600));
+            }
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+        let mut i = 0;
+        while i < roles.len() {
+            if let Some(status) = roles[i].child.try_wait()? {
+                let r = roles.remove(i);
+                if status.success() {
+                    eprintln!("[dflash     ] {} exited", r.name);
+                } else {
+                    eprintln!("[dflash     ] {} exited with {status}", r.name);
+                    failed = true;
+                }
+                if (r.name == "coordinator" || !status.success()) && stopping.is_none() {
+                    // The run is over (or broken): give the others the grace
+                    // period to notice and stop by themselves, then signal.
+                    stopping = Some(tokio::time::Instant::now());
+                    let others: Vec<&str> = roles.iter().map(|r| r.name).collect();
+                    if !others.is_empty() && !status.success() {
+                        terminate(&roles);
+                    }
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+    Ok(if failed { 1 } else { 0 })
+}

@@ -1,0 +1,333 @@
+//! The coordinator's state of the run: registry of instances, the ledger,
+//! progress, errors, and the run's fate, with the events that announce it.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use dflash_config::RunConfig;
+use dflash_proto as pb;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+use crate::ledger::{Counts, Ledger, LedgerError};
+
+/// Errors kept for the status (the newest).
+const MAX_ERRORS: usize = 100;
+
+/// Milliseconds since the Unix epoch (lease expiries survive restarts).
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A registered role instance.
+pub struct Instance {
+    pub request: pb::RegisterRequest,
+    pub last_seen: Instant,
+    pub alive: bool,
+}
+
+impl Instance {
+    pub fn role(&self) -> pb::Role {
+        pb::Role::try_from(self.request.role).unwrap_or(pb::Role::Unspecified)
+    }
+}
+
+#[derive(Default)]
+pub struct Registry {
+    pub instances: BTreeMap<String, Instance>,
+    /// The drafter instance whose acknowledgements and steps count.
+    pub drafter: Option<String>,
+    /// Since when no drafter is registered (None while one is).
+    pub drafter_absent_since: Option<Instant>,
+}
+
+/// Latest training progress reported by the drafter.
+#[derive(Clone, Debug, Default)]
+pub struct Progress {
+    pub step: u64,
+    pub loss: f32,
+    pub accuracy: f32,
+    pub acceptance_length: f32,
+    pub committed_step: u64,
+    pub tokens: u64,
+}
+
+pub struct Fate {
+    pub state: pb::RunState,
+    pub message: String,
+}
+
+/// Everything the coordinator knows, shared by the RPC handlers and the
+/// monitor.
+pub struct Run {
+    pub run_id: String,
+    pub config: RunConfig,
+    pub config_toml: String,
+    pub ledger: Mutex<Ledger>,
+    pub registry: Mutex<Registry>,
+    pub progress: Mutex<Progress>,
+    pub errors: Mutex<VecDeque<pb::ErrorReport>>,
+    fate: Mutex<Fate>,
+    events: broadcast::Sender<pb::RunEvent>,
+    /// Cancelled when the run reaches a terminal state.
+    pub ended: CancellationToken,
+}
+
+impl Run {
+    pub fn new(run_id: String, config: RunConfig, ledger: Ledger) -> Self {
+        let config_toml = dflash_config::to_toml_string(&config);
+        let (events, _) = broadcast::channel(64);
+        Self {
+            run_id,
+            config,
+            config_toml,
+            ledger: Mutex::new(ledger),
+            registry: Mutex::new(Registry { drafter_absent_since: Some(Instant::now()), ..Registry::default() }),
+            progress: Mutex::new(Progress::default()),
+            errors: Mutex::new(VecDeque::new()),
+            fate: Mutex::new(Fate { state: pb::RunState::Running, message: String::new() }),
+            events,
+            ended: CancellationToken::new(),
+        }
+    }
+
+    pub fn lease_ms(&self) -> u64 {
+        self.config.faults.lease_timeout_ms
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<pb::RunEvent> {
+        self.events.subscribe()
+    }
+
+    /// Events a new watcher needs to catch up: the drafter endpoint and, if
+    /// the run is over, the stop.
+    pub fn snapshot_events(&self) -> Vec<pb::RunEvent> {
+        let mut out = vec![self.drafter_event()];
+        if let Some(stop) = self.stop_event() {
+            out.push(stop);
+        }
+        out
+    }
+
+    fn drafter_event(&self) -> pb::RunEvent {
+        let reg = self.registry.lock().expect("registry lock");
+        let (instance_id, endpoint) = reg
+            .drafter
+            .as_ref()
+            .and_then(|id| reg.instances.get(id).map(|i| (id.clone(), i.request.endpoint.clone())))
+            .unwrap_or_default();
+        pb::RunEvent { event: Some(pb::run_event::Event::Drafter(pb::DrafterEndpoint { instance_id, endpoint })) }
+    }
+
+    pub fn stop_event(&self) -> Option<pb::RunEvent> {
+        let fate = self.fate.lock().expect("fate lock");
+        let reason = match fate.state {
+            pb::RunState::Completed => pb::StopReason::Completed,
+            pb::RunState::Failed => pb::StopReason::Failed,
+            pb::RunState::Cancelled => pb::StopReason::Cancelled,
+            _ => return None,
+        };
+        Some(pb::RunEvent {
+            event: Some(pb::run_event::Event::Stop(pb::StopRun { reason: reason as i32, message: fate.message.clone() })),
+        })
+    }
+
+    pub fn state(&self) -> (pb::RunState, String) {
+        let f = self.fate.lock().expect("fate lock");
+        (f.state, f.message.clone())
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.fate.lock().expect("fate lock").state == pb::RunState::Running
+    }
+
+    /// Moves the run to a terminal state once and tells every watcher.
+    pub fn end(&self, state: pb::RunState, message: String) {
+        {
+            let mut f = self.fate.lock().expect("fate lock");
+            if f.state != pb::RunState::Running {
+                return;
+            }
+            f.state = state;
+            f.message = message.clone();
+        }
+        match state {
+            pb::RunState::Completed => tracing::info!("run {} completed: {message}", self.run_id),
+            _ => tracing::error!("run {} {}: {message}", self.run_id, state.as_str_name()),
+        }
+        if let Some(ev) = self.stop_event() {
+            let _ = self.events.send(ev);
+        }
+        self.ended.cancel();
+    }
+
+    /// Registers (or re-registers) an instance.
+    pub fn register(&self, req: pb::RegisterRequest) {
+        let role = pb::Role::try_from(req.role).unwrap_or(pb::Role::Unspecified);
+        let id = req.instance_id.clone();
+        let mut reg = self.registry.lock().expect("registry lock");
+        let again = reg.instances.contains_key(&id);
+        tracing::info!(
+            "{} {} {} (host {}, pid {}, devices [{}], version {}{})",
+            if again { "re-registered" } else { "registered" },
+            role.name(),
+            id,
+            req.host,
+            req.pid,
+            req.devices.join(", "),
+            req.version,
+            if req.endpoint.is_empty() { String::new() } else { format!(", endpoint {}", req.endpoint) }
+        );
+        reg.instances.insert(id.clone(), Instance { request: req, last_seen: Instant::now(), alive: true });
+        if role == pb::Role::Drafter {
+            if let Some(old) = reg.drafter.replace(id.clone()) {
+                if old != id {
+                    tracing::warn!("drafter {id} replaces {old}");
+                    if let Some(i) = reg.instances.get_mut(&old) {
+                        i.alive = false;
+                    }
+                }
+            }
+            reg.drafter_absent_since = None;
+            drop(reg);
+            let _ = self.events.send(self.drafter_event());
+        }
+    }
+
+    /// Records a heartbeat; false when the instance is unknown.
+    pub fn touch(&self, instance_id: &str) -> bool {
+        let mut reg = self.registry.lock().expect("registry lock");
+        match reg.instances.get_mut(instance_id) {
+            Some(i) if i.alive => {
+                i.last_seen = Instant::now();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    pub fn is_current_drafter(&self, instance_id: &str) -> bool {
+        self.registry.lock().expect("registry lock").drafter.as_deref() == Some(instance_id)
+    }
+
+    pub fn record_error(&self, report: pb::ErrorReport) {
+        let role = pb::Role::try_from(report.role).unwrap_or(pb::Role::Unspecified).name();
+        let device = if report.device.is_empty() { String::new() } else { format!(" on {}", report.device) };
+        let chain = report.causes.join(": ");
+        let line = format!("{role} {}{device} [{}]: {chain}", report.instance_id, report.kind);
+        if report.fatal {
+            tracing::error!("fatal error from {line}");
+        } else {
+            tracing::warn!("error from {line}");
+        }
+        let fatal = report.fatal;
+        {
+            let mut errs = self.errors.lock().expect("errors lock");
+            if errs.len() == MAX_ERRORS {
+                errs.pop_front();
+            }
+            errs.push_back(report);
+        }
+        if fatal {
+            self.end(pb::RunState::Failed, line);
+        }
+    }
+
+    /// One pass of the liveness checks: expired leases, silent instances,
+    /// and a drafter absent for too long.
+    pub fn check_liveness(&self) -> Result<(), LedgerError> {
+        let f = &self.config.faults;
+        let expired = self.ledger.lock().expect("ledger lock").expire_leases(now_ms())?;
+        if expired > 0 {
+            tracing::warn!("{expired} lease(s) expired; their batches are pending again");
+        }
+        let timeout = Duration::from_millis(f.instance_timeout_ms);
+        let mut dead_targets = Vec::new();
+        let mut drafter_lost = false;
+        {
+            let mut reg = self.registry.lock().expect("registry lock");
+            let current = reg.drafter.clone();
+            for (id, inst) in reg.instances.iter_mut() {
+                if inst.alive && inst.last_seen.elapsed() > timeout {
+                    inst.alive = false;
+                    tracing::warn!("{} {id} silent for {} ms: presumed dead", inst.role().name(), f.instance_timeout_ms);
+                    match inst.role() {
+                        pb::Role::Target => dead_targets.push(id.clone()),
+                        pb::Role::Drafter if current.as_deref() == Some(id) => drafter_lost = true,
+                        _ => {}
+                    }
+                }
+            }
+            if drafter_lost {
+                reg.drafter = None;
+                reg.drafter_absent_since = Some(Instant::now());
+            }
+        }
+        if drafter_lost {
+            let _ = self.events.send(self.drafter_event());
+        }
+        for id in dead_targets {
+            let n = self.ledger.lock().expect("ledger lock").release_holder(&id)?;
+            tracing::warn!("released {n} lease(s) of target {id}");
+        }
+        let absent = self.registry.lock().expect("registry lock").drafter_absent_since.map(|t| t.elapsed());
+        if let Some(a) = absent {
+            if a > Duration::from_millis(f.drafter_absence_timeout_ms) && self.is_running() {
+                self.end(
+                    pb::RunState::Failed,
+                    format!("no drafter registered for {} s (faults.drafter_absence_timeout_ms)", a.as_secs()),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    pub fn counts(&self) -> Counts {
+        self.ledger.lock().expect("ledger lock").counts().unwrap_or_default()
+    }
+
+    pub fn status(&self) -> pb::StatusResponse {
+        let (state, state_message) = self.state();
+        let c = self.counts();
+        let p = self.progress.lock().expect("progress lock").clone();
+        let instances = self
+            .registry
+            .lock()
+            .expect("registry lock")
+            .instances
+            .iter()
+            .map(|(id, i)| pb::InstanceStatus {
+                role: i.request.role,
+                instance_id: id.clone(),
+                host: i.request.host.clone(),
+                devices: i.request.devices.clone(),
+                version: i.request.version.clone(),
+                endpoint: i.request.endpoint.clone(),
+                pid: i.request.pid,
+                last_seen_ms_ago: i.last_seen.elapsed().as_millis() as u64,
+                alive: i.alive,
+            })
+            .collect();
+        pb::StatusResponse {
+            run_id: self.run_id.clone(),
+            state: state as i32,
+            state_message,
+            instances,
+            ledger: Some(pb::LedgerCounts {
+                pending: c.pending,
+                leased: c.leased,
+                sent: c.sent,
+                trained: c.trained,
+                committed: c.committed,
+                total: c.total(),
+            }),
+            step: p.step,
+            loss: p.loss,
+            accuracy: p.accuracy,
+            acceptance_length: p.acceptance_length,
+            committed_step: p.committed_step,
+            errors: self.errors.lock().expect("errors lock").iter().cloned().collect(),
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! The Coordinator gRPC service.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use dflash_proto as pb;
+use dflash_proto::coordinator_server::Coordinator;
+use futures::Stream;
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::ledger::LedgerError;
+use crate::run::{Run, now_ms};
+
+pub struct CoordinatorService {
+    pub run: Arc<Run>,
+}
+
+fn ledger_status(e: LedgerError) -> Status {
+    tracing::error!("{e}");
+    Status::internal(e.to_string())
+}
+
+impl CoordinatorService {
+    fn check_run(&self, run_id: &str) -> Result<(), Status> {
+        if run_id != self.run.run_id {
+            return Err(Status::failed_precondition(format!(
+                "wrong run id \"{run_id}\": this coordinator runs \"{}\"",
+                self.run.run_id
+            )));
+        }
+        Ok(())
+    }
+
+    /// Run id and a live, registered instance.
+    fn check_instance(&self, run_id: &str, instance_id: &str) -> Result<(), Status> {
+        self.check_run(run_id)?;
+        if !self.run.touch(instance_id) {
+            return Err(Status::not_found(format!("instance {instance_id} is not registered")));
+        }
+        Ok(())
+    }
+
+    fn all_trained(&self) -> bool {
+        let c = self.run.counts();
+        c.pending + c.leased + c.sent == 0
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::RunEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Coordinator for CoordinatorService {
+    async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
+        let req = req.into_inner();
+        if req.protocol_version != dflash_proto::PROTOCOL_VERSION {
+            return Err(Status::failed_precondition(format!(
+                "protocol version {} is not supported (this coordinator speaks {})",
+                req.protocol_version,
+                dflash_proto::PROTOCOL_VERSION
+            )));
+        }
+        let role = pb::Role::try_from(req.role).unwrap_or(pb::Role::Unspecified);
+        if !matches!(role, pb::Role::Target | pb::Role::Drafter) {
+            return Err(Status::invalid_argument(format!("cannot register role {}", role.name())));
+        }
+        if req.instance_id.is_empty() {
+            return Err(Status::invalid_argument("instance_id is empty"));
+        }
+        let (state, message) = self.run.state();
+        if state != pb::RunState::Running {
+            return Err(Status::failed_precondition(format!(
+                "run {} is over ({}): {message}",
+                self.run.run_id,
+                state.as_str_name()
+            )));
+        }
+        self.run.register(req);
+        Ok(Response::new(pb::RegisterResponse {
+            run_id: self.run.run_id.clone(),
+            config_toml: self.run.config_toml.clone(),
+            heartbeat_interval_ms: self.run.config.faults.heartbeat_interval_ms as u32,
+        }))
+    }
+
+    async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let req = req.into_inner();
+        self.check_instance(&req.run_id, &req.instance_id)?;
+        if !req.held_batch_ids.is_empty() {
+            self.run
+                .ledger
+                .lock()
+                .expect("ledger lock")
+                .renew(&req.instance_id, &req.held_batch_ids, now_ms(), self.run.lease_ms())
+                .map_err(ledger_status)?;
+        }
+        Ok(Response::new(pb::HeartbeatResponse {}))
+    }
+
+    async fn report_error(&self, req: Request<pb::ErrorReport>) -> Result<Response<pb::ReportErrorResponse>, Status> {
+        let req = req.into_inner();
+        self.check_run(&req.run_id)?;
+        self.run.record_error(req);
+        Ok(Response::new(pb::ReportErrorResponse {}))
+    }
+
+    type WatchEventsStream = EventStream;
+
+    async fn watch_events(&self, req: Request<pb::WatchEventsRequest>) -> Result<Response<EventStream>, Status> {
+        let req = req.into_inner();
+        self.check_run(&req.run_id)?;
+        let run = Arc::clone(&self.run);
+        let mut rx = run.subscribe();
+        let (tx, out) = mpsc::channel(16);
+        tokio::spawn(async move {
+            for ev in run.snapshot_events() {
+                if tx.send(Ok(ev)).await.is_err() {
+                    return;
+                }
+            }
+            loop {
+                let ev = tokio::select! {
+                    r = rx.recv() => r,
+                    _ = tx.closed() => return,
+                };
+                let evs = match ev {
+                    Ok(ev) => vec![ev],
+                    // A slow watcher missed events: send the current state.
+                    Err(broadcast::error::RecvError::Lagged(_)) => run.snapshot_events(),
+                    Err(broadcast::error::RecvError::Closed) => return,
+                };
+                for ev in evs {
+                    if tx.send(Ok(ev)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+    }
+
+    async fn cancel_run(&self, req: Request<pb::CancelRunRequest>) -> Result<Response<pb::CancelRunResponse>, Status> {
+        let reason = req.into_inner().reason;
+        let reason = if reason.is_empty() { "cancelled by an operator".to_string() } else { reason };
+        self.run.end(pb::RunState::Cancelled, reason);
+        Ok(Response::new(pb::CancelRunResponse {}))
+    }
+
+    async fn status(&self, _req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
+        Ok(Response::new(self.run.status()))
+    }
+
+    async fn lease_work(&self, req: Request<pb::LeaseWorkRequest>) -> Result<Response<pb::LeaseWorkResponse>, Status> {
+        let req = req.into_inner();
+        self.check_instance(&req.run_id, &req.instance_id)?;
+        if !self.run.is_running() {
+            return Ok(Response::new(pb::LeaseWorkResponse { leases: vec![], exhausted: true, retry_after_ms: 0 }));
+        }
+        let leases = self
+            .run
+            .ledger
+            .lock()
+            .expect("ledger lock")
+            .lease(&req.instance_id, req.max_batches.clamp(1, 64), now_ms(), self.run.lease_ms())
+            .map_err(ledger_status)?;
+        let exhausted = leases.is_empty() && self.all_trained();
+        Ok(Response::new(pb::LeaseWorkResponse {
+            retry_after_ms: if leases.is_empty() { 200 } else { 0 },
+            exhausted,
+            leases: leases
+                .into_iter()
+                .map(|l| pb::WorkLease {
+                    batch_id: l.batch_id,
+                    epoch: l.epoch,
+                    sample_ids: l.sample_ids,
+                    sample_lengths: l.sample_lengths,
+                    lease_expires_unix_ms: l.expires_ms,
+                    trace_context: Default::default(),
+                })
+                .collect(),
+        }))
+    }
+
+    async fn report_sent(&self, req: Request<pb::ReportSentRequest>) -> Result<Response<pb::ReportSentResponse>, Status> {
+        let req = req.into_inner();
+        self.check_instance(&req.run_id, &req.instance_id)?;
+        if !self.run.is_current_drafter(&req.drafter_instance) {
+            // Acknowledged by a drafter that is gone: the batches stay leased
+            // and the target sends them again.
+            tracing::warn!(
+                "ignoring {} acknowledgement(s) from replaced drafter {}",
+                req.batch_ids.len(),
+                req.drafter_instance
+            );
+            return Err(Status::failed_precondition(format!(
+                "drafter {} is not the current drafter",
+                req.drafter_instance
+            )));
+        }
+        self.run
+            .ledger
+            .lock()
+            .expect("ledger lock")
+            .mark_sent(&req.instance_id, &req.batch_ids)
+            .map_err(ledger_status)?;
+        Ok(Response::new(pb::ReportSentResponse {}))
+    }
+
+    async fn report_trained(
+        &self,
+        req: Request<pb::ReportTrainedRequest>,
+    ) -> Result<Response<pb::ReportTrainedResponse>, Status> {
+        let req = req.into_inner();
+        self.check_instance(&req.run_id, &req.instance_id)?;
+        if !self.run.is_current_drafter(&req.instance_id) {
+            return Err(Status::failed_precondition(format!("{} is not the current drafter", req.instance_id)));
+        }
+        let ids: Vec<u64> = req.batches.iter().map(|b| b.batch_id).collect();
+        for b in req.batches.iter().filter(|b| b.skipped) {
+            tracing::warn!("drafter skipped batch {}: {}", b.batch_id, b.skip_reason);
+        }
+        self.run.ledger.lock().expect("ledger lock").mark_trained(&ids, req.step).map_err(ledger_status)?;
+        {
+            let mut p = self.run.progress.lock().expect("progress lock");
+            p.step = req.step;
+            p.loss = req.loss;
+            p.accuracy = req.accuracy;
+            p.acceptance_length = req.acceptance_length;
+            p.tokens += req.tokens;
+        }
+        Ok(Response::new(pb::ReportTrainedResponse { all_trained: self.all_trained() }))
+    }
+
+    async fn report_checkpoint(
+        &self,
+        req: Request<pb::ReportCheckpointRequest>,
+    ) -> Result<Response<pb::ReportCheckpointResponse>, Status> {
+        let req = req.into_inner();
+        self.check_instance(&req.run_id, &req.instance_id)?;
+        if !self.run.is_current_drafter(&req.instance_id) {
+            return Err(Status::failed_precondition(format!("{} is not the current drafter", req.instance_id)));
+        }
+        let counts = {
+            let mut ledger = self.run.ledger.lock().expect("ledger lock");
+            ledger.mark_committed(&req.batch_ids).map_err(ledger_status)?;
+            if req.resumed {
+                let redo = ledger.reset_uncommitted().map_err(ledger_status)?;
+                tracing::info!(
+                    "drafter {} starts from step {} ({}); {redo} uncommitted batch(es) will be redone",
+                    req.instance_id,
+                    req.step,
+                    if req.path.is_empty() { "no checkpoint" } else { req.path.as_str() }
+                );
+            }
+            ledger.counts().map_err(ledger_status)?
+        };
+        self.run.progress.lock().expect("progress lock").committed_step = req.step;
+        if !req.resumed {
+            tracing::info!("checkpoint at step {} committed: {}", req.step, req.path);
+        }
+        let complete = counts.committed == counts.total();
+        if complete {
+            self.run.end(
+                pb::RunState::Completed,
+                format!("all {} batches trained and committed (step {})", counts.total(), req.step),
+            );
+        }
+        Ok(Response::new(pb::ReportCheckpointResponse { run_complete: complete }))
+    }
+}

@@ -1,0 +1,85 @@
+//! Prefetch: moves queued batches onto the drafter's device ahead of the
+//! train step, turning SPLIT payloads into the concatenated features (and
+//! adding the configured noise) on the device.
+
+use std::time::Duration;
+
+use dflash_models::DeviceBatch;
+use dflash_role::Stop;
+use dflash_wire::{DType, HostBatch, Layout};
+use tch::{Device, Kind, Tensor};
+
+use crate::receiver::ReceivedBatch;
+
+/// Converts host batches into device batches.
+pub struct Prefetcher {
+    pub device: Device,
+    pub kind: Kind,
+    pub noise_std: f64,
+}
+
+/// Adds uniform noise with standard deviation `std` (U(-a, a), a = std*sqrt(3)).
+fn add_uniform_noise(t: Tensor, std: f64) -> Tensor {
+    if std == 0.0 {
+        return t;
+    }
+    let a = std * 3f64.sqrt();
+    &t + (t.rand_like() * (2.0 * a) - a)
+}
+
+impl Prefetcher {
+    /// `[T, k*H]` features on the device, in the drafter's kind.
+    pub fn to_device(&self, b: &HostBatch) -> anyhow::Result<DeviceBatch> {
+        let m = &b.meta;
+        let (t, k, h) = (m.token_count() as i64, m.layer_ids.len() as i64, m.hidden_size as i64);
+        let kind = match m.dtype {
+            DType::F32 => Kind::Float,
+            DType::Bf16 => Kind::BFloat16,
+            DType::F16 => Kind::Half,
+        };
+        let host = Tensor::f_from_data_size(&b.payload, &[t * k * h], kind)?;
+        let on_device = host.to_device(self.device).to_kind(self.kind);
+        let features = match m.layout {
+            // The target packed and noised already.
+            Layout::Packed => on_device.view([t, k * h]),
+            // k x [T, H] -> [T, k*H]: the concatenation fc expects.
+            Layout::Split => add_uniform_noise(
+                on_device.view([k, t, h]).permute([1, 0, 2]).contiguous().view([t, k * h]),
+                self.noise_std,
+            ),
+        };
+        Ok(DeviceBatch {
+            batch_id: m.batch_id,
+            features,
+            input_ids: m.input_ids.clone(),
+            loss_mask: m.loss_mask.clone(),
+            seq_lengths: m.seq_lengths.clone(),
+        })
+    }
+
+    /// Runs until the queue closes or the role stops.
+    pub fn run(
+        self,
+        input: flume::Receiver<ReceivedBatch>,
+        output: flume::Sender<DeviceBatch>,
+        stop: Stop,
+    ) -> anyhow::Result<()> {
+        loop {
+            let r = match input.recv_timeout(Duration::from_millis(100)) {
+                Ok(r) => r,
+                Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => continue,
+                Err(_) => return Ok(()),
+            };
+            let mut item = self.to_device(&r.batch)?;
+            // The host payload is dropped here (after the copy), not earlier.
+            drop(r);
+            loop {
+                match output.send_timeout(item, Duration::from_millis(100)) {
+                    Ok(()) => break,
+                    Err(flume::SendTimeoutError::Timeout(back)) if !stop.is_stopped() => item = back,
+                    Err(_) => return Ok(()),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! The train loop: one optimizer step per batch, progress to the log and
+//! the coordinator, checkpoints on the interval, on SIGTERM and at the end.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dflash_models::checkpoint::{TrainerState, latest_checkpoint, restore_checkpoint, save_checkpoint};
+use dflash_models::{DeviceBatch, StepOutcome, Trainer};
+use dflash_proto as pb;
+use dflash_role::{KindExt, Session, StopCause, with_timeout};
+use dflash_telemetry::ErrorKind;
+
+use crate::receiver::ReceivedBatch;
+
+pub struct TrainLoop {
+    pub trainer: Trainer,
+    pub session: Arc<Session>,
+    pub rt: tokio::runtime::Handle,
+    pub checkpoint_dir: PathBuf,
+    /// For logging how full the HS queue is.
+    pub hs_queue: flume::Sender<ReceivedBatch>,
+    /// Every batch trained in this checkpoint lineage, in order.
+    trained: Vec<u64>,
+    trained_set: BTreeSet<u64>,
+    /// Trained batches not yet reported to the coordinator.
+    unreported: Vec<pb::TrainedBatch>,
+    last_checkpoint_step: u64,
+    /// How many of `trained` the last checkpoint holds.
+    checkpointed: usize,
+    bad_in_a_row: u32,
+}
+
+/// Window of throughput accounting for the log line.
+struct Window {
+    started: Instant,
+    tokens: u64,
+    wait: Duration,
+}
+
+impl TrainLoop {
+    pub fn new(
+        trainer: Trainer,
+        session: Arc<Session>,
+        rt: tokio::runtime::Handle,
+        hs_queue: flume::Sender<ReceivedBatch>,
+    ) -> Self {
+        let checkpoint_dir = PathBuf::from(&session.config.checkpoint.dir);
+        Self {
+            trainer,
+            session,
+            rt,
+            checkpoint_dir,
+            hs_queue,
+            trained: Vec::new(),
+            trained_set: BTreeSet::new(),
+            unreported: Vec::new(),
+            last_checkpoint_step: 0,
+            checkpointed: 0,
+            bad_in_a_row: 0,
+        }
+    }
+
+    /// Restores the latest checkpoint, if any, and tells the coordinator
+    /// where this drafter starts, so that uncommitted work is redone.
+    pub fn resume(&mut self) -> anyhow::Result<()> {
+        let mut path = String::new();
+        if let Some(dir) = latest_checkpoint(&self.checkpoint_dir).kind(ErrorKind::Checkpoint)? {
+            let state = restore_checkpoint(&dir, &mut self.trainer).kind(ErrorKind::Checkpoint)?;
+            if !state.run_id.is_empty() && state.run_id != self.session.run_id {
+                return Err(anyhow::anyhow!(
+                    "checkpoint {} belongs to run {} but this is run {}; use another checkpoint.dir",
+                    dir.display(),
+                    state.run_id,
+                    self.session.run_id
+                ))
+                .kind(ErrorKind::Checkpoint);
+            }
+            tracing::info!("resumed from {} at step {} ({} batches)", dir.display(), state.step, state.batch_ids.len());
+            self.trained_set = state.batch_ids.iter().copied().collect();
+            self.trained = state.batch_ids;
+            self.last_checkpoint_step = state.step;
+            self.checkpointed = self.trained.len();
+            path = dir.display().to_string();
+        }
+        let req = pb::ReportCheckpointRequest {
+            run_id: self.session.run_id.clone(),
+            instance_id: self.session.instance_id.clone(),
+            step: self.trainer.step(),
+            path,
+            batch_ids: self.trained.clone(),
+            resumed: true,
+        };
+        self.rt
+            .block_on(with_timeout(self.session.rpc_timeout(), self.session.client().report_checkpoint(req)))
+            .map_err(|s| anyhow::anyhow!("reporting the starting checkpoint: {}", s.message()))
+            .kind(ErrorKind::PeerLost)?;
+        Ok(())
+    }
+
+    /// Trains until every batch is trained or the role stops.
+    pub fn run(mut self, input: flume::Receiver<DeviceBatch>) -> anyhow::Result<()> {
+        let stop = self.session.stop.clone();
+        let c = self.session.config.clone();
+        let mut win = Window { started: Instant::now(), tokens: 0, wait: Duration::ZERO };
+        loop {
+            let wait_start = Instant::now();
+            let batch = match input.recv_timeout(Duration::from_millis(100)) {
+                Ok(b) => b,
+                Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => {
+                    win.wait += wait_start.elapsed();
+                    continue;
+                }
+                Err(_) => break,
+            };
+            win.wait += wait_start.elapsed();
+            let id = batch.batch_id;
+            if self.trained_set.contains(&id) {
+                // A replay of a batch this lineage already trained (its ack
+                // was lost): count it as done, do not train it twice.
+                tracing::info!("batch {id} was already trained; not training it again");
+                self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: false, skip_reason: String::new() });
+                continue;
+            }
+            let outcome = self.trainer.train_batch(&batch);
+            self.trained.push(id);
+            self.trained_set.insert(id);
+            let metrics = match outcome {
+                StepOutcome::Trained(m) => {
+                    self.bad_in_a_row = 0;
+                    self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: false, skip_reason: String::new() });
+                    win.tokens += m.tokens;
+                    Some(m)
+                }
+                StepOutcome::Skipped(reason) => {
+                    self.bad_in_a_row += 1;
+                    tracing::warn!("skipped {reason} ({} in a row)", self.bad_in_a_row);
+                    self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: reason.clone() });
+                    if self.bad_in_a_row >= c.training.max_bad_batches_in_a_row {
+                        return Err(anyhow::anyhow!(
+                            "{} batches in a row had non-finite features, loss or gradients (last: {reason}); \
+                             training.max_bad_batches_in_a_row = {}",
+                            self.bad_in_a_row,
+                            c.training.max_bad_batches_in_a_row
+                        ))
+                        .kind(ErrorKind::NonFinite);
+                    }
+                    None
+                }
+            };
+            let step = self.trainer.step();
+            if let Some(m) = &metrics {
+                if step % c.run.log_every_steps.max(1) == 0 || step == 1 {
+                    let secs = win.started.elapsed().as_secs_f64();
+                    tracing::info!(
+                        "step {step}/{} | loss {:.4} | acc {:.3} | accept {:.2} | lr {:.2e} | grad {:.2} | {:.0} tok/s | queue {}/{} | wait {:.0}%",
+                        c.training.total_steps,
+                        m.loss,
+                        m.accuracy,
+                        m.acceptance_length,
+                        m.lr,
+                        m.grad_norm,
+                        win.tokens as f64 / secs,
+                        self.hs_queue.len(),
+                        c.pipeline.hs_queue_depth,
+                        100.0 * win.wait.as_secs_f64() / secs
+                    );
+                    win = Window { started: Instant::now(), tokens: 0, wait: Duration::ZERO };
+                }
+            }
+            let all_trained = self.report_trained(metrics.as_ref())?;
+            if step > 0 && step % c.checkpoint.interval_steps == 0 && step != self.last_checkpoint_step {
+                self.checkpoint()?;
+            }
+            if all_trained {
+                if self.trained.len() > self.checkpointed {
+                    tracing::info!("every batch of the run is trained: final checkpoint");
+                    self.checkpoint()?;
+                }
+                // The coordinator now completes the run and stops every role.
+                stop.stopped_blocking();
+                return Ok(());
+            }
+        }
+        // Stopped: a signal (SIGTERM from Kubernetes, Ctrl-C) checkpoints
+        // first so that no trained step is lost.
+        if matches!(stop.cause(), Some(StopCause::Signal(_))) && self.trained.len() > self.checkpointed {
+            tracing::info!("checkpointing step {} before exit", self.trainer.step());
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// Reports trained batches; true when the coordinator says every batch
+    /// of the run is trained. Unreachable coordinator: keep them for later.
+    fn report_trained(&mut self, m: Option<&dflash_models::StepMetrics>) -> anyhow::Result<bool> {
+        let m = m.cloned().unwrap_or_default();
+        let req = pb::ReportTrainedRequest {
+            run_id: self.session.run_id.clone(),
+            instance_id: self.session.instance_id.clone(),
+            step: self.trainer.step(),
+            batches: self.unreported.clone(),
+            loss: m.loss as f32,
+            accuracy: m.accuracy as f32,
+            acceptance_length: m.acceptance_length as f32,
+            tokens: m.tokens,
+        };
+        match self.rt.block_on(with_timeout(self.session.rpc_timeout(), self.session.client().report_trained(req))) {
+            Ok(r) => {
+                self.unreported.clear();
+                Ok(r.all_trained)
+            }
+            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                Err(anyhow::anyhow!("coordinator: {}", s.message())).kind(ErrorKind::Protocol)
+            }
+            Err(s) => {
+                tracing::warn!("could not report progress ({}); will retry", s.message());
+                Ok(false)
+            }
+        }
+    }
+
+    fn checkpoint(&mut self) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        let state = TrainerState {
+            step: self.trainer.step(),
+            batch_ids: self.trained.clone(),
+            run_config: self.session.config_toml(),
+            run_id: self.session.run_id.clone(),
+        };
+        let keep = self.session.config.checkpoint.keep_last as usize;
+        let dir = save_checkpoint(&self.checkpoint_dir, &self.trainer, &state, keep).kind(ErrorKind::Checkpoint)?;
+        self.last_checkpoint_step = state.step;
+        self.checkpointed = self.trained.len();
+        tracing::info!("checkpoint {} written in {:.2} s", dir.display(), t0.elapsed().as_secs_f64());
+        // Trained batches must be known to the ledger before they commit.
+        self.report_trained(None)?;
+        self.report_checkpoint(dir)
+    }
+
+    fn report_checkpoint(&mut self, dir: PathBuf) -> anyhow::Result<()> {
+        let req = pb::ReportCheckpointRequest {
+            run_id: self.session.run_id.clone(),
+            instance_id: self.session.instance_id.clone(),
+            step: self.last_checkpoint_step,
+            path: dir.display().to_string(),
+            batch_ids: self.trained.clone(),
+            resumed: false,
+        };
+        match self.rt.block_on(with_timeout(self.session.rpc_timeout(), self.session.client().report_checkpoint(req))) {
+            Ok(_) => Ok(()),
+            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                Err(anyhow::anyhow!("coordinator: {}", s.message())).kind(ErrorKind::Protocol)
+            }
+            Err(s) => {
+                // The checkpoint is on disk; a restart reports it again.
+                tracing::warn!("could not report checkpoint {}: {}", dir.display(), s.message());
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! The forward loop of one target device: token batch in, captured layers
+//! out. It never waits on postprocessing beyond the postprocess queue's
+//! bound (`pipeline.target_postprocess_depth`).
+
+use std::time::{Duration, Instant};
+
+use dflash_models::TargetModel;
+use dflash_role::Stop;
+use tch::{Kind, Tensor};
+
+use crate::postprocess::PostprocessSink;
+use crate::work::WorkItem;
+
+/// A batch whose features exist on the device: the forward loop hands it
+/// to postprocessing by value, so nothing else can touch its tensors.
+pub struct CapturedBatch {
+    pub work: WorkItem,
+    /// Residual stream after each captured layer, `[T, H]` each, in
+    /// `target_layer_ids` order.
+    pub layers: Vec<Tensor>,
+}
+
+/// One device's forward loop.
+pub struct ForwardLoop {
+    pub model: TargetModel,
+    pub layer_ids: Vec<i64>,
+    pub label: String,
+}
+
+impl ForwardLoop {
+    /// Runs until the input closes or the role stops.
+    pub fn run(self, input: flume::Receiver<WorkItem>, sink: PostprocessSink, stop: Stop) -> anyhow::Result<()> {
+        let mut batches = 0u64;
+        let mut tokens = 0u64;
+        let started = Instant::now();
+        let mut busy = Duration::ZERO;
+        loop {
+            let work = match input.recv_timeout(Duration::from_millis(100)) {
+                Ok(w) => w,
+                Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => continue,
+                Err(_) => break,
+            };
+            let t0 = Instant::now();
+            let ids: Vec<i64> = work.input_ids.iter().map(|&i| i as i64).collect();
+            let ids = Tensor::from_slice(&ids).to_device(self.model.device);
+            let lens: Vec<i64> = work.seq_lengths.iter().map(|&l| l as i64).collect();
+            let layers = self.model.capture_packed(&ids, &lens, &self.layer_ids);
+            busy += t0.elapsed();
+            batches += 1;
+            tokens += work.input_ids.len() as u64;
+            if batches % 50 == 0 {
+                let wall = started.elapsed().as_secs_f64();
+                tracing::info!(
+                    "{}: {batches} batches, {:.0} tokens/s, forward busy {:.0}%",
+                    self.label,
+                    tokens as f64 / wall,
+                    100.0 * busy.as_secs_f64() / wall
+                );
+            }
+            if !sink.push(CapturedBatch { work, layers }, &stop)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Kind the target computes in on this device for a config dtype.
+pub fn compute_kind(dtype: &str, device: tch::Device) -> Kind {
+    match dtype {
+        "f32" => Kind::Float,
+        "bf16" => Kind::BFloat16,
+        _ if device.is_cuda() => Kind::BFloat16,
+        _ => Kind::Float,
+    }
+}

@@ -1,0 +1,124 @@
+//! The postprocess pool: captured layers on the device become a host
+//! payload in the configured layout (PACKED: [T, k*H] with noise; SPLIT:
+//! k x [T, H]), owned by the batch until its bytes have left.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use dflash_role::Stop;
+use dflash_wire::{BatchMeta, DType, HostBatch, Layout};
+use tch::{Kind, Tensor};
+
+use crate::forward::CapturedBatch;
+
+/// Turns captured batches into host batches.
+#[derive(Clone)]
+pub struct Postprocessor {
+    pub layout: Layout,
+    pub noise_std: f64,
+    pub layer_ids: Vec<u32>,
+    pub target_instance: String,
+}
+
+/// Adds uniform noise with standard deviation `std` (U(-a, a), a = std*sqrt(3)).
+pub fn add_uniform_noise(t: &Tensor, std: f64) -> Tensor {
+    if std == 0.0 {
+        return t.shallow_clone();
+    }
+    let a = std * 3f64.sqrt();
+    t + (t.rand_like() * (2.0 * a) - a)
+}
+
+fn dtype_of(kind: Kind) -> anyhow::Result<DType> {
+    Ok(match kind {
+        Kind::Float => DType::F32,
+        Kind::BFloat16 => DType::Bf16,
+        Kind::Half => DType::F16,
+        k => anyhow::bail!("cannot ship features of kind {k:?}"),
+    })
+}
+
+/// Contiguous host bytes of a tensor.
+fn host_bytes(t: &Tensor) -> Bytes {
+    let t = t.to_device(tch::Device::Cpu).contiguous();
+    let numel = t.numel();
+    let mut buf = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+    t.copy_data_u8(&mut buf, numel);
+    Bytes::from(buf)
+}
+
+impl Postprocessor {
+    pub fn process(&self, c: CapturedBatch) -> anyhow::Result<HostBatch> {
+        let _guard = tch::no_grad_guard();
+        let first = c.layers.first().ok_or_else(|| anyhow::anyhow!("batch {}: no captured layers", c.work.batch_id))?;
+        let hidden = first.size()[1] as u32;
+        let dtype = dtype_of(first.kind())?;
+        let payload = match self.layout {
+            Layout::Packed => host_bytes(&add_uniform_noise(&Tensor::cat(&c.layers, 1), self.noise_std)),
+            Layout::Split => host_bytes(&Tensor::stack(&c.layers, 0)),
+        };
+        let w = c.work;
+        let meta = BatchMeta {
+            batch_id: w.batch_id,
+            epoch: w.epoch,
+            target_instance: self.target_instance.clone(),
+            layout: self.layout,
+            dtype,
+            seq_lengths: w.seq_lengths,
+            input_ids: w.input_ids,
+            loss_mask: w.loss_mask,
+            layer_ids: self.layer_ids.clone(),
+            hidden_size: hidden,
+            sample_ids: w.sample_ids,
+            trace_context: Default::default(),
+        };
+        Ok(HostBatch::new(meta, payload)?)
+    }
+}
+
+/// Where the forward loop hands captured batches: a bounded queue to the
+/// pool, or (depth 0) postprocessing inline on the forward thread.
+pub enum PostprocessSink {
+    Queue(flume::Sender<CapturedBatch>),
+    Inline(Postprocessor, flume::Sender<HostBatch>),
+}
+
+impl PostprocessSink {
+    /// Hands one batch on; false when the pipeline is closing.
+    pub fn push(&self, c: CapturedBatch, stop: &Stop) -> anyhow::Result<bool> {
+        match self {
+            PostprocessSink::Queue(tx) => Ok(send_until_stop(tx, c, stop)),
+            PostprocessSink::Inline(p, tx) => Ok(send_until_stop(tx, p.process(c)?, stop)),
+        }
+    }
+}
+
+/// Blocking send that gives up when the role stops.
+pub fn send_until_stop<T>(tx: &flume::Sender<T>, mut item: T, stop: &Stop) -> bool {
+    loop {
+        match tx.send_timeout(item, Duration::from_millis(100)) {
+            Ok(()) => return true,
+            Err(flume::SendTimeoutError::Timeout(back)) if !stop.is_stopped() => item = back,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// One postprocess worker: runs until its input closes or the role stops.
+pub fn worker(
+    p: Postprocessor,
+    input: flume::Receiver<CapturedBatch>,
+    output: flume::Sender<HostBatch>,
+    stop: Stop,
+) -> anyhow::Result<()> {
+    loop {
+        let c = match input.recv_timeout(Duration::from_millis(100)) {
+            Ok(c) => c,
+            Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => continue,
+            Err(_) => return Ok(()),
+        };
+        if !send_until_stop(&output, p.process(c)?, &stop) {
+            return Ok(());
+        }
+    }
+}

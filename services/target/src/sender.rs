@@ -1,0 +1,243 @@
+//! The sender: streams host batches to the drafter as chunks, within the
+//! credits the drafter grants, keeps every unacknowledged batch, and
+//! replays them after a reconnect (a restarted drafter included).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use dflash_proto as pb;
+use dflash_proto::drafter_client::DrafterClient;
+use dflash_proto::drafter_message::Msg;
+use dflash_role::{HeldBatches, KindExt, Session, with_timeout};
+use dflash_telemetry::ErrorKind;
+use dflash_wire::{HostBatch, batch_messages};
+use tokio::sync::{mpsc, watch};
+use tonic::transport::Endpoint;
+
+/// Largest gRPC message either side accepts (a chunk plus its framing).
+pub const MAX_MESSAGE_BYTES: usize = 80 << 20;
+
+/// Why one connection to the drafter ended.
+enum StreamEnd {
+    /// Reconnect (drafter gone, endpoint changed, stream broken).
+    Reconnect(String),
+    /// The role is stopping.
+    Stopped,
+}
+
+pub struct Sender {
+    pub session: Arc<Session>,
+    pub held: HeldBatches,
+    pub input: flume::Receiver<HostBatch>,
+    pub drafter_endpoint: watch::Receiver<Option<String>>,
+    /// Unacknowledged batches, oldest first (bounded by the credits).
+    unacked: VecDeque<HostBatch>,
+    reports: mpsc::Sender<(u64, String)>,
+}
+
+impl Sender {
+    pub fn new(
+        session: Arc<Session>,
+        held: HeldBatches,
+        input: flume::Receiver<HostBatch>,
+        drafter_endpoint: watch::Receiver<Option<String>>,
+    ) -> Self {
+        let (reports, rx) = mpsc::channel(256);
+        tokio::spawn(report_sent(Arc::clone(&session), rx));
+        Self { session, held, input, drafter_endpoint, unacked: VecDeque::new(), reports }
+    }
+
+    /// Runs until the role stops.
+    pub async fn run(mut self) -> anyhow::Result<()> {
+        let stop = self.session.stop.clone();
+        loop {
+            // Wait for a drafter to exist.
+            let endpoint = loop {
+                if let Some(e) = self.drafter_endpoint.borrow_and_update().clone() {
+                    break e;
+                }
+                tokio::select! {
+                    r = self.drafter_endpoint.changed() => if r.is_err() { return Ok(()) },
+                    _ = stop.stopped() => return Ok(()),
+                }
+            };
+            match self.connection(&endpoint).await? {
+                StreamEnd::Stopped => return Ok(()),
+                StreamEnd::Reconnect(why) => {
+                    tracing::warn!(
+                        "stream to drafter {endpoint} ended ({why}); {} unacknowledged batch(es) kept for replay",
+                        self.unacked.len()
+                    );
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        _ = stop.stopped() => return Ok(()),
+                    }
+                }
+            }
+        }
+    }
+
+    /// One stream to one drafter: hello, replay, then send and handle acks.
+    async fn connection(&mut self, endpoint: &str) -> anyhow::Result<StreamEnd> {
+        let stop = self.session.stop.clone();
+        let channel = match Endpoint::from_shared(endpoint.to_string())
+            .with_context(|| format!("drafter endpoint {endpoint}"))
+            .kind(ErrorKind::Config)?
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(20))
+            .keep_alive_while_idle(true)
+            .initial_stream_window_size(Some(16 << 20))
+            .initial_connection_window_size(Some(32 << 20))
+            .connect()
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => return Ok(StreamEnd::Reconnect(format!("connect: {e}"))),
+        };
+        let mut client = DrafterClient::new(channel)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        let (tx, rx) = mpsc::channel::<pb::TargetMessage>(16);
+        let hello = pb::TargetMessage {
+            msg: Some(pb::target_message::Msg::Hello(pb::StreamHello {
+                protocol_version: dflash_proto::PROTOCOL_VERSION,
+                run_id: self.session.run_id.clone(),
+                target_instance: self.session.instance_id.clone(),
+            })),
+        };
+        tx.send(hello).await.ok();
+        let mut responses = match with_timeout(
+            self.session.rpc_timeout(),
+            client.stream_hidden_states(tokio_stream::wrappers::ReceiverStream::new(rx)),
+        )
+        .await
+        {
+            Ok(s) => s,
+            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                return Err(anyhow::anyhow!("drafter {endpoint} refused the stream: {}", s.message()))
+                    .kind(ErrorKind::Protocol);
+            }
+            Err(s) => return Ok(StreamEnd::Reconnect(s.message().to_string())),
+        };
+        let welcome = match tokio::time::timeout(self.session.rpc_timeout(), responses.message()).await {
+            Ok(Ok(Some(pb::DrafterMessage { msg: Some(Msg::Welcome(w)) }))) => w,
+            Ok(Err(s)) if s.code() == tonic::Code::FailedPrecondition => {
+                return Err(anyhow::anyhow!("drafter {endpoint} refused the stream: {}", s.message()))
+                    .kind(ErrorKind::Protocol);
+            }
+            other => return Ok(StreamEnd::Reconnect(format!("no welcome from the drafter: {other:?}"))),
+        };
+        let credits = welcome.credits.max(1) as usize;
+        let drafter = welcome.drafter_instance;
+        let chunk = self.session.config.pipeline.chunk_bytes as usize;
+        tracing::info!("streaming to drafter {drafter} at {endpoint} ({credits} credits)");
+        // Replay what the previous drafter (or connection) never acknowledged.
+        let replay: Vec<HostBatch> = self.unacked.iter().cloned().collect();
+        if !replay.is_empty() {
+            tracing::info!("replaying {} unacknowledged batch(es) to {drafter}", replay.len());
+        }
+        for b in &replay {
+            if !send_batch(&tx, b, chunk).await {
+                return Ok(StreamEnd::Reconnect("stream closed during replay".into()));
+            }
+        }
+        loop {
+            let can_send = self.unacked.len() < credits;
+            tokio::select! {
+                b = self.input.recv_async(), if can_send => {
+                    let Ok(batch) = b else { return Ok(StreamEnd::Stopped) };
+                    let ok = send_batch(&tx, &batch, chunk).await;
+                    self.unacked.push_back(batch);
+                    if !ok {
+                        return Ok(StreamEnd::Reconnect("stream closed while sending".into()));
+                    }
+                }
+                m = responses.message() => match m {
+                    Ok(Some(pb::DrafterMessage { msg: Some(Msg::Ack(ack)) })) => {
+                        self.handle_ack(ack, &drafter, &tx, chunk).await?;
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => return Ok(StreamEnd::Reconnect("drafter closed the stream".into())),
+                    Err(s) => return Ok(StreamEnd::Reconnect(s.message().to_string())),
+                },
+                r = self.drafter_endpoint.changed() => {
+                    if r.is_err() { return Ok(StreamEnd::Stopped) }
+                    if self.drafter_endpoint.borrow().as_deref() != Some(endpoint) {
+                        return Ok(StreamEnd::Reconnect("drafter endpoint changed".into()));
+                    }
+                }
+                _ = stop.stopped() => return Ok(StreamEnd::Stopped),
+            }
+        }
+    }
+
+    async fn handle_ack(
+        &mut self,
+        ack: pb::BatchAck,
+        drafter: &str,
+        tx: &mpsc::Sender<pb::TargetMessage>,
+        chunk: usize,
+    ) -> anyhow::Result<()> {
+        let Some(pos) = self.unacked.iter().position(|b| b.meta.batch_id == ack.batch_id) else {
+            tracing::warn!("acknowledgement for unknown batch {}", ack.batch_id);
+            return Ok(());
+        };
+        match pb::AckStatus::try_from(ack.status) {
+            Ok(pb::AckStatus::Accepted) => {
+                let batch = self.unacked.remove(pos).expect("position is valid");
+                self.held.lock().expect("held lock").remove(&batch.meta.batch_id);
+                // The payload is released here: the drafter owns the batch.
+                let _ = self.reports.send((batch.meta.batch_id, drafter.to_string())).await;
+            }
+            Ok(pb::AckStatus::Resend) => {
+                tracing::warn!("drafter asks to resend batch {}: {}", ack.batch_id, ack.reason);
+                let batch = self.unacked[pos].clone();
+                send_batch(tx, &batch, chunk).await;
+            }
+            _ => {
+                return Err(anyhow::anyhow!("drafter rejected batch {}: {}", ack.batch_id, ack.reason))
+                    .kind(ErrorKind::Protocol);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sends one batch's messages; false if the stream is gone.
+async fn send_batch(tx: &mpsc::Sender<pb::TargetMessage>, batch: &HostBatch, chunk: usize) -> bool {
+    for m in batch_messages(batch, chunk) {
+        if tx.send(m).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+/// Tells the coordinator which batches the drafter acknowledged, batching
+/// what has accumulated into one call.
+async fn report_sent(session: Arc<Session>, mut rx: mpsc::Receiver<(u64, String)>) {
+    let mut client = session.client();
+    while let Some(first) = rx.recv().await {
+        let mut by_drafter: std::collections::BTreeMap<String, Vec<u64>> = Default::default();
+        by_drafter.entry(first.1).or_default().push(first.0);
+        while let Ok((id, d)) = rx.try_recv() {
+            by_drafter.entry(d).or_default().push(id);
+        }
+        for (drafter_instance, batch_ids) in by_drafter {
+            let req = pb::ReportSentRequest {
+                run_id: session.run_id.clone(),
+                instance_id: session.instance_id.clone(),
+                batch_ids,
+                drafter_instance,
+            };
+            if let Err(s) = with_timeout(session.rpc_timeout(), client.report_sent(req)).await {
+                // The ledger keeps them leased; their leases lapse and they are redone.
+                tracing::warn!("could not report acknowledged batches: {}", s.message());
+            }
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! The work source: leases batches of sample ids from the coordinator and
+//! turns them into token batches from the local copy of the dataset.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use dflash_config::MalformedPolicy;
+use dflash_data::{ChatTokenizer, Dataset, LoadOptions};
+use dflash_proto as pb;
+use dflash_role::{HeldBatches, KindExt, Session, with_timeout};
+use dflash_telemetry::ErrorKind;
+
+/// One leased batch, tokenized and packed: the forward loop's input.
+#[derive(Clone, Debug)]
+pub struct WorkItem {
+    pub batch_id: u64,
+    pub epoch: u32,
+    pub sample_ids: Vec<u64>,
+    pub seq_lengths: Vec<u32>,
+    pub input_ids: Vec<u32>,
+    pub loss_mask: Vec<u8>,
+}
+
+/// Loads the dataset the coordinator planned from, the same way it did.
+pub fn load_dataset(session: &Session) -> anyhow::Result<Dataset> {
+    let c = &session.config;
+    let tok = ChatTokenizer::from_dir(Path::new(&c.model.target_path)).kind(ErrorKind::Config)?;
+    let opts = LoadOptions {
+        max_seq_len: c.data.max_seq_len as usize,
+        skip_malformed: c.data.on_malformed == MalformedPolicy::Skip,
+    };
+    let ds = Dataset::load(Path::new(&c.data.train_path), &tok, &opts).kind(ErrorKind::Data)?;
+    tracing::info!("dataset {}: {}", c.data.train_path, ds.report);
+    Ok(ds)
+}
+
+/// Builds the packed batch of a lease, checking the coordinator's lengths
+/// against the local dataset (a different dataset copy is a clear error).
+pub fn work_item(ds: &Dataset, lease: &pb::WorkLease) -> anyhow::Result<WorkItem> {
+    let mut item = WorkItem {
+        batch_id: lease.batch_id,
+        epoch: lease.epoch,
+        sample_ids: lease.sample_ids.clone(),
+        seq_lengths: Vec::with_capacity(lease.sample_ids.len()),
+        input_ids: Vec::new(),
+        loss_mask: Vec::new(),
+    };
+    for (i, &id) in lease.sample_ids.iter().enumerate() {
+        let s = ds
+            .get(id)
+            .with_context(|| format!("batch {}: sample {id} is not in {}", lease.batch_id, ds.path.display()))
+            .kind(ErrorKind::Data)?;
+        let want = lease.sample_lengths.get(i).copied().unwrap_or(0) as usize;
+        if s.len() != want {
+            return Err(anyhow::anyhow!(
+                "batch {}: sample {id} has {} tokens here but {want} at the coordinator; \
+                 target and coordinator must read the same dataset and tokenizer",
+                lease.batch_id,
+                s.len()
+            ))
+            .kind(ErrorKind::Data);
+        }
+        item.seq_lengths.push(s.len() as u32);
+        item.input_ids.extend_from_slice(&s.input_ids);
+        item.loss_mask.extend_from_slice(&s.loss_mask);
+    }
+    Ok(item)
+}
+
+/// Leases batches one at a time while the work queue has room, until the
+/// role stops. Leased ids go into `held` (renewed by heartbeats) until the
+/// drafter acknowledges them.
+pub async fn lease_loop(
+    session: Arc<Session>,
+    ds: Arc<Dataset>,
+    held: HeldBatches,
+    out: flume::Sender<WorkItem>,
+) -> anyhow::Result<()> {
+    let mut client = session.client();
+    let stop = session.stop.clone();
+    loop {
+        if stop.is_stopped() {
+            return Ok(());
+        }
+        let req = pb::LeaseWorkRequest {
+            run_id: session.run_id.clone(),
+            instance_id: session.instance_id.clone(),
+            max_batches: 1,
+        };
+        let resp = tokio::select! {
+            r = with_timeout(session.rpc_timeout(), client.lease_work(req)) => r,
+            _ = stop.stopped() => return Ok(()),
+        };
+        let wait = match resp {
+            Ok(r) if !r.leases.is_empty() => {
+                for lease in &r.leases {
+                    held.lock().expect("held lock").insert(lease.batch_id);
+                    let item = work_item(&ds, lease)?;
+                    tokio::select! {
+                        r = out.send_async(item) => if r.is_err() { return Ok(()) },
+                        _ = stop.stopped() => return Ok(()),
+                    }
+                }
+                continue;
+            }
+            Ok(r) if r.exhausted => Duration::from_millis(1000),
+            Ok(r) => Duration::from_millis(r.retry_after_ms.max(50) as u64),
+            Err(s) => {
+                tracing::debug!("lease request failed: {}", s.message());
+                Duration::from_millis(500)
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.stopped() => return Ok(()),
+        }
+    }
+}
