@@ -1,1 +1,282 @@
-//! Helpers for the integration tests.
+//! Helpers for the integration tests: locate the built binaries, prepare
+//! the synthetic target, write configs, start real processes on free ports,
+//! and wait for them with deadlines.
+
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// A binary of the workspace, built in the same profile as the tests.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
+    let dir = exe.parent().and_then(Path::parent).expect("target profile folder");
+    let p = dir.join(name);
+    assert!(p.is_file(), "{} is missing: build the binaries first (cargo build --release --bins)", p.display());
+    p
+}
+
+/// A free loopback port.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("bind").port()
+}
+
+/// A scratch folder with the synthetic target and dataset in it.
+pub struct Workspace {
+    pub dir: tempfile::TempDir,
+}
+
+impl Workspace {
+    /// Writes the synthetic target (`layers` layers) and `samples` conversations.
+    pub fn synthetic(samples: usize, layers: u32) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let status = Command::new(bin("dflash-target"))
+            .args(["prepare-synthetic", "--model-dir"])
+            .arg(dir.path().join("model"))
+            .arg("--dataset")
+            .arg(dir.path().join("data.jsonl"))
+            .args(["--samples", &samples.to_string(), "--layers", &layers.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("run prepare-synthetic");
+        assert!(status.success(), "prepare-synthetic failed");
+        Self { dir }
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    /// A run config for the synthetic target with short fault timeouts;
+    /// `extra` is TOML merged over it key by key.
+    pub fn config(&self, name: &str, extra: &str) -> PathBuf {
+        let text = format!(
+            r#"
+[run]
+name = "{name}"
+epochs = 1
+max_steps = 12
+log_every_steps = 1
+
+[model]
+target_path = "{model}"
+dtype = "f32"
+
+[drafter]
+num_layers = 1
+block_size = 8
+mask_token_id = 3
+
+[data]
+train_path = "{data}"
+max_seq_len = 256
+
+[training]
+lr = 1e-3
+anchors_per_sequence = 8
+max_blocks_per_micro_batch = 256
+
+[pipeline]
+token_budget = 1024
+max_batch_size = 16
+
+[devices]
+target = "cpu"
+drafter = "cpu"
+
+[checkpoint]
+dir = "{ckpt}"
+interval_steps = 5
+
+[faults]
+heartbeat_interval_ms = 200
+instance_timeout_ms = 2000
+coordinator_timeout_ms = 3000
+rpc_timeout_ms = 3000
+shutdown_grace_ms = 5000
+"#,
+            model = self.path("model").display(),
+            data = self.path("data.jsonl").display(),
+            ckpt = self.path("checkpoints").display(),
+        );
+        let mut base: toml::Table = text.parse().expect("base config");
+        let extra: toml::Table = extra.parse().expect("extra config");
+        for (section, values) in extra {
+            match (base.get_mut(&section), values) {
+                (Some(toml::Value::Table(b)), toml::Value::Table(v)) => b.extend(v),
+                (_, v) => {
+                    base.insert(section, v);
+                }
+            }
+        }
+        let p = self.path(&format!("{name}.toml"));
+        std::fs::write(&p, toml::to_string(&base).expect("toml")).expect("write config");
+        p
+    }
+}
+
+/// A process under test, its output in a log file.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `bin(program)` with `args`, output to `<log_dir>/<name>.log`.
+    pub fn start(name: &str, program: &str, args: &[String], log_dir: &Path) -> Self {
+        let log = log_dir.join(format!("{name}.log"));
+        let out = File::create(&log).expect("log file");
+        let err = out.try_clone().expect("log file");
+        let child = Command::new(bin(program))
+            .args(args)
+            .env("DFLASH_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .expect("spawn");
+        Self { name: name.to_string(), child, log }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits up to `timeout` for the process to exit.
+    pub fn wait_for(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                return Some(s);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits for exit or panics with the log.
+    pub fn expect_exit(&mut self, timeout: Duration) -> ExitStatus {
+        match self.wait_for(timeout) {
+            Some(s) => s,
+            None => {
+                let _ = self.child.kill();
+                panic!("{} did not exit within {timeout:?}; log:\n{}", self.name, self.log_text())
+            }
+        }
+    }
+
+    pub fn signal(&self, sig: Signal) {
+        let _ = kill(Pid::from_raw(self.pid()), sig);
+    }
+
+    /// Waits until the log contains `needle`.
+    pub fn wait_for_log(&mut self, needle: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.log_text().contains(needle) {
+                return true;
+            }
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return self.log_text().contains(needle);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The three roles of one run on loopback ports.
+pub struct Cluster {
+    pub coordinator_url: String,
+    pub coordinator_port: u16,
+    pub drafter_port: u16,
+    pub config: PathBuf,
+    pub ledger: PathBuf,
+    pub logs: PathBuf,
+}
+
+impl Cluster {
+    pub fn new(ws: &Workspace, config: PathBuf) -> Self {
+        let coordinator_port = free_port();
+        Self {
+            coordinator_url: format!("http://127.0.0.1:{coordinator_port}"),
+            coordinator_port,
+            drafter_port: free_port(),
+            config,
+            ledger: ws.path("ledger.sqlite"),
+            logs: ws.path(""),
+        }
+    }
+
+    pub fn coordinator(&self, extra: &[&str]) -> Proc {
+        let mut args = vec![
+            "--config".to_string(),
+            self.config.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{}", self.coordinator_port),
+            "--ledger".into(),
+            self.ledger.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Proc::start("coordinator", "dflash-coordinator", &args, &self.logs)
+    }
+
+    pub fn drafter(&self, name: &str) -> Proc {
+        let args = vec![
+            "serve".to_string(),
+            "--coordinator".into(),
+            self.coordinator_url.clone(),
+            "--listen".into(),
+            format!("127.0.0.1:{}", self.drafter_port),
+            "--advertise".into(),
+            format!("http://127.0.0.1:{}", self.drafter_port),
+            "--threads".into(),
+            "1".into(),
+        ];
+        Proc::start(name, "dflash-drafter", &args, &self.logs)
+    }
+
+    pub fn target(&self, name: &str) -> Proc {
+        let args = vec![
+            "serve".to_string(),
+            "--coordinator".into(),
+            self.coordinator_url.clone(),
+            "--instance-id".into(),
+            name.to_string(),
+            "--health-listen".into(),
+            format!("127.0.0.1:{}", free_port()),
+            "--threads".into(),
+            "1".into(),
+        ];
+        Proc::start(name, "dflash-target", &args, &self.logs)
+    }
+}
+
+/// Tensor names in a safetensors file.
+pub fn safetensors_names(path: &Path) -> Vec<String> {
+    let bytes = std::fs::read(path).expect("read safetensors");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse safetensors");
+    let mut names: Vec<String> = st.names().into_iter().cloned().collect();
+    names.sort();
+    names
+}

@@ -1,0 +1,99 @@
+//! The one-machine run: `dflash up` starts the three roles as processes,
+//! trains to the end and leaves a served-layout checkpoint and a ledger in
+//! which every batch was trained and committed exactly once.
+
+use std::time::Duration;
+
+use dflash_coordinator::ledger::Ledger;
+use dflash_tests::{Proc, Workspace, safetensors_names};
+
+fn up(ws: &Workspace, config: &std::path::Path, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "up".to_string(),
+        "--config".into(),
+        config.display().to_string(),
+        "--workdir".into(),
+        ws.path("up").display().to_string(),
+        "--target-threads".into(),
+        "1".into(),
+        "--drafter-threads".into(),
+        "1".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::start("up", "dflash", &args, ws.dir.path())
+}
+
+#[test]
+fn dflash_up_trains_to_the_end_and_commits_every_batch_once() {
+    let ws = Workspace::synthetic(300, 4);
+    let config = ws.config("up-split", "");
+    let mut up = up(&ws, &config, &[]);
+    let status = up.expect_exit(Duration::from_secs(180));
+    let log = up.log_text();
+    assert!(status.success(), "dflash up failed:\n{log}");
+
+    // Every role printed the grouped config block with the pipeline knobs.
+    for role in ["coordinator", "target", "drafter"] {
+        let block = format!(
+            "[{role:<11}]     Prefetch depth: 2, HS queue: 8\n[{role:<11}]     Target postprocess depth: 1, split FC layers: true"
+        );
+        assert!(log.contains(&block), "{role} did not print the pipeline block:\n{log}");
+    }
+    assert!(log.contains("run completed"), "{log}");
+
+    // The final checkpoint is in the served layout.
+    let latest = std::fs::read_to_string(ws.path("checkpoints/latest")).expect("latest pointer");
+    let dir = ws.path("checkpoints").join(latest.trim());
+    assert_eq!(latest.trim(), "step-00000012");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "DFlashDraftModel");
+    assert_eq!(config["dflash_config"]["mask_token_id"], 3);
+    assert_eq!(config["num_hidden_layers"], 1);
+    assert_eq!(config["block_size"], 8);
+    let names = safetensors_names(&dir.join("model.safetensors"));
+    let want: Vec<String> = [
+        "fc.weight",
+        "hidden_norm.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.mlp.down_proj.weight",
+        "layers.0.mlp.gate_proj.weight",
+        "layers.0.mlp.up_proj.weight",
+        "layers.0.post_attention_layernorm.weight",
+        "layers.0.self_attn.k_norm.weight",
+        "layers.0.self_attn.k_proj.weight",
+        "layers.0.self_attn.o_proj.weight",
+        "layers.0.self_attn.q_norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.self_attn.v_proj.weight",
+        "norm.weight",
+    ]
+    .map(String::from)
+    .to_vec();
+    assert_eq!(names, want);
+
+    // Ledger: 12 batches, each trained once and committed once.
+    let ledger = Ledger::open(&ws.path("up/ledger.sqlite")).unwrap();
+    let audit = ledger.audit().unwrap();
+    assert_eq!(audit.len(), 12);
+    for a in &audit {
+        assert_eq!((a.state.as_str(), a.trains, a.commits), ("committed", 1, 1), "{a:?}");
+    }
+}
+
+#[test]
+fn packed_layout_with_noise_trains_too() {
+    let ws = Workspace::synthetic(200, 3);
+    let config = ws.config("up-packed", "");
+    let mut up = up(
+        &ws,
+        &config,
+        &["--no-split-fc-layers", "--max-steps", "6", "--set", "training.feature_noise_std=0.05", "--target-postprocess-depth", "0"],
+    );
+    let status = up.expect_exit(Duration::from_secs(180));
+    let log = up.log_text();
+    assert!(status.success(), "dflash up failed:\n{log}");
+    assert!(log.contains("Target postprocess depth: 0, split FC layers: false"), "{log}");
+    assert!(log.contains("PACKED layout"), "{log}");
+    assert!(log.contains("step 6/6"), "{log}");
+}
