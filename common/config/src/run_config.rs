@@ -141,6 +141,10 @@ pub struct TrainingSection {
     pub max_blocks_per_micro_batch: u32,
     /// Blocks per chunk of the logits/cross-entropy computation.
     pub loss_chunk_blocks: u32,
+    /// Blocks whose queries share one attention call, with the context and
+    /// their own slots as keys (exact; fewer masked-out keys than one dense
+    /// mask over all blocks).
+    pub attention_chunk_blocks: u32,
     /// This many batches in a row with non-finite features or loss fail the run.
     pub max_bad_batches_in_a_row: u32,
     /// Length of the learning-rate schedule in steps (0: every planned
@@ -163,6 +167,7 @@ impl Default for TrainingSection {
             feature_noise_std: 0.0,
             max_blocks_per_micro_batch: 4096,
             loss_chunk_blocks: 256,
+            attention_chunk_blocks: 32,
             max_bad_batches_in_a_row: 5,
             total_steps: 0,
         }
@@ -246,7 +251,8 @@ impl Default for CheckpointSection {
 pub struct EvalSection {
     /// JSONL of held-out prompts (empty: no periodic evaluation).
     pub prompts_path: String,
-    /// Evaluate every this many steps (0: only at the end).
+    /// Evaluate in the drafter every this many steps and at the end (0: never
+    /// during training; `dflash up` still evaluates after the run).
     pub interval_steps: u64,
     /// Prompts evaluated each time.
     pub max_prompts: u32,

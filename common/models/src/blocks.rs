@@ -48,8 +48,11 @@ pub struct BlockLayout {
     pub n: usize,
     /// Context length after padding (longest sequence).
     pub context_len: usize,
-    /// Blocks per sequence after padding.
+    /// Blocks per sequence after padding (a multiple of `chunk_blocks`).
     pub blocks: usize,
+    /// Blocks whose queries share one attention call (with the context and
+    /// their own slots as keys); `blocks / chunk_blocks` calls per sequence.
+    pub chunk_blocks: usize,
     pub block_size: usize,
     /// `[n, blocks]` anchor positions (0 for padding blocks).
     pub anchors: Vec<i64>,
@@ -69,17 +72,21 @@ pub struct BlockLayout {
 }
 
 impl BlockLayout {
-    /// Lays out the blocks of `seqs`.
-    pub fn new(seqs: &[BlockSequence], s: &BlockSettings) -> Self {
+    /// Lays out the blocks of `seqs`, in attention chunks of at most
+    /// `chunk_blocks` blocks.
+    pub fn new(seqs: &[BlockSequence], s: &BlockSettings, chunk_blocks: usize) -> Self {
         let b = s.block_size;
         let n = seqs.len();
         let context_len = seqs.iter().map(|q| q.input_ids.len()).max().unwrap_or(0);
-        let blocks = seqs.iter().map(|q| q.anchors.len()).max().unwrap_or(0).max(1);
+        let most = seqs.iter().map(|q| q.anchors.len()).max().unwrap_or(0).max(1);
+        let chunk_blocks = chunk_blocks.clamp(1, most);
+        let blocks = most.div_ceil(chunk_blocks) * chunk_blocks;
         let q_len = blocks * b;
         let mut l = BlockLayout {
             n,
             context_len,
             blocks,
+            chunk_blocks,
             block_size: b,
             anchors: vec![0; n * blocks],
             valid: vec![0; n * blocks],
@@ -125,19 +132,23 @@ impl BlockLayout {
         self.weights.iter().map(|&w| w as f64).sum()
     }
 
-    /// The attention mask `[n, 1, Q, S + Q]`: a query of block j sees
-    /// context positions strictly before its anchor and every slot of its
-    /// own block, nothing else.
+    /// The attention mask `[n * G, 1, C*B, S + C*B]` for G = blocks / C
+    /// chunks of C blocks: a query of block j sees context positions
+    /// strictly before its anchor and every slot of its own block, nothing
+    /// else. Keys of a chunk are the context followed by the chunk's slots.
     pub fn attention_mask(&self, device: Device) -> Tensor {
-        let (n, nb, b, s) = (self.n as i64, self.blocks as i64, self.block_size as i64, self.context_len as i64);
-        let q_len = nb * b;
-        let anchors = Tensor::from_slice(&self.anchors).view([n, nb]).to_device(device);
-        let q_block = Tensor::arange(q_len, (Kind::Int64, device)).divide_scalar_mode(b, "floor");
-        let anchor_of_q = anchors.index_select(1, &q_block); // [n, Q]
+        let (n, b, s) = (self.n as i64, self.block_size as i64, self.context_len as i64);
+        let c = self.chunk_blocks as i64;
+        let g = self.blocks as i64 / c;
+        let cb = c * b;
+        let anchors = Tensor::from_slice(&self.anchors).view([n, g, c]).to_device(device);
+        let q_block = Tensor::arange(cb, (Kind::Int64, device)).divide_scalar_mode(b, "floor"); // [CB]
+        let anchor_of_q = anchors.index_select(2, &q_block); // [n, G, CB]
         let ctx_pos = Tensor::arange(s, (Kind::Int64, device));
-        let sees_ctx = ctx_pos.view([1, 1, s]).lt_tensor(&anchor_of_q.unsqueeze(-1)); // [n, Q, S]
-        let sees_block = q_block.unsqueeze(1).eq_tensor(&q_block.unsqueeze(0)); // [Q, Q]
-        Tensor::cat(&[sees_ctx, sees_block.unsqueeze(0).expand([n, q_len, q_len], false)], -1).unsqueeze(1)
+        let sees_ctx = ctx_pos.view([1, 1, 1, s]).lt_tensor(&anchor_of_q.unsqueeze(-1)); // [n, G, CB, S]
+        let sees_block = q_block.unsqueeze(1).eq_tensor(&q_block.unsqueeze(0)); // [CB, CB]
+        Tensor::cat(&[sees_ctx, sees_block.view([1, 1, cb, cb]).expand([n, g, cb, cb], false)], -1)
+            .view([n * g, 1, cb, s + cb])
     }
 }
 
@@ -167,7 +178,7 @@ mod tests {
         let ids: Vec<u32> = (10..20).collect();
         let mask = vec![1u8; 10];
         let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors: vec![2, 6] }];
-        let l = BlockLayout::new(&seqs, &settings(3));
+        let l = BlockLayout::new(&seqs, &settings(3), 8);
         let m = l.attention_mask(Device::Cpu); // [1, 1, 6, 10 + 6]
         assert_eq!(m.size(), vec![1, 1, 6, 16]);
         let sees = |q: i64, kv: i64| m.int64_value(&[0, 0, q, kv]) == 1;
@@ -190,7 +201,7 @@ mod tests {
         let mut mask = vec![1u8; 10];
         mask[5] = 0;
         let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors: vec![3, 8] }];
-        let l = BlockLayout::new(&seqs, &settings(3));
+        let l = BlockLayout::new(&seqs, &settings(3), 8);
         assert_eq!(l.block_ids, vec![13, 99, 99, 18, 99, 99]);
         assert_eq!(l.block_positions, vec![3, 4, 5, 8, 9, 10]);
         // slot k of anchor a predicts ids[a + k] (no off-by-one)
@@ -205,6 +216,33 @@ mod tests {
     }
 
     #[test]
+    fn chunks_keep_the_same_visibility_with_fewer_keys() {
+        let ids: Vec<u32> = (0..12).collect();
+        let mask = vec![1u8; 12];
+        let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors: vec![1, 4, 6, 9] }];
+        let l = BlockLayout::new(&seqs, &settings(2), 2); // 2 chunks of 2 blocks
+        let m = l.attention_mask(Device::Cpu);
+        assert_eq!(m.size(), vec![2, 1, 4, 12 + 4]);
+        let anchors = [1, 4, 6, 9];
+        for chunk in 0..2i64 {
+            for q in 0..4i64 {
+                let block = chunk * 2 + q / 2;
+                for kv in 0..12 {
+                    let want = kv < anchors[block as usize];
+                    assert_eq!(m.int64_value(&[chunk, 0, q, kv]) == 1, want, "chunk {chunk} query {q} ctx {kv}");
+                }
+                for kv in 0..4 {
+                    assert_eq!(m.int64_value(&[chunk, 0, q, 12 + kv]) == 1, kv / 2 == q / 2);
+                }
+            }
+        }
+        // Padding rounds the blocks up to whole chunks.
+        let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors: vec![1, 4, 6] }];
+        let l = BlockLayout::new(&seqs, &settings(2), 2);
+        assert_eq!((l.blocks, l.real_blocks), (4, 3));
+    }
+
+    #[test]
     fn padding_blocks_have_no_rows_and_see_only_themselves() {
         let a: Vec<u32> = (0..8).collect();
         let b: Vec<u32> = (0..4).collect();
@@ -213,11 +251,12 @@ mod tests {
             BlockSequence { input_ids: &a, loss_mask: &ma, anchors: vec![1, 3, 5] },
             BlockSequence { input_ids: &b, loss_mask: &mb, anchors: vec![1] },
         ];
-        let l = BlockLayout::new(&seqs, &settings(2));
+        let l = BlockLayout::new(&seqs, &settings(2), 8);
         assert_eq!((l.blocks, l.real_blocks), (3, 4));
         assert_eq!(l.rows.len(), 4);
         let m = l.attention_mask(Device::Cpu);
         // sequence 1, padding block 2 (queries 4, 5): no context, its own slots
+        assert_eq!(m.size(), vec![2, 1, 6, 8 + 6]);
         let row: Vec<i64> = (0..8 + 6).map(|kv| m.int64_value(&[1, 0, 4, kv])).collect();
         assert_eq!(row, vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
     }

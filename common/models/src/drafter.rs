@@ -112,7 +112,8 @@ pub struct DrafterInput<'a> {
     pub block_embeds: &'a Tensor,
     /// RoPE positions of the block slots `[n, Q]` (anchor + slot).
     pub block_positions: &'a Tensor,
-    /// Boolean attention mask `[n, 1, Q, S + Q]` (true: may attend).
+    /// Boolean attention mask `[n * G, 1, Q/G, S + Q/G]` (true: may attend)
+    /// for G chunks of block slots; see [`crate::blocks::BlockLayout::attention_mask`].
     pub mask: &'a Tensor,
 }
 
@@ -256,19 +257,28 @@ impl DrafterLayer {
         let a = &self.self_attn;
         let (n, q_len, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
         let (nh, kv, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        // G chunks of CB query slots each: keys of a chunk are the whole
+        // context followed by the chunk's own slots.
+        let g = mask.size()[0] / n;
+        let cb = q_len / g;
         let xn = self.input_layernorm.forward(x);
         // Queries come from the block only.
         let q = a.q_norm.forward(&a.q_proj.forward(&xn).view([n, q_len, nh, d]));
-        let q = apply_rope(&q, &rope.blk_cos, &rope.blk_sin).transpose(1, 2);
+        let q = apply_rope(&q, &rope.blk_cos, &rope.blk_sin).view([n * g, cb, nh, d]).transpose(1, 2);
         // Keys/values: the context and the block through the SAME projections.
         let kc = a.k_norm.forward(&a.k_proj.forward(ctx).view([n, s, kv, d]));
         let kc = apply_rope(&kc, &rope.ctx_cos, &rope.ctx_sin);
         let kb = a.k_norm.forward(&a.k_proj.forward(&xn).view([n, q_len, kv, d]));
         let kb = apply_rope(&kb, &rope.blk_cos, &rope.blk_sin);
-        let k = Tensor::cat(&[&kc, &kb], 1).transpose(1, 2);
         let vc = a.v_proj.forward(ctx).view([n, s, kv, d]);
         let vb = a.v_proj.forward(&xn).view([n, q_len, kv, d]);
-        let v = Tensor::cat(&[&vc, &vb], 1).transpose(1, 2);
+        let keys = |ctx_part: &Tensor, blk_part: &Tensor| {
+            let ctx_part = if g == 1 { ctx_part.shallow_clone() } else {
+                ctx_part.unsqueeze(1).expand([n, g, s, kv, d], false).reshape([n * g, s, kv, d])
+            };
+            Tensor::cat(&[ctx_part, blk_part.view([n * g, cb, kv, d])], 1).transpose(1, 2)
+        };
+        let (k, v) = (keys(&kc, &kb), keys(&vc, &vb));
         let n_rep = nh / kv;
         let o = Tensor::scaled_dot_product_attention(
             &q,

@@ -43,6 +43,15 @@ impl KvCache {
         self.len += t;
     }
 
+    /// Keeps only the sequences at `rows` (finished ones leave the batch).
+    pub fn retain_rows(&mut self, rows: &Tensor) {
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.index_select(0, rows);
+            *v = v.index_select(0, rows);
+        }
+        self.batch = rows.size()[0];
+    }
+
     /// Forgets every token after the first `len` (rejected draft tokens).
     pub fn truncate(&mut self, len: i64) {
         assert!(len <= self.len, "cannot grow a cache by truncation");

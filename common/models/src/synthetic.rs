@@ -4,9 +4,10 @@
 
 use std::path::Path;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 
 use crate::target_config::{Family, TargetConfig};
+use crate::target::{random_tensors, tensor_shapes};
 use crate::weights::write_safetensors;
 use crate::ModelError;
 
@@ -29,36 +30,62 @@ pub fn synthetic_target_config(num_layers: i64) -> TargetConfig {
     }
 }
 
-/// Writes config.json, model.safetensors and the tokenizer files to `dir`.
+/// Model shapes for benchmarks and synthetic targets, by name.
+pub fn shape_preset(name: &str) -> Option<TargetConfig> {
+    match name {
+        "tiny" => Some(synthetic_target_config(6)),
+        "qwen3-8b" => Some(TargetConfig {
+            family: Family::Qwen3,
+            hidden_size: 4096,
+            intermediate_size: 12288,
+            num_layers: 36,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            vocab_size: 151_936,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            max_position_embeddings: 40_960,
+        }),
+        "smollm2-135m" => Some(TargetConfig {
+            family: Family::Llama,
+            hidden_size: 576,
+            intermediate_size: 1536,
+            num_layers: 30,
+            num_heads: 9,
+            num_kv_heads: 3,
+            head_dim: 64,
+            rms_norm_eps: 1e-5,
+            rope_theta: 100_000.0,
+            vocab_size: 49_152,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            max_position_embeddings: 8192,
+        }),
+        _ => None,
+    }
+}
+
+/// Writes config.json, model.safetensors (random weights in `kind`,
+/// generated on `device`) and the synthetic tokenizer files to `dir`.
 pub fn write_synthetic_target(dir: &Path, config: &TargetConfig, seed: i64) -> Result<(), ModelError> {
+    write_random_target(dir, config, seed, Device::Cpu, Kind::Float)
+}
+
+/// Like [`write_synthetic_target`] with a chosen device and dtype (large
+/// shapes generate faster on a GPU and are stored in bf16).
+pub fn write_random_target(dir: &Path, config: &TargetConfig, seed: i64, device: Device, kind: Kind) -> Result<(), ModelError> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     tch::manual_seed(seed);
-    let c = config;
-    let (h, hd) = (c.hidden_size, c.head_dim);
-    let randn = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 0.02;
-    let ones = |n: i64| Tensor::ones([n], (Kind::Float, Device::Cpu));
-    let mut t: Vec<(String, Tensor)> = vec![
-        ("model.embed_tokens.weight".into(), randn(&[c.vocab_size, h])),
-        ("model.norm.weight".into(), ones(h)),
-    ];
-    for i in 0..c.num_layers {
-        let p = format!("model.layers.{i}");
-        t.push((format!("{p}.input_layernorm.weight"), ones(h)));
-        t.push((format!("{p}.post_attention_layernorm.weight"), ones(h)));
-        t.push((format!("{p}.self_attn.q_proj.weight"), randn(&[c.num_heads * hd, h])));
-        t.push((format!("{p}.self_attn.k_proj.weight"), randn(&[c.num_kv_heads * hd, h])));
-        t.push((format!("{p}.self_attn.v_proj.weight"), randn(&[c.num_kv_heads * hd, h])));
-        t.push((format!("{p}.self_attn.o_proj.weight"), randn(&[h, c.num_heads * hd])));
-        t.push((format!("{p}.mlp.gate_proj.weight"), randn(&[c.intermediate_size, h])));
-        t.push((format!("{p}.mlp.up_proj.weight"), randn(&[c.intermediate_size, h])));
-        t.push((format!("{p}.mlp.down_proj.weight"), randn(&[h, c.intermediate_size])));
-    }
-    if !c.tie_word_embeddings {
-        t.push(("lm_head.weight".into(), randn(&[c.vocab_size, h])));
-    }
-    write_safetensors(&dir.join("model.safetensors"), &t)?;
+    let tensors = random_tensors(&tensor_shapes(config, config.num_layers, true), device, kind);
+    write_safetensors(&dir.join("model.safetensors"), &tensors)?;
+    drop(tensors);
+    let mut json = config.to_hf_json();
+    json["torch_dtype"] = serde_json::Value::from(if kind == Kind::BFloat16 { "bfloat16" } else { "float32" });
     let cfg_path = dir.join("config.json");
-    std::fs::write(&cfg_path, serde_json::to_string_pretty(&c.to_hf_json()).expect("json"))
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(&json).expect("json"))
         .map_err(|e| ModelError::io(&cfg_path, e))?;
     dflash_data::write_synthetic_tokenizer(dir).map_err(|e| ModelError::Config {
         path: dir.join("tokenizer.json"),

@@ -58,6 +58,18 @@ fn norm(w: &mut Weights, name: &str, dim: i64, eps: f64) -> Result<RmsNorm, Mode
     Ok(RmsNorm { weight: w.take(&format!("{name}.weight"), &[dim])?, eps })
 }
 
+/// Layers to hold for a scope.
+fn layers_for(c: &TargetConfig, scope: LoadScope, dir: &Path) -> Result<i64, ModelError> {
+    match scope {
+        LoadScope::CaptureUpTo { last_layer } if last_layer < 0 || last_layer >= c.num_layers => Err(ModelError::Config {
+            path: dir.join("config.json"),
+            message: format!("layer {last_layer} requested but the target has {} layers", c.num_layers),
+        }),
+        LoadScope::CaptureUpTo { last_layer } => Ok(last_layer + 1),
+        LoadScope::Full => Ok(c.num_layers),
+    }
+}
+
 /// Layer index of a `model.layers.N.` tensor name.
 fn layer_index(name: &str) -> Option<i64> {
     name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
@@ -77,27 +89,93 @@ pub fn load_embeddings(dir: &Path, device: Device, kind: Kind) -> Result<(Target
     Ok((c, embed, head))
 }
 
+/// Hugging Face tensor names and shapes of a target's first `n_layers`
+/// layers, plus the embedding and (if `full`) the final norm and head.
+pub fn tensor_shapes(c: &TargetConfig, n_layers: i64, full: bool) -> Vec<(String, Vec<i64>)> {
+    let (h, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
+    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h])];
+    for l in 0..n_layers {
+        let p = format!("model.layers.{l}");
+        let mut add = |n: &str, shape: Vec<i64>| v.push((format!("{p}.{n}"), shape));
+        add("input_layernorm.weight", vec![h]);
+        add("post_attention_layernorm.weight", vec![h]);
+        add("self_attn.q_proj.weight", vec![c.num_heads * hd, h]);
+        add("self_attn.k_proj.weight", vec![c.num_kv_heads * hd, h]);
+        add("self_attn.v_proj.weight", vec![c.num_kv_heads * hd, h]);
+        add("self_attn.o_proj.weight", vec![h, c.num_heads * hd]);
+        if c.attention_bias {
+            add("self_attn.q_proj.bias", vec![c.num_heads * hd]);
+            add("self_attn.k_proj.bias", vec![c.num_kv_heads * hd]);
+            add("self_attn.v_proj.bias", vec![c.num_kv_heads * hd]);
+        }
+        if c.family == Family::Qwen3 {
+            add("self_attn.q_norm.weight", vec![hd]);
+            add("self_attn.k_norm.weight", vec![hd]);
+        }
+        add("mlp.gate_proj.weight", vec![i, h]);
+        add("mlp.up_proj.weight", vec![i, h]);
+        add("mlp.down_proj.weight", vec![h, i]);
+    }
+    if full {
+        v.push(("model.norm.weight".to_string(), vec![h]));
+        if !c.tie_word_embeddings {
+            v.push(("lm_head.weight".to_string(), vec![c.vocab_size, h]));
+        }
+    }
+    v
+}
+
+/// Random weights of the right shapes: norms 1, biases 0, matrices
+/// N(0, 0.02), as Hugging Face initialises (for benchmarks and tests).
+pub fn random_tensors(shapes: &[(String, Vec<i64>)], device: Device, kind: Kind) -> Vec<(String, Tensor)> {
+    let _guard = tch::no_grad_guard();
+    shapes
+        .iter()
+        .map(|(n, shape)| {
+            let t = if n.ends_with("norm.weight") {
+                Tensor::ones(shape.as_slice(), (kind, device))
+            } else if n.ends_with(".bias") {
+                Tensor::zeros(shape.as_slice(), (kind, device))
+            } else {
+                Tensor::randn(shape.as_slice(), (kind, device)) * 0.02
+            };
+            (n.clone(), t)
+        })
+        .collect()
+}
+
 impl TargetModel {
     /// Loads a model directory onto `device` in `kind`.
     pub fn load(dir: &Path, device: Device, kind: Kind, scope: LoadScope) -> Result<Self, ModelError> {
         let c = TargetConfig::from_dir(dir)?;
-        let n_layers = match scope {
-            LoadScope::CaptureUpTo { last_layer } => {
-                if last_layer >= c.num_layers || last_layer < 0 {
-                    return Err(ModelError::Config {
-                        path: dir.join("config.json"),
-                        message: format!("layer {last_layer} requested but the target has {} layers", c.num_layers),
-                    });
-                }
-                last_layer + 1
-            }
-            LoadScope::Full => c.num_layers,
-        };
+        let n_layers = layers_for(&c, scope, dir)?;
         let full = scope == LoadScope::Full;
-        let mut w = Weights::load(dir, device, kind, |name| match layer_index(name) {
+        let w = Weights::load(dir, device, kind, |name| match layer_index(name) {
             Some(i) => i < n_layers,
             None => full || name == "model.embed_tokens.weight",
         })?;
+        Self::from_weights(c, w, scope, device, kind, dir)
+    }
+
+    /// A target of shape `c` with random weights, built on the device (no
+    /// files): what the throughput benchmarks run.
+    pub fn random(c: TargetConfig, device: Device, kind: Kind, scope: LoadScope) -> Result<Self, ModelError> {
+        let label = Path::new("<random weights>");
+        let n_layers = layers_for(&c, scope, label)?;
+        let tensors = random_tensors(&tensor_shapes(&c, n_layers, scope == LoadScope::Full), device, kind);
+        Self::from_weights(c, Weights::from_tensors(tensors, label), scope, device, kind, label)
+    }
+
+    fn from_weights(
+        c: TargetConfig,
+        mut w: Weights,
+        scope: LoadScope,
+        device: Device,
+        kind: Kind,
+        dir: &Path,
+    ) -> Result<Self, ModelError> {
+        let n_layers = layers_for(&c, scope, dir)?;
+        let full = scope == LoadScope::Full;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let embed_tokens = w.take("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let mut layers = Vec::with_capacity(n_layers as usize);

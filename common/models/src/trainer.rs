@@ -22,6 +22,9 @@ pub struct TrainSettings {
     pub max_blocks_per_micro_batch: usize,
     /// Blocks per chunk of the logits computation.
     pub loss_chunk_blocks: usize,
+    /// Blocks per attention call (their keys: the context and their own
+    /// slots); a large value attends over all blocks at once (dense mask).
+    pub attention_chunk_blocks: usize,
     /// Seed of anchor sampling (combined with the batch id).
     pub seed: u64,
 }
@@ -34,6 +37,9 @@ pub struct DeviceBatch {
     pub input_ids: Vec<u32>,
     pub loss_mask: Vec<u8>,
     pub seq_lengths: Vec<u32>,
+    /// Memory `features` may view (a pooled device buffer); kept alive until
+    /// the batch, and so its last use by a train step, is gone.
+    pub landing: Option<Box<dyn std::any::Any + Send>>,
 }
 
 /// What one step measured.
@@ -152,7 +158,7 @@ impl Trainer {
                         anchors: seqs[i].anchors.clone(),
                     })
                     .collect();
-                BlockLayout::new(&members, &s.blocks)
+                BlockLayout::new(&members, &s.blocks, s.attention_chunk_blocks)
             })
             .collect();
         let total_weight: f64 = layouts.iter().map(BlockLayout::total_weight).sum();

@@ -93,6 +93,11 @@ impl Weights {
         Ok(Self { tensors, dir: dir.to_path_buf() })
     }
 
+    /// Tensors already in memory (named as in a checkpoint).
+    pub fn from_tensors(tensors: Vec<(String, Tensor)>, label: &Path) -> Self {
+        Self { tensors: tensors.into_iter().collect(), dir: label.to_path_buf() }
+    }
+
     /// Removes and returns a tensor, checking its shape.
     pub fn take(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, ModelError> {
         let t = self.tensors.remove(name).ok_or_else(|| ModelError::MissingTensor {

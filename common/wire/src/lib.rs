@@ -9,7 +9,7 @@ mod batch;
 mod stream;
 
 pub use batch::{BatchMeta, DType, HostBatch, Layout};
-pub use stream::{Assembled, Assembler, batch_messages};
+pub use stream::{Assembled, Assembler, PayloadBuffer, batch_messages};
 
 /// What can be wrong with a batch on the wire.
 #[derive(Debug, thiserror::Error)]

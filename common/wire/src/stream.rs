@@ -35,6 +35,36 @@ pub fn batch_messages(batch: &HostBatch, chunk_bytes: usize) -> Vec<pb::TargetMe
     out
 }
 
+/// Where a payload is assembled: growable host memory by default, or a
+/// pooled pinned buffer on GPU hosts (so the host-to-device copy is fast).
+pub trait PayloadBuffer: Send + Sync {
+    /// Appends bytes; the assembler never exceeds the announced size.
+    fn extend(&mut self, data: &[u8]);
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The finished payload as shared, immutable bytes.
+    fn freeze(self: Box<Self>) -> Bytes;
+    /// The bytes received so far (for the CRC).
+    fn filled(&self) -> &[u8];
+}
+
+impl PayloadBuffer for BytesMut {
+    fn extend(&mut self, data: &[u8]) {
+        self.extend_from_slice(data);
+    }
+    fn len(&self) -> usize {
+        BytesMut::len(self)
+    }
+    fn freeze(self: Box<Self>) -> Bytes {
+        BytesMut::freeze(*self)
+    }
+    fn filled(&self) -> &[u8] {
+        self
+    }
+}
+
 /// Reassembles batches from the messages of one stream, verifying order,
 /// sizes and the CRC. Holds at most one partial batch, bounded by
 /// `max_payload_bytes`.
@@ -45,7 +75,7 @@ pub struct Assembler {
 
 struct Partial {
     meta: BatchMeta,
-    buf: BytesMut,
+    buf: Box<dyn PayloadBuffer>,
     next_index: u32,
 }
 
@@ -73,8 +103,17 @@ impl Assembler {
         self.partial = None;
     }
 
-    /// Feeds a header, chunk or end message.
+    /// Feeds a header: the payload assembles in growable host memory.
     pub fn push_header(&mut self, header: pb::BatchHeader) -> Result<Assembled, WireError> {
+        let meta = self.check_header(header)?;
+        let size = meta.payload_bytes();
+        self.begin(meta, Box::new(BytesMut::with_capacity(size)));
+        Ok(Assembled::Pending)
+    }
+
+    /// Validates a header (consistency, size limit, no batch in progress)
+    /// before a buffer is found for its payload.
+    pub fn check_header(&self, header: pb::BatchHeader) -> Result<BatchMeta, WireError> {
         if let Some(p) = &self.partial {
             return Err(WireError::Protocol(format!(
                 "header of batch {} while batch {} is incomplete",
@@ -84,14 +123,14 @@ impl Assembler {
         let meta = BatchMeta::from_header(header)?;
         let size = meta.payload_bytes();
         if size > self.max_payload_bytes {
-            return Err(WireError::TooLarge {
-                batch_id: meta.batch_id,
-                bytes: size,
-                limit: self.max_payload_bytes,
-            });
+            return Err(WireError::TooLarge { batch_id: meta.batch_id, bytes: size, limit: self.max_payload_bytes });
         }
-        self.partial = Some(Partial { meta, buf: BytesMut::with_capacity(size), next_index: 0 });
-        Ok(Assembled::Pending)
+        Ok(meta)
+    }
+
+    /// Starts a checked batch whose payload goes into `buf` (empty).
+    pub fn begin(&mut self, meta: BatchMeta, buf: Box<dyn PayloadBuffer>) {
+        self.partial = Some(Partial { meta, buf, next_index: 0 });
     }
 
     pub fn push_chunk(&mut self, chunk: pb::BatchChunk) -> Result<Assembled, WireError> {
@@ -113,7 +152,7 @@ impl Assembler {
                 ),
             });
         }
-        p.buf.extend_from_slice(&chunk.data);
+        p.buf.extend(&chunk.data);
         p.next_index += 1;
         Ok(Assembled::Pending)
     }
@@ -132,7 +171,7 @@ impl Assembler {
                 ),
             });
         }
-        let crc = crc32c::crc32c(&p.buf);
+        let crc = crc32c::crc32c(p.buf.filled());
         if crc != end.crc32c {
             return Err(WireError::Corrupt {
                 batch_id: end.batch_id,

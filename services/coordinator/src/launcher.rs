@@ -19,7 +19,14 @@ use tokio::process::{Child, Command};
 pub enum Prepare {
     /// The small random Llama-style target and a generated chat dataset.
     Synthetic,
+    /// SmolLM2-135M-Instruct, chitchat prompts answered by SmolLM2 itself
+    /// (600 prompts, greedy, at most 96 new tokens), MT-Bench turn-1 prompts.
+    Smollm2Chitchat,
 }
+
+/// Chitchat prompts regenerated for the SmolLM2 recipe (DATA.md's reference).
+const CHITCHAT_TRAIN_PROMPTS: usize = 600;
+const CHITCHAT_NEW_TOKENS: usize = 96;
 
 /// Options of `dflash up` beyond the run config.
 #[derive(clap::Args, Debug, Clone)]
@@ -39,6 +46,10 @@ pub struct UpArgs {
     /// Seconds the roles get to stop after Ctrl-C or a failure before they are killed.
     #[arg(long, default_value_t = 30)]
     pub grace_s: u64,
+    /// Skip the acceptance-length evaluation after training (run when
+    /// `eval.prompts_path` is set).
+    #[arg(long)]
+    pub no_final_eval: bool,
 }
 
 pub struct Launcher {
@@ -98,23 +109,74 @@ impl Launcher {
         Ok(Role { name, child })
     }
 
-    async fn prepare(&self) -> anyhow::Result<()> {
-        let Some(Prepare::Synthetic) = self.up.prepare else { return Ok(()) };
-        let config = self.config.loader()?.load()?;
-        let target = bin(&self.bin_dir, "dflash-target")?;
-        let args = vec![
-            "prepare-synthetic".to_string(),
-            "--model-dir".into(),
-            config.model.target_path.clone(),
-            "--dataset".into(),
-            config.data.train_path.clone(),
-        ];
-        let mut role = self.spawn("prepare", &target, &args)?;
+    /// Runs a tool to completion, its output prefixed.
+    async fn tool(&self, name: &'static str, program: &str, args: &[String]) -> anyhow::Result<()> {
+        let mut role = self.spawn(name, &bin(&self.bin_dir, program)?, args)?;
         let status = role.child.wait().await?;
         if !status.success() {
-            anyhow::bail!("preparing the synthetic assets failed ({status})");
+            anyhow::bail!("{program} {} failed ({status})", args.first().map_or("", String::as_str));
         }
         Ok(())
+    }
+
+    async fn prepare(&self) -> anyhow::Result<()> {
+        let Some(recipe) = self.up.prepare else { return Ok(()) };
+        let config = self.config.loader()?.load()?;
+        let s = |x: &str| x.to_string();
+        match recipe {
+            Prepare::Synthetic => {
+                let args = [s("prepare-synthetic"), s("--model-dir"), config.model.target_path.clone(), s("--dataset"), config.data.train_path.clone()];
+                self.tool("prepare", "dflash-target", &args).await
+            }
+            Prepare::Smollm2Chitchat => {
+                self.tool("prepare", "dflash-target", &[s("prepare-smollm2"), s("--out"), config.model.target_path.clone()]).await?;
+                let data_dir = Path::new(&config.data.train_path).parent().unwrap_or(Path::new(".")).to_path_buf();
+                self.tool("prepare", "dflash-target", &[s("prepare-corpora"), s("--out"), data_dir.display().to_string()]).await?;
+                if Path::new(&config.data.train_path).is_file() {
+                    return Ok(());
+                }
+                let args = [
+                    s("regenerate"),
+                    s("--model"),
+                    config.model.target_path.clone(),
+                    s("--input"),
+                    data_dir.join("chitchat-prompts.jsonl").display().to_string(),
+                    s("--limit"),
+                    CHITCHAT_TRAIN_PROMPTS.to_string(),
+                    s("--max-new-tokens"),
+                    CHITCHAT_NEW_TOKENS.to_string(),
+                    s("--output"),
+                    config.data.train_path.clone(),
+                ];
+                self.tool("regenerate", "dflash-target", &args).await
+            }
+        }
+    }
+
+    /// Acceptance length of the trained drafter next to an untrained one.
+    async fn final_eval(&self) -> anyhow::Result<()> {
+        let config = self.config.loader()?.load()?;
+        let e = &config.eval;
+        if self.up.no_final_eval || e.prompts_path.is_empty() {
+            return Ok(());
+        }
+        let args = vec![
+            "eval".to_string(),
+            "--target".into(),
+            config.model.target_path.clone(),
+            "--drafter".into(),
+            config.checkpoint.dir.clone(),
+            "--prompts".into(),
+            e.prompts_path.clone(),
+            "--limit".into(),
+            e.max_prompts.to_string(),
+            "--max-new-tokens".into(),
+            e.max_new_tokens.to_string(),
+            "--baseline".into(),
+            "--json".into(),
+            self.up.workdir.join("eval.json").display().to_string(),
+        ];
+        self.tool("eval", "dflash-drafter", &args).await
     }
 
     /// Runs the roles until the run ends, one fails, or Ctrl-C. Returns the
@@ -157,7 +219,11 @@ impl Launcher {
             self.up.target_threads.to_string(),
         ];
         roles.push(self.spawn("target", &bin(&self.bin_dir, "dflash-target")?, &target_args)?);
-        supervise(roles, Duration::from_secs(self.up.grace_s)).await
+        let code = supervise(roles, Duration::from_secs(self.up.grace_s)).await?;
+        if code == 0 {
+            self.final_eval().await?;
+        }
+        Ok(code)
     }
 }
 

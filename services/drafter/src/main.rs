@@ -2,6 +2,7 @@
 //! targets, queues and prefetches them, trains the DFlash drafter and
 //! checkpoints it.
 
+mod eval;
 mod prefetch;
 mod receiver;
 mod train_loop;
@@ -42,6 +43,8 @@ struct Cli {
 enum Command {
     /// Join a run: receive target features, train, checkpoint.
     Serve(ServeArgs),
+    /// Measure acceptance length by real speculative decoding on held-out prompts.
+    Eval(eval::EvalArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -62,9 +65,19 @@ struct ServeArgs {
 fn main() {
     dflash_telemetry::init_logging();
     let cli = Cli::parse();
-    let Command::Serve(args) = cli.command;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
-    let code = rt.block_on(serve(args));
+    let code = match cli.command {
+        Command::Serve(args) => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+            rt.block_on(serve(args))
+        }
+        Command::Eval(args) => match eval::run(&args) {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!("{}", format_chain(&e));
+                1
+            }
+        },
+    };
     std::process::exit(code);
 }
 
@@ -157,6 +170,7 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
         grad_clip: t.grad_clip,
         max_blocks_per_micro_batch: t.max_blocks_per_micro_batch as usize,
         loss_chunk_blocks: t.loss_chunk_blocks as usize,
+        attention_chunk_blocks: t.attention_chunk_blocks as usize,
         seed: c.run.seed,
     };
     Ok(Trainer::new(drafter, embed, lm_head, settings))
@@ -197,11 +211,23 @@ async fn start(
     // this drafter will not have before any target sends it more.
     let rt = tokio::runtime::Handle::current();
     let mut train = TrainLoop::new(trainer, Arc::clone(session), rt, hs_tx.clone());
+    train.eval = tokio::task::block_in_place(|| eval::PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
     tokio::task::block_in_place(|| train.resume())?;
 
     let k = c.model.target_layer_ids.len() as u64;
-    let max_payload = c.pipeline.token_budget as u64 * k * hidden as u64 * 4;
+    // Targets ship their compute dtype: bf16 on GPUs unless f32 is forced.
+    let elem = if !c.devices.target.is_cpu() && c.model.dtype != "f32" { 2 } else { 4 };
+    let max_payload = c.pipeline.token_budget as u64 * k * hidden as u64 * elem;
+    let landing = match device {
+        tch::Device::Cuda(i) => {
+            let ctx = dflash_models::gpu::context(i).kind(ErrorKind::Device)?;
+            let n = c.pipeline.hs_queue_depth as usize + 4;
+            Some(dflash_models::gpu::pinned_pool(&ctx, n, max_payload as usize).kind(ErrorKind::Device)?)
+        }
+        _ => None,
+    };
     let service = DrafterService {
+        landing,
         run_id: session.run_id.clone(),
         instance_id: session.instance_id.clone(),
         credits: c.pipeline.max_inflight_batches,
@@ -234,7 +260,19 @@ async fn start(
     stages.spawn_task("grpc", async move { server.await.context("drafter gRPC server") });
     session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
 
-    let pf = Prefetcher { device, kind, noise_std: c.training.feature_noise_std };
+    let gpu_landing = match device {
+        tch::Device::Cuda(i) => {
+            let ctx = dflash_models::gpu::context(i).kind(ErrorKind::Device)?;
+            let bufs = (0..c.pipeline.prefetch_depth as usize + 2)
+                .map(|_| dflash_models::gpu::DeviceBuf::new(&ctx, max_payload as usize))
+                .collect::<Result<Vec<_>, _>>()
+                .kind(ErrorKind::Device)?;
+            let stream = dflash_models::gpu::side_stream(&ctx).kind(ErrorKind::Device)?;
+            Some(prefetch::GpuLanding { ordinal: i, stream, buffers: dflash_models::gpu::Pool::new(bufs) })
+        }
+        _ => None,
+    };
+    let pf = Prefetcher { device, kind, noise_std: c.training.feature_noise_std, gpu: gpu_landing, stop: stop.clone() };
     let s = stop.clone();
     stages.spawn_thread("prefetch", move || pf.run(hs_rx, pf_tx, s));
     stages.spawn_thread("train", move || train.run(pf_rx));

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use dflash_models::DeviceBatch;
+use dflash_models::gpu;
 use dflash_role::Stop;
 use dflash_wire::{DType, HostBatch, Layout};
 use tch::{Device, Kind, Tensor};
@@ -16,6 +17,17 @@ pub struct Prefetcher {
     pub device: Device,
     pub kind: Kind,
     pub noise_std: f64,
+    /// On CUDA: the copy stream and the landing buffers on the device.
+    pub gpu: Option<GpuLanding>,
+    pub stop: Stop,
+}
+
+/// Host-to-device path of one GPU: a side stream (copies overlap the train
+/// step on torch's stream) into device buffers outside torch's allocator.
+pub struct GpuLanding {
+    pub ordinal: usize,
+    pub stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    pub buffers: gpu::Pool<gpu::DeviceBuf>,
 }
 
 /// Adds uniform noise with standard deviation `std` (U(-a, a), a = std*sqrt(3)).
@@ -37,8 +49,27 @@ impl Prefetcher {
             DType::Bf16 => Kind::BFloat16,
             DType::F16 => Kind::Half,
         };
-        let host = Tensor::f_from_data_size(&b.payload, &[t * k * h], kind)?;
-        let on_device = host.to_device(self.device).to_kind(self.kind);
+        let mut landing = None;
+        let on_device = match &self.gpu {
+            Some(g) => {
+                let mut buf = loop {
+                    if let Some(d) = g.buffers.take(Duration::from_millis(100)) {
+                        break d;
+                    }
+                    if self.stop.is_stopped() {
+                        anyhow::bail!("stopped while waiting for a device buffer");
+                    }
+                };
+                buf.copy_from_host_async(&b.payload, &g.stream)?;
+                // The pinned payload may be reused only after the copy.
+                gpu::sync(&g.stream)?;
+                let dt = gpu::DeviceTensor::new(buf, &[t * k * h], kind, g.ordinal)?;
+                let view = dt.tensor().to_kind(self.kind);
+                landing = Some(Box::new(dt) as Box<dyn std::any::Any + Send>);
+                view
+            }
+            None => Tensor::f_from_data_size(&b.payload, &[t * k * h], kind)?.to_device(self.device).to_kind(self.kind),
+        };
         let features = match m.layout {
             // The target packed and noised already.
             Layout::Packed => on_device.view([t, k * h]),
@@ -54,6 +85,7 @@ impl Prefetcher {
             input_ids: m.input_ids.clone(),
             loss_mask: m.loss_mask.clone(),
             seq_lengths: m.seq_lengths.clone(),
+            landing,
         })
     }
 

@@ -27,7 +27,35 @@ pub struct Expected {
     pub layer_ids: Vec<u32>,
 }
 
+/// Pinned landing buffers for received payloads (GPU drafters).
+pub type LandingPool = dflash_models::gpu::Pool<dflash_models::gpu::PinnedMem>;
+
+/// A payload assembling in a pooled pinned buffer.
+struct PinnedPayload {
+    buf: dflash_models::gpu::PinnedBuf,
+    filled: usize,
+}
+
+impl dflash_wire::PayloadBuffer for PinnedPayload {
+    fn extend(&mut self, data: &[u8]) {
+        let end = self.filled + data.len();
+        self.buf.as_mut_slice()[self.filled..end].copy_from_slice(data);
+        self.filled = end;
+    }
+    fn len(&self) -> usize {
+        self.filled
+    }
+    fn freeze(self: Box<Self>) -> bytes::Bytes {
+        bytes::Bytes::from_owner(self.buf)
+    }
+    fn filled(&self) -> &[u8] {
+        &self.buf.as_ref()[..self.filled]
+    }
+}
+
 pub struct DrafterService {
+    /// Pinned landing buffers (None on CPU: payloads assemble in plain memory).
+    pub landing: Option<LandingPool>,
     pub run_id: String,
     pub instance_id: String,
     pub credits: u32,
@@ -99,6 +127,7 @@ impl Drafter for DrafterService {
         let task = StreamTask {
             target,
             assembler: Assembler::new(self.max_payload_bytes),
+            landing: self.landing.clone(),
             discarding: None,
             expected: self.expected.clone(),
             queue: self.queue.clone(),
@@ -114,6 +143,7 @@ impl Drafter for DrafterService {
 struct StreamTask {
     target: String,
     assembler: Assembler,
+    landing: Option<LandingPool>,
     /// A corrupt batch whose remaining messages are skipped until its end.
     discarding: Option<u64>,
     expected: Expected,
@@ -167,6 +197,7 @@ impl StreamTask {
         }
         let is_end = matches!(m, Msg::End(_));
         let result = match m {
+            Msg::Header(h) if self.landing.is_some() => self.begin_pinned(h).await,
             Msg::Header(h) => self.assembler.push_header(h),
             Msg::Chunk(c) => self.assembler.push_chunk(c),
             Msg::End(e) => self.assembler.push_end(e),
@@ -195,6 +226,28 @@ impl StreamTask {
                 self.send(ack(id, pb::AckStatus::Rejected, e.to_string())).await
             }
         }
+    }
+
+    /// Starts a batch in a pinned landing buffer, waiting (bounded by the
+    /// pool, cancelled by stop) for one to be free: backpressure.
+    async fn begin_pinned(&mut self, h: pb::BatchHeader) -> Result<Assembled, WireError> {
+        let meta = self.assembler.check_header(h)?;
+        let pool = self.landing.clone().expect("checked by the caller");
+        let bytes = meta.payload_bytes();
+        let mem = loop {
+            if let Some(m) = pool.take(Duration::ZERO) {
+                break m;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(2)) => {}
+                _ = self.stop.stopped() => return Err(WireError::Protocol("drafter stopping".into())),
+            }
+        };
+        let limit = mem.capacity();
+        let buf = dflash_models::gpu::PinnedBuf::new(mem, bytes)
+            .map_err(|_| WireError::TooLarge { batch_id: meta.batch_id, bytes, limit })?;
+        self.assembler.begin(meta, Box::new(PinnedPayload { buf, filled: 0 }));
+        Ok(Assembled::Pending)
     }
 
     async fn accept(&mut self, batch: HostBatch) -> bool {

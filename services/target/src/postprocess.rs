@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use dflash_models::gpu;
 use dflash_role::Stop;
 use dflash_wire::{BatchMeta, DType, HostBatch, Layout};
 use tch::{Kind, Tensor};
@@ -18,6 +19,18 @@ pub struct Postprocessor {
     pub noise_std: f64,
     pub layer_ids: Vec<u32>,
     pub target_instance: String,
+    /// On CUDA: where device-to-host copies go.
+    pub gpu: Option<GpuCopy>,
+    pub stop: Stop,
+}
+
+/// The device-to-host path of one GPU: a side stream and a bounded pool of
+/// pinned buffers that the sender hands back by dropping the payload.
+#[derive(Clone)]
+pub struct GpuCopy {
+    pub ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    pub stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    pub pool: gpu::Pool<gpu::PinnedMem>,
 }
 
 /// Adds uniform noise with standard deviation `std` (U(-a, a), a = std*sqrt(3)).
@@ -48,14 +61,53 @@ fn host_bytes(t: &Tensor) -> Bytes {
 }
 
 impl Postprocessor {
+    /// Pinned payload of a CUDA batch: wait for the forward on the copy
+    /// stream (not on the host), pack if PACKED, copy every layer into one
+    /// pooled pinned buffer, and wait for the copy before the device tensors
+    /// are released.
+    fn gpu_payload(&self, g: &GpuCopy, c: &CapturedBatch) -> anyhow::Result<Bytes> {
+        let t = c.layers[0].size()[0] as usize;
+        let row = c.layers[0].size()[1] as usize * c.layers[0].kind().elt_size_in_bytes();
+        let bytes = t * row * c.layers.len();
+        let mem = loop {
+            if let Some(m) = g.pool.take(Duration::from_millis(100)) {
+                break m;
+            }
+            if self.stop.is_stopped() {
+                anyhow::bail!("stopped while waiting for a pinned buffer");
+            }
+        };
+        let mut buf = gpu::PinnedBuf::new(mem, bytes)?;
+        match self.layout {
+            Layout::Packed => {
+                let packed = add_uniform_noise(&Tensor::cat(&c.layers, 1), self.noise_std);
+                let done = gpu::record_torch_event(&g.ctx)?;
+                gpu::wait_event(&g.stream, &done)?;
+                buf.copy_from_device_async(0, &packed, &g.stream)?;
+                gpu::sync(&g.stream)?;
+            }
+            Layout::Split => {
+                if let Some(ev) = &c.ready {
+                    gpu::wait_event(&g.stream, ev)?;
+                }
+                for (i, l) in c.layers.iter().enumerate() {
+                    buf.copy_from_device_async(i * t * row, l, &g.stream)?;
+                }
+                gpu::sync(&g.stream)?;
+            }
+        }
+        Ok(Bytes::from_owner(buf))
+    }
+
     pub fn process(&self, c: CapturedBatch) -> anyhow::Result<HostBatch> {
         let _guard = tch::no_grad_guard();
         let first = c.layers.first().ok_or_else(|| anyhow::anyhow!("batch {}: no captured layers", c.work.batch_id))?;
         let hidden = first.size()[1] as u32;
         let dtype = dtype_of(first.kind())?;
-        let payload = match self.layout {
-            Layout::Packed => host_bytes(&add_uniform_noise(&Tensor::cat(&c.layers, 1), self.noise_std)),
-            Layout::Split => host_bytes(&Tensor::stack(&c.layers, 0)),
+        let payload = match (&self.gpu, self.layout) {
+            (Some(g), _) => self.gpu_payload(g, &c)?,
+            (None, Layout::Packed) => host_bytes(&add_uniform_noise(&Tensor::cat(&c.layers, 1), self.noise_std)),
+            (None, Layout::Split) => host_bytes(&Tensor::stack(&c.layers, 0)),
         };
         let w = c.work;
         let meta = BatchMeta {

@@ -1,0 +1,272 @@
+//! `dflash-target bench-capture`: target capture throughput and MFU on a
+//! random-weight target of a named shape, and the step time with
+//! postprocessing off, asynchronous (the service's pipeline) and
+//! synchronous. Prints a table and writes JSON.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use dflash_models::synthetic::shape_preset;
+use dflash_models::{LoadScope, TargetConfig, TargetModel};
+use dflash_role::Stop;
+use dflash_wire::Layout;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+use crate::forward::{ForwardLoop, compute_kind};
+use crate::postprocess::{self, GpuCopy, PostprocessSink, Postprocessor};
+use crate::work::WorkItem;
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Target shape: qwen3-8b, smollm2-135m or tiny.
+    #[arg(long, default_value = "tiny")]
+    pub shape: String,
+    /// "cpu" or a GPU index.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Captured layers (spread as DFLASH.md says).
+    #[arg(long, default_value_t = 5)]
+    pub layers: u32,
+    /// Tokens per batch (packed sequences).
+    #[arg(long, default_value_t = 11_000)]
+    pub batch_tokens: usize,
+    #[arg(long, default_value_t = 550)]
+    pub min_len: usize,
+    #[arg(long, default_value_t = 3072)]
+    pub max_len: usize,
+    /// Timed batches per mode (after warm-up batches).
+    #[arg(long, default_value_t = 8)]
+    pub batches: usize,
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Comma-separated: off, async, sync.
+    #[arg(long, default_value = "off,async,sync")]
+    pub modes: String,
+    /// SPLIT (per-layer) or PACKED payloads.
+    #[arg(long, default_value = "split")]
+    pub layout: String,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    pub threads: i32,
+}
+
+#[derive(Serialize)]
+struct ModeResult {
+    mode: String,
+    step_ms: f64,
+    tokens_per_s: f64,
+    mfu: f64,
+    vs_off: f64,
+}
+
+fn sync_device(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+/// Measured dense matmul rate (FLOP/s) of the device, the MFU denominator.
+fn matmul_peak(device: Device, kind: Kind) -> f64 {
+    let n: i64 = if device.is_cuda() { 8192 } else { 1024 };
+    let a = Tensor::randn([n, n], (kind, device));
+    let b = Tensor::randn([n, n], (kind, device));
+    for _ in 0..3 {
+        let _ = a.matmul(&b);
+    }
+    sync_device(device);
+    let iters = if device.is_cuda() { 20 } else { 5 };
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        let _ = a.matmul(&b);
+    }
+    sync_device(device);
+    2.0 * (n * n * n) as f64 * iters as f64 / t0.elapsed().as_secs_f64()
+}
+
+/// FLOPs of capturing `lens` sequences through the first `layers` layers:
+/// the linear layers plus causal attention (only the visible half).
+pub fn capture_flops(c: &TargetConfig, layers: i64, lens: &[usize]) -> f64 {
+    let (h, hd, i) = (c.hidden_size as f64, c.head_dim as f64, c.intermediate_size as f64);
+    let (qd, kvd) = (c.num_heads as f64 * hd, c.num_kv_heads as f64 * hd);
+    let linear_macs = h * qd * 2.0 + h * kvd * 2.0 + 3.0 * h * i;
+    let tokens: f64 = lens.iter().map(|&l| l as f64).sum();
+    let attn: f64 = lens.iter().map(|&l| 4.0 * qd * (l as f64) * (l as f64 + 1.0) / 2.0).sum();
+    layers as f64 * (2.0 * linear_macs * tokens + attn)
+}
+
+fn make_batches(n: usize, a: &BenchArgs, vocab: i64, seed: u64) -> Vec<WorkItem> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|b| {
+            let mut lens = Vec::new();
+            let mut total = 0;
+            loop {
+                let l = rng.random_range(a.min_len..=a.max_len);
+                if total + l > a.batch_tokens && !lens.is_empty() {
+                    break;
+                }
+                lens.push(l as u32);
+                total += l;
+            }
+            let ids: Vec<u32> = (0..total).map(|_| rng.random_range(0..vocab as u32)).collect();
+            WorkItem {
+                batch_id: b as u64,
+                epoch: 0,
+                sample_ids: (0..lens.len() as u64).collect(),
+                seq_lengths: lens,
+                loss_mask: vec![1; total],
+                input_ids: ids,
+            }
+        })
+        .collect()
+}
+
+pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
+    if a.threads > 0 {
+        tch::set_num_threads(a.threads);
+    }
+    let config = shape_preset(&a.shape).with_context(|| format!("unknown shape {}", a.shape))?;
+    let device = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
+    };
+    let kind = compute_kind("auto", device);
+    let _guard = tch::no_grad_guard();
+    let peak = matmul_peak(device, kind);
+    let layer_ids: Vec<i64> = dflash_config::default_target_layer_ids(config.num_layers as u32, a.layers)
+        .into_iter()
+        .map(i64::from)
+        .collect();
+    let last = *layer_ids.iter().max().expect("layers");
+    let layout = if a.layout == "packed" { Layout::Packed } else { Layout::Split };
+    println!(
+        "bench-capture: {} target ({} of {} layers, capturing {layer_ids:?}), {kind:?} on {device:?}, {} tokens/batch of {}-{}-token sequences, {layout:?}",
+        a.shape, last + 1, config.num_layers, a.batch_tokens, a.min_len, a.max_len
+    );
+    println!("measured {kind:?} matmul peak: {:.1} TFLOP/s", peak / 1e12);
+    let cuda = match device {
+        Device::Cuda(i) => Some(dflash_models::gpu::context(i)?),
+        _ => None,
+    };
+    let mut results: Vec<ModeResult> = Vec::new();
+    let mut off_ms = f64::NAN;
+    for mode in a.modes.split(',').map(str::trim) {
+        let model = TargetModel::random(config.clone(), device, kind, LoadScope::CaptureUpTo { last_layer: last })?;
+        let batches = make_batches(a.warmup + a.batches, a, config.vocab_size, 7);
+        let timed: Vec<usize> = batches[a.warmup..].iter().map(|w| w.input_ids.len()).collect();
+        let lens: Vec<usize> =
+            batches[a.warmup..].iter().flat_map(|w| w.seq_lengths.iter().map(|&l| l as usize)).collect();
+        let flops = capture_flops(&config, last + 1, &lens);
+        let tokens: usize = timed.iter().sum();
+        let stop = Stop::new();
+        let elapsed = match mode {
+            "off" => {
+                let mut t0 = Instant::now();
+                for (i, w) in batches.iter().enumerate() {
+                    if i == a.warmup {
+                        sync_device(device);
+                        t0 = Instant::now();
+                    }
+                    let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
+                    let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
+                    let _ = model.capture_packed(&Tensor::from_slice(&ids).to_device(device), &lens, &layer_ids);
+                }
+                sync_device(device);
+                t0.elapsed()
+            }
+            "async" | "sync" => {
+                let mut post = Postprocessor {
+                    layout,
+                    noise_std: 0.0,
+                    layer_ids: layer_ids.iter().map(|&i| i as u32).collect(),
+                    target_instance: "bench".into(),
+                    gpu: None,
+                    stop: stop.clone(),
+                };
+                if let Some(ctx) = &cuda {
+                    let bytes = a.batch_tokens * layer_ids.len() * config.hidden_size as usize * kind.elt_size_in_bytes();
+                    post.gpu = Some(GpuCopy {
+                        ctx: ctx.clone(),
+                        stream: dflash_models::gpu::side_stream(ctx)?,
+                        pool: dflash_models::gpu::pinned_pool(ctx, 4, bytes)?,
+                    });
+                }
+                let (work_tx, work_rx) = flume::bounded(2);
+                let (host_tx, host_rx) = flume::bounded(1);
+                let mut workers = Vec::new();
+                let sink = if mode == "sync" {
+                    PostprocessSink::Inline(post, host_tx)
+                } else {
+                    let (cap_tx, cap_rx) = flume::bounded(1);
+                    let s = stop.clone();
+                    workers.push(std::thread::spawn(move || postprocess::worker(post, cap_rx, host_tx, s)));
+                    PostprocessSink::Queue(cap_tx)
+                };
+                let fl = ForwardLoop { model, layer_ids: layer_ids.clone(), label: "bench".into(), cuda: cuda.clone() };
+                let s = stop.clone();
+                let fwd = std::thread::spawn(move || fl.run(work_rx, sink, s));
+                let feeder = std::thread::spawn(move || {
+                    for w in batches {
+                        if work_tx.send(w).is_err() {
+                            break;
+                        }
+                    }
+                });
+                // The consumer plays the sender: it drops payloads (returning
+                // pinned buffers) as fast as they come.
+                let mut t0 = Instant::now();
+                for i in 0..a.warmup + a.batches {
+                    let _b = host_rx.recv().context("pipeline ended early")?;
+                    if i + 1 == a.warmup {
+                        t0 = Instant::now();
+                    }
+                }
+                let el = t0.elapsed();
+                stop.stop(dflash_role::StopCause::RunCompleted);
+                let _ = feeder.join();
+                fwd.join().map_err(|_| anyhow::anyhow!("forward loop panicked"))??;
+                for w in workers {
+                    w.join().map_err(|_| anyhow::anyhow!("postprocess panicked"))??;
+                }
+                el
+            }
+            other => anyhow::bail!("unknown mode {other} (off, async, sync)"),
+        };
+        let secs = elapsed.as_secs_f64();
+        let step_ms = 1e3 * secs / a.batches as f64;
+        if mode == "off" {
+            off_ms = step_ms;
+        }
+        results.push(ModeResult {
+            mode: mode.to_string(),
+            step_ms,
+            tokens_per_s: tokens as f64 / secs,
+            mfu: flops / secs / peak,
+            vs_off: step_ms / off_ms,
+        });
+    }
+    println!("{:<8} {:>10} {:>12} {:>7} {:>8}", "mode", "step ms", "tokens/s", "MFU", "vs off");
+    for r in &results {
+        println!("{:<8} {:>10.1} {:>12.0} {:>6.1}% {:>8.3}", r.mode, r.step_ms, r.tokens_per_s, 100.0 * r.mfu, r.vs_off);
+    }
+    if let Some(p) = &a.json {
+        let v = serde_json::json!({
+            "bench": "capture",
+            "shape": a.shape,
+            "device": a.device,
+            "kind": format!("{kind:?}"),
+            "captured_layers": layer_ids,
+            "batch_tokens": a.batch_tokens,
+            "seq_len_range": [a.min_len, a.max_len],
+            "layout": a.layout,
+            "matmul_peak_flops": peak,
+            "results": results,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
+    }
+    Ok(())
+}

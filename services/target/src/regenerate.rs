@@ -1,0 +1,139 @@
+//! `dflash-target regenerate`: the target answers a dataset's prompts
+//! itself (greedy, batched, KV cache) and the answers become the training
+//! data, as every public DFlash recipe does.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use dflash_data::{ChatTokenizer, Conversation, Message};
+use dflash_models::generate::greedy_generate;
+use dflash_models::{LoadScope, TargetModel};
+use tch::{Device, Kind};
+
+#[derive(clap::Args, Debug)]
+pub struct RegenArgs {
+    /// Target model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// JSONL conversations; each line's turns before the first assistant turn are the prompt.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// JSONL to write: prompt plus the target's answer.
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Skip this many lines first.
+    #[arg(long, default_value_t = 0)]
+    pub offset: usize,
+    /// Regenerate at most this many prompts (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub limit: usize,
+    #[arg(long, default_value_t = 96)]
+    pub max_new_tokens: usize,
+    /// Prompts decoded together.
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// Device: "cpu" or a GPU index.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// CPU threads for libtorch (0: default).
+    #[arg(long, default_value_t = 0)]
+    pub threads: i32,
+}
+
+struct Prompt {
+    line: serde_json::Value,
+    messages: Vec<Message>,
+    ids: Vec<u32>,
+}
+
+fn read_prompts(path: &Path, tok: &ChatTokenizer, offset: usize, limit: usize) -> anyhow::Result<Vec<Prompt>> {
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in BufReader::new(f).lines().enumerate().skip(offset) {
+        if limit > 0 && out.len() == limit {
+            break;
+        }
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let conv = Conversation::parse_line(&line).map_err(|e| anyhow::anyhow!("{}:{}: {e}", path.display(), i + 1))?;
+        let messages = conv.first_prompt();
+        if messages.is_empty() {
+            anyhow::bail!("{}:{}: the conversation starts with an assistant turn", path.display(), i + 1);
+        }
+        let ids = tok.encode_prompt(&messages)?;
+        let line: serde_json::Value = serde_json::from_str(&line)?;
+        out.push(Prompt { line, messages, ids });
+    }
+    Ok(out)
+}
+
+pub fn regenerate(a: &RegenArgs) -> anyhow::Result<()> {
+    if a.threads > 0 {
+        tch::set_num_threads(a.threads);
+    }
+    let device = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        i => {
+            let i: u32 = i.parse().with_context(|| format!("--device {i}: use cpu or a GPU index"))?;
+            dflash_models::cuda::tch_device(Some(i))?
+        }
+    };
+    let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
+    let tok = ChatTokenizer::from_dir(&a.model)?;
+    let target = TargetModel::load(&a.model, device, kind, LoadScope::Full)?;
+    let prompts = read_prompts(&a.input, &tok, a.offset, a.limit)?;
+    // Decode similar lengths together (less padding); write in input order.
+    let mut order: Vec<usize> = (0..prompts.len()).collect();
+    order.sort_by_key(|&i| prompts[i].ids.len());
+    let mut answers: Vec<Option<String>> = vec![None; prompts.len()];
+    let started = Instant::now();
+    let mut generated = 0usize;
+    for (n, chunk) in order.chunks(a.batch_size.max(1)).enumerate() {
+        let batch: Vec<Vec<u32>> = chunk.iter().map(|&i| prompts[i].ids.clone()).collect();
+        let outs = greedy_generate(&target, &batch, a.max_new_tokens, &tok.stop_ids);
+        for (&i, ids) in chunk.iter().zip(outs) {
+            generated += ids.len();
+            answers[i] = Some(tok.decode(&ids)?.trim().to_string());
+        }
+        let done = ((n + 1) * a.batch_size).min(prompts.len());
+        tracing::info!(
+            "regenerated {done}/{} prompts, {:.0} new tokens/s",
+            prompts.len(),
+            generated as f64 / started.elapsed().as_secs_f64()
+        );
+    }
+    let tmp = a.output.with_extension("tmp");
+    if let Some(dir) = a.output.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+    let mut written = 0;
+    for (p, answer) in prompts.into_iter().zip(answers) {
+        let answer = answer.unwrap_or_default();
+        if answer.is_empty() {
+            continue;
+        }
+        let mut line = p.line;
+        let mut messages = p.messages;
+        messages.push(Message::new("assistant", answer));
+        line["messages"] = serde_json::to_value(&messages)?;
+        if let Some(o) = line.as_object_mut() {
+            o.remove("conversations");
+        }
+        writeln!(w, "{line}")?;
+        written += 1;
+    }
+    w.flush()?;
+    drop(w);
+    std::fs::rename(&tmp, &a.output)?;
+    tracing::info!(
+        "wrote {written} regenerated conversations to {} in {:.0} s",
+        a.output.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
