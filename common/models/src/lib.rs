@@ -12,6 +12,7 @@ pub mod gpu;
 mod kv_cache;
 pub mod layers;
 pub mod optim;
+pub mod perf;
 pub mod synthetic;
 pub mod target;
 pub mod target_config;

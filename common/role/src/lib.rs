@@ -6,6 +6,7 @@ mod health;
 mod session;
 mod stages;
 mod stop;
+pub mod transport;
 
 pub use health::serve_health_only;
 pub use session::{

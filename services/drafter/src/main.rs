@@ -2,6 +2,8 @@
 //! targets, queues and prefetches them, trains the DFlash drafter and
 //! checkpoints it.
 
+mod bench;
+mod bench_transport;
 mod eval;
 mod prefetch;
 mod receiver;
@@ -29,9 +31,6 @@ use crate::prefetch::Prefetcher;
 use crate::receiver::{DrafterService, Expected};
 use crate::train_loop::TrainLoop;
 
-/// Largest gRPC message accepted on the hidden-state stream.
-const MAX_MESSAGE_BYTES: usize = 80 << 20;
-
 #[derive(Parser, Debug)]
 #[command(name = "dflash-drafter", version, about = "The dflash drafter service")]
 struct Cli {
@@ -45,6 +44,10 @@ enum Command {
     Serve(ServeArgs),
     /// Measure acceptance length by real speculative decoding on held-out prompts.
     Eval(eval::EvalArgs),
+    /// Benchmark the training step (time, samples/s, MFU) on random weights.
+    BenchStep(bench::BenchStepArgs),
+    /// Benchmark the hidden-state gRPC stream against raw TCP on loopback.
+    BenchTransport(bench_transport::BenchTransportArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -70,15 +73,22 @@ fn main() {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
             rt.block_on(serve(args))
         }
-        Command::Eval(args) => match eval::run(&args) {
-            Ok(()) => 0,
-            Err(e) => {
-                tracing::error!("{}", format_chain(&e));
-                1
-            }
-        },
+        Command::Eval(args) => report(eval::run(&args)),
+        Command::BenchStep(args) => report(bench::run(&args)),
+        Command::BenchTransport(args) => report(bench_transport::run(&args)),
     };
     std::process::exit(code);
+}
+
+/// Exit code of a tool command, logging its error.
+fn report(r: anyhow::Result<()>) -> i32 {
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!("{}", format_chain(&e));
+            1
+        }
+    }
 }
 
 async fn serve(args: ServeArgs) -> i32 {
@@ -241,17 +251,12 @@ async fn start(
     health.set_service_status("", ServingStatus::Serving).await;
     health.set_serving::<DrafterServer<DrafterService>>().await;
     let server_stop = stop.clone();
-    let server = tonic::transport::Server::builder()
-        .initial_stream_window_size(Some(16 << 20))
-        .initial_connection_window_size(Some(32 << 20))
-        .max_frame_size(Some(1 << 20))
-        .http2_keepalive_interval(Some(Duration::from_secs(10)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+    let server = dflash_role::transport::data_server()
         .add_service(health_service)
         .add_service(
             DrafterServer::new(service)
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+                .max_decoding_message_size(dflash_role::transport::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(dflash_role::transport::MAX_MESSAGE_BYTES),
         )
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
             server_stop.stopped().await

@@ -7,13 +7,14 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
+use dflash_models::perf::{matmul_peak, sync_device};
 use dflash_models::synthetic::shape_preset;
 use dflash_models::{LoadScope, TargetConfig, TargetModel};
 use dflash_role::Stop;
 use dflash_wire::Layout;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 use crate::forward::{ForwardLoop, compute_kind};
 use crate::postprocess::{self, GpuCopy, PostprocessSink, Postprocessor};
@@ -61,30 +62,6 @@ struct ModeResult {
     tokens_per_s: f64,
     mfu: f64,
     vs_off: f64,
-}
-
-fn sync_device(device: Device) {
-    if let Device::Cuda(i) = device {
-        tch::Cuda::synchronize(i as i64);
-    }
-}
-
-/// Measured dense matmul rate (FLOP/s) of the device, the MFU denominator.
-fn matmul_peak(device: Device, kind: Kind) -> f64 {
-    let n: i64 = if device.is_cuda() { 8192 } else { 1024 };
-    let a = Tensor::randn([n, n], (kind, device));
-    let b = Tensor::randn([n, n], (kind, device));
-    for _ in 0..3 {
-        let _ = a.matmul(&b);
-    }
-    sync_device(device);
-    let iters = if device.is_cuda() { 20 } else { 5 };
-    let t0 = Instant::now();
-    for _ in 0..iters {
-        let _ = a.matmul(&b);
-    }
-    sync_device(device);
-    2.0 * (n * n * n) as f64 * iters as f64 / t0.elapsed().as_secs_f64()
 }
 
 /// FLOPs of capturing `lens` sequences through the first `layers` layers:

@@ -6,18 +6,14 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use dflash_proto as pb;
 use dflash_proto::drafter_client::DrafterClient;
 use dflash_proto::drafter_message::Msg;
-use dflash_role::{HeldBatches, KindExt, Session, with_timeout};
+use dflash_role::{HeldBatches, KindExt, Session, transport, with_timeout};
 use dflash_telemetry::ErrorKind;
 use dflash_wire::{HostBatch, batch_messages};
 use tokio::sync::{mpsc, watch};
-use tonic::transport::Endpoint;
 
-/// Largest gRPC message either side accepts (a chunk plus its framing).
-pub const MAX_MESSAGE_BYTES: usize = 80 << 20;
 
 /// Why one connection to the drafter ended.
 enum StreamEnd {
@@ -82,25 +78,13 @@ impl Sender {
     /// One stream to one drafter: hello, replay, then send and handle acks.
     async fn connection(&mut self, endpoint: &str) -> anyhow::Result<StreamEnd> {
         let stop = self.session.stop.clone();
-        let channel = match Endpoint::from_shared(endpoint.to_string())
-            .with_context(|| format!("drafter endpoint {endpoint}"))
-            .kind(ErrorKind::Config)?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(20))
-            .keep_alive_while_idle(true)
-            .initial_stream_window_size(Some(16 << 20))
-            .initial_connection_window_size(Some(32 << 20))
-            .connect()
-            .await
-        {
+        let channel = match transport::data_endpoint(endpoint).kind(ErrorKind::Config)?.connect().await {
             Ok(c) => c,
             Err(e) => return Ok(StreamEnd::Reconnect(format!("connect: {e}"))),
         };
         let mut client = DrafterClient::new(channel)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            .max_decoding_message_size(transport::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(transport::MAX_MESSAGE_BYTES);
         let (tx, rx) = mpsc::channel::<pb::TargetMessage>(16);
         let hello = pb::TargetMessage {
             msg: Some(pb::target_message::Msg::Hello(pb::StreamHello {

@@ -1,0 +1,211 @@
+//! `dflash-drafter bench-step`: drafter training-step time, samples/s and
+//! MFU on random weights of a named target shape, for several anchor counts
+//! and attention chunkings. Prints a table and writes JSON.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use dflash_models::blocks::BlockSettings;
+use dflash_models::optim::{AdamWSettings, LrSchedule};
+use dflash_models::perf::{matmul_peak, sync_device};
+use dflash_models::synthetic::shape_preset;
+use dflash_models::{DeviceBatch, Drafter, DrafterConfig, StepOutcome, TrainSettings, Trainer};
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+#[derive(clap::Args, Debug)]
+pub struct BenchStepArgs {
+    /// Target shape the drafter matches: qwen3-8b, smollm2-135m or tiny.
+    #[arg(long, default_value = "tiny")]
+    pub shape: String,
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Drafter layers (= captured target layers).
+    #[arg(long, default_value_t = 5)]
+    pub layers: i64,
+    #[arg(long, default_value_t = 16)]
+    pub block: i64,
+    /// Comma-separated anchor counts per sequence.
+    #[arg(long, default_value = "256,512")]
+    pub anchors: String,
+    /// Comma-separated blocks per attention call (a large value = one dense mask).
+    #[arg(long, default_value = "100000,64,32")]
+    pub chunks: String,
+    /// Tokens per batch (packed sequences).
+    #[arg(long, default_value_t = 11_000)]
+    pub batch_tokens: usize,
+    #[arg(long, default_value_t = 550)]
+    pub min_len: usize,
+    #[arg(long, default_value_t = 3072)]
+    pub max_len: usize,
+    /// Cap on sequences x anchors per micro-batch.
+    #[arg(long, default_value_t = 4096)]
+    pub max_blocks: usize,
+    #[arg(long, default_value_t = 4)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    pub threads: i32,
+}
+
+#[derive(Serialize)]
+struct Row {
+    anchors: usize,
+    chunk_blocks: usize,
+    step_ms: f64,
+    samples_per_s: f64,
+    tokens_per_s: f64,
+    mfu: f64,
+    peak_mem_gib: f64,
+}
+
+/// Useful FLOPs of one training step (forward + backward) on sequences of
+/// `lens` with `anchors` blocks each: fc, the layers (queries are the block
+/// slots; keys/values also the context), attention over the visible keys
+/// only (context before the anchor, about S/2 on average, plus the block),
+/// and the frozen LM head (forward and input gradient).
+pub fn step_flops(c: &DrafterConfig, lens: &[usize], anchors: usize) -> f64 {
+    let (h, i, v) = (c.hidden_size as f64, c.intermediate_size as f64, c.vocab_size as f64);
+    let (qd, kvd) = ((c.num_heads * c.head_dim) as f64, (c.num_kv_heads * c.head_dim) as f64);
+    let b = c.block_size as f64;
+    let width = c.feature_width() as f64;
+    let mut f = 0.0;
+    for &s in lens {
+        let s = s as f64;
+        let n = (anchors as f64).min(s - 1.0);
+        let q = n * b;
+        f += 2.0 * 2.0 * s * width * h; // fc: forward + weight gradient
+        let linear = 2.0 * (q * (h * qd + qd * h + 3.0 * h * i) + (s + q) * 2.0 * h * kvd);
+        let attn = 4.0 * qd * q * (s / 2.0 + b);
+        f += c.num_layers as f64 * 3.0 * (linear + attn);
+        f += 2.0 * 2.0 * n * (b - 1.0) * h * v; // LM head: forward + input gradient
+    }
+    f
+}
+
+pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
+    if a.threads > 0 {
+        tch::set_num_threads(a.threads);
+    }
+    let shape = shape_preset(&a.shape).with_context(|| format!("unknown shape {}", a.shape))?;
+    let device = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
+    };
+    let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
+    let peak = matmul_peak(device, kind);
+    let layer_ids: Vec<i64> = dflash_config::default_target_layer_ids(shape.num_layers as u32, a.layers as u32)
+        .into_iter()
+        .map(i64::from)
+        .collect();
+    let config = DrafterConfig::for_target(&shape, a.layers, a.block, 3, layer_ids);
+    // One batch of random features and tokens, reused (the step does not
+    // depend on the values beyond their shapes).
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+    let mut lens = Vec::new();
+    let mut total = 0;
+    loop {
+        let l = rng.random_range(a.min_len..=a.max_len);
+        if total + l > a.batch_tokens && !lens.is_empty() {
+            break;
+        }
+        lens.push(l);
+        total += l;
+    }
+    println!(
+        "bench-step: {}-layer drafter for {} (hidden {}, vocab {}), block {}, {kind:?} on {device:?}; batch of {} sequences, {total} tokens; measured matmul peak {:.1} TFLOP/s",
+        a.layers, a.shape, shape.hidden_size, shape.vocab_size, a.block, lens.len(), peak / 1e12
+    );
+    let batch = DeviceBatch {
+        batch_id: 0,
+        features: Tensor::randn([total as i64, config.feature_width()], (kind, device)),
+        input_ids: (0..total).map(|_| rng.random_range(0..shape.vocab_size as u32)).collect(),
+        loss_mask: vec![1; total],
+        seq_lengths: lens.iter().map(|&l| l as u32).collect(),
+        landing: None,
+    };
+    let embed = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
+    let head = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
+    let mut rows = Vec::new();
+    for anchors in a.anchors.split(',').map(|x| x.trim().parse::<usize>()) {
+        let anchors = anchors.context("--anchors: comma-separated integers")?;
+        for chunk in a.chunks.split(',').map(|x| x.trim().parse::<usize>()) {
+            let chunk = chunk.context("--chunks: comma-separated integers")?;
+            let settings = TrainSettings {
+                blocks: BlockSettings { block_size: a.block as usize, mask_token_id: 3, gamma: 7.0, anchors_per_sequence: anchors },
+                schedule: LrSchedule::new(6e-4, 1000, 0.04, 0.0),
+                adamw: AdamWSettings { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
+                grad_clip: 1.0,
+                max_blocks_per_micro_batch: a.max_blocks.max(anchors),
+                loss_chunk_blocks: 256,
+                attention_chunk_blocks: chunk,
+                seed: 0,
+            };
+            tch::manual_seed(0);
+            let drafter = Drafter::new(config.clone(), device, kind);
+            let mut trainer = Trainer::new(drafter, embed.shallow_clone(), head.shallow_clone(), settings);
+            let mut t0 = Instant::now();
+            for i in 0..a.warmup + a.steps {
+                if i == a.warmup {
+                    sync_device(device);
+                    t0 = Instant::now();
+                }
+                if let StepOutcome::Skipped(r) = trainer.train_batch(&batch) {
+                    anyhow::bail!("benchmark step skipped: {r}");
+                }
+            }
+            sync_device(device);
+            let secs = t0.elapsed().as_secs_f64() / a.steps as f64;
+            let flops = step_flops(&config, &lens, anchors);
+            let mem = if device.is_cuda() { device_memory_used_gib() } else { 0.0 };
+            rows.push(Row {
+                anchors,
+                chunk_blocks: chunk,
+                step_ms: secs * 1e3,
+                samples_per_s: lens.len() as f64 / secs,
+                tokens_per_s: total as f64 / secs,
+                mfu: flops / secs / peak,
+                peak_mem_gib: mem,
+            });
+        }
+    }
+    println!("{:>8} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}", "anchors", "chunk", "step ms", "samples/s", "tokens/s", "MFU", "mem GiB");
+    for r in &rows {
+        let chunk = if r.chunk_blocks >= r.anchors { "dense".to_string() } else { r.chunk_blocks.to_string() };
+        println!(
+            "{:>8} {:>7} {:>10.1} {:>10.2} {:>10.0} {:>6.1}% {:>9.1}",
+            r.anchors, chunk, r.step_ms, r.samples_per_s, r.tokens_per_s, 100.0 * r.mfu, r.peak_mem_gib
+        );
+    }
+    if let Some(p) = &a.json {
+        let v = serde_json::json!({
+            "bench": "drafter_step",
+            "shape": a.shape,
+            "layers": a.layers,
+            "block": a.block,
+            "device": a.device,
+            "sequences": lens,
+            "matmul_peak_flops": peak,
+            "rows": rows,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
+    }
+    Ok(())
+}
+
+/// Device memory in use according to the driver. libtorch's caching
+/// allocator keeps what it once reserved, so after the steps this is close
+/// to the peak the steps needed (tch does not expose the allocator's own
+/// statistics).
+fn device_memory_used_gib() -> f64 {
+    let mut free = 0usize;
+    let mut total = 0usize;
+    // SAFETY: plain query of the current context's memory.
+    let ok = unsafe { cudarc::driver::sys::cuMemGetInfo_v2(&mut free, &mut total) };
+    if ok == cudarc::driver::sys::CUresult::CUDA_SUCCESS { (total - free) as f64 / (1u64 << 30) as f64 } else { f64::NAN }
+}
