@@ -13,7 +13,10 @@ use std::path::PathBuf;
 pub use chat::{Conversation, Message};
 pub use dataset::{Dataset, LoadOptions, LoadReport, Sample};
 pub use plan::{PlannedBatch, batch_id, plan_epoch};
-pub use synthetic::{SYNTHETIC_SPECIALS, synthetic_conversation, write_synthetic_dataset, write_synthetic_tokenizer};
+pub use synthetic::{
+    SYNTHETIC_SPECIALS, synthetic_conversation, write_long_synthetic_dataset, write_synthetic_dataset,
+    write_synthetic_tokenizer,
+};
 pub use tokenizer::{ChatTokenizer, Encoded};
 pub use tokenizer_files::{BpeSpec, byte_alphabet, chatml_template, write_bpe_tokenizer};
 

@@ -54,6 +54,28 @@ pub fn write_synthetic_dataset(path: &Path, n: usize, seed: u64) -> Result<(), D
     out.flush().map_err(io)
 }
 
+/// Writes `n` conversations whose answers run `min_tokens..=max_tokens`
+/// bytes (= tokens of the byte-level synthetic tokenizer), built from many
+/// generated answers: realistic lengths for throughput runs.
+pub fn write_long_synthetic_dataset(path: &Path, n: usize, seed: u64, min_tokens: usize, max_tokens: usize) -> Result<(), DataError> {
+    let io = |e: std::io::Error| DataError::Io(path.to_path_buf(), e.to_string());
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    for _ in 0..n {
+        let target = rng.random_range(min_tokens..=max_tokens.max(min_tokens));
+        let first = synthetic_conversation(&mut rng);
+        let mut answer = first.messages[1].content.clone();
+        while answer.len() < target {
+            answer.push(' ');
+            answer.push_str(&synthetic_conversation(&mut rng).messages[1].content);
+        }
+        answer.truncate(target);
+        let conv = Conversation { messages: vec![first.messages[0].clone(), Message::new("assistant", answer)] };
+        writeln!(out, "{}", serde_json::to_string(&conv).expect("json")).map_err(io)?;
+    }
+    out.flush().map_err(io)
+}
+
 /// Special tokens of the synthetic tokenizer, laid out like SmolLM2's: 0
 /// `<|endoftext|>`, 1 `<|im_start|>` (bos), 2 `<|im_end|>` (eos, pad), 3-16
 /// reserved (unused by chat data; one of them serves as the mask token).

@@ -168,14 +168,28 @@ impl Drafter {
         Self { config, vs, fc, hidden_norm, layers, norm, rope }
     }
 
-    /// Loads weights saved in the served layout (`model.safetensors`).
+    /// Loads weights saved in the served layout (`model.safetensors`, bf16).
     pub fn load_weights(&mut self, dir: &Path) -> Result<(), ModelError> {
-        let file = dir.join("model.safetensors");
-        let tensors = Tensor::read_safetensors(&file).map_err(|e| ModelError::Weights {
-            path: file.clone(),
+        self.load_named(&dir.join("model.safetensors"), "")
+    }
+
+    /// Loads the exact fp32 master weights of a training checkpoint
+    /// (`optimizer.safetensors`), not their bf16 export.
+    pub fn load_master_weights(&mut self, dir: &Path) -> Result<(), ModelError> {
+        self.load_named(&dir.join("optimizer.safetensors"), "master.")
+    }
+
+    fn load_named(&mut self, file: &Path, prefix: &str) -> Result<(), ModelError> {
+        let dir = file.parent().unwrap_or(Path::new("."));
+        let tensors = Tensor::read_safetensors(file).map_err(|e| ModelError::Weights {
+            path: file.to_path_buf(),
             message: e.to_string(),
         })?;
-        let mut by_name: std::collections::HashMap<String, Tensor> = tensors.into_iter().collect();
+        let mut by_name: std::collections::HashMap<String, Tensor> = tensors
+            .into_iter()
+            .filter_map(|(n, t)| n.strip_prefix(prefix).map(|n| (n.to_string(), t)))
+            .filter(|(n, _)| prefix.is_empty() || !n.contains("exp_avg"))
+            .collect();
         let _guard = tch::no_grad_guard();
         for (name, mut var) in self.vs.variables() {
             let src = by_name
@@ -183,7 +197,7 @@ impl Drafter {
                 .ok_or_else(|| ModelError::MissingTensor { dir: dir.to_path_buf(), name: name.clone() })?;
             if src.size() != var.size() {
                 return Err(ModelError::Weights {
-                    path: file.clone(),
+                    path: file.to_path_buf(),
                     message: format!("{name} has shape {:?}, the drafter needs {:?}", src.size(), var.size()),
                 });
             }
@@ -191,7 +205,7 @@ impl Drafter {
         }
         if let Some(extra) = by_name.keys().next() {
             return Err(ModelError::Weights {
-                path: file,
+                path: file.to_path_buf(),
                 message: format!("unexpected tensor {extra} (is this a drafter of another shape?)"),
             });
         }

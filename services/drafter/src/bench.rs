@@ -118,8 +118,8 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         total += l;
     }
     println!(
-        "bench-step: {}-layer drafter for {} (hidden {}, vocab {}), block {}, {kind:?} on {device:?}; batch of {} sequences, {total} tokens; measured matmul peak {:.1} TFLOP/s",
-        a.layers, a.shape, shape.hidden_size, shape.vocab_size, a.block, lens.len(), peak / 1e12
+        "bench-step: {}-layer drafter for {} (hidden {}, vocab {}), block {}, {kind:?} on {device:?}; batch of {} sequences, {total} tokens; measured matmul peak {:.1} GFLOP/s",
+        a.layers, a.shape, shape.hidden_size, shape.vocab_size, a.block, lens.len(), peak / 1e9
     );
     let batch = DeviceBatch {
         batch_id: 0,

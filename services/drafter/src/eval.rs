@@ -151,6 +151,10 @@ pub struct EvalArgs {
     pub device: String,
     #[arg(long, default_value_t = 0)]
     pub threads: i32,
+    /// Evaluate the fp32 master weights of a training checkpoint instead of
+    /// the bf16 served weights.
+    #[arg(long)]
+    pub master_weights: bool,
 }
 
 fn resolve_checkpoint(p: &Path) -> anyhow::Result<PathBuf> {
@@ -215,7 +219,11 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
         reports.push(r);
     }
     let mut drafter = Drafter::new(config, device, kind);
-    drafter.load_weights(&ckpt)?;
+    if a.master_weights {
+        drafter.load_master_weights(&ckpt)?;
+    } else {
+        drafter.load_weights(&ckpt)?;
+    }
     let r = evaluate("trained", &target, &drafter, &embed, &lm_head, &prompts, a.max_new_tokens, &tok.stop_ids, Some(&reference));
     print_report(&r, greedy_tps);
     reports.push(r);

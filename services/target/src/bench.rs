@@ -114,17 +114,18 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     let kind = compute_kind("auto", device);
     let _guard = tch::no_grad_guard();
     let peak = matmul_peak(device, kind);
-    let layer_ids: Vec<i64> = dflash_config::default_target_layer_ids(config.num_layers as u32, a.layers)
+    let mut layer_ids: Vec<i64> = dflash_config::default_target_layer_ids(config.num_layers as u32, a.layers)
         .into_iter()
         .map(i64::from)
         .collect();
+    layer_ids.dedup();
     let last = *layer_ids.iter().max().expect("layers");
     let layout = if a.layout == "packed" { Layout::Packed } else { Layout::Split };
     println!(
         "bench-capture: {} target ({} of {} layers, capturing {layer_ids:?}), {kind:?} on {device:?}, {} tokens/batch of {}-{}-token sequences, {layout:?}",
         a.shape, last + 1, config.num_layers, a.batch_tokens, a.min_len, a.max_len
     );
-    println!("measured {kind:?} matmul peak: {:.1} TFLOP/s", peak / 1e12);
+    println!("measured {kind:?} matmul peak: {:.1} GFLOP/s", peak / 1e9);
     let cuda = match device {
         Device::Cuda(i) => Some(dflash_models::gpu::context(i)?),
         _ => None,
@@ -196,19 +197,25 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                 // The consumer plays the sender: it drops payloads (returning
                 // pinned buffers) as fast as they come.
                 let mut t0 = Instant::now();
+                let mut received = 0;
                 for i in 0..a.warmup + a.batches {
-                    let _b = host_rx.recv().context("pipeline ended early")?;
+                    if host_rx.recv().is_err() {
+                        break;
+                    }
+                    received += 1;
                     if i + 1 == a.warmup {
                         t0 = Instant::now();
                     }
                 }
                 let el = t0.elapsed();
                 stop.stop(dflash_role::StopCause::RunCompleted);
+                drop(host_rx);
                 let _ = feeder.join();
                 fwd.join().map_err(|_| anyhow::anyhow!("forward loop panicked"))??;
                 for w in workers {
                     w.join().map_err(|_| anyhow::anyhow!("postprocess panicked"))??;
                 }
+                anyhow::ensure!(received == a.warmup + a.batches, "the pipeline delivered {received} batches");
                 el
             }
             other => anyhow::bail!("unknown mode {other} (off, async, sync)"),
