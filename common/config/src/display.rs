@@ -81,8 +81,9 @@ impl fmt::Display for RunConfig {
         )?;
         writeln!(
             f,
-            "  In-flight batches per target: {}, chunk size: {}",
+            "  In-flight batches per target: {}, streams per target: {}, chunk size: {}",
             p.max_inflight_batches,
+            p.streams_per_target,
             bytes(p.chunk_bytes)
         )?;
         writeln!(f, "Checkpoints")?;

@@ -195,6 +195,9 @@ pub struct PipelineSection {
     pub max_inflight_batches: u32,
     /// Bytes per data chunk on the hidden-state stream.
     pub chunk_bytes: u32,
+    /// Parallel streams (connections) from each target to the drafter; the
+    /// in-flight limit is split across them.
+    pub streams_per_target: u32,
 }
 
 impl Default for PipelineSection {
@@ -208,6 +211,7 @@ impl Default for PipelineSection {
             hs_queue_depth: 8,
             max_inflight_batches: 4,
             chunk_bytes: 4 << 20,
+            streams_per_target: 2,
         }
     }
 }

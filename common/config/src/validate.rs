@@ -129,6 +129,9 @@ impl RunConfig {
         c.require(p.max_inflight_batches >= 1, "pipeline.max_inflight_batches", || {
             "must be at least 1".into()
         });
+        c.require((1..=16).contains(&p.streams_per_target), "pipeline.streams_per_target", || {
+            format!("is {}; must be between 1 and 16", p.streams_per_target)
+        });
         c.require(
             (64 << 10..=64 << 20).contains(&p.chunk_bytes),
             "pipeline.chunk_bytes",

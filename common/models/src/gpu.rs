@@ -117,8 +117,9 @@ unsafe impl Sync for PinnedMem {}
 
 impl PinnedMem {
     pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, ModelError> {
-        // SAFETY: flags 0 = plain page-locked memory; any bytes are valid u8.
-        let mut alloc = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }
+        // SAFETY: PORTABLE = page-locked for every context (GPU), not
+        // write-combined (CPU reads stay fast); any bytes are valid u8.
+        let mut alloc = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
             .map_err(|e| cuda_err(&format!("allocating {bytes} pinned bytes"), e))?;
         let ptr = alloc.as_mut_ptr().map_err(|e| cuda_err("pinned pointer", e))?;
         Ok(Self { ptr, bytes, _alloc: alloc })

@@ -5,6 +5,7 @@
 pub mod blocks;
 pub mod checkpoint;
 pub mod cuda;
+pub mod dp;
 pub mod drafter;
 pub mod generate;
 pub mod gguf;

@@ -253,12 +253,46 @@ impl TargetModel {
         let mut x = self.embed_tokens.embedding_for(input_ids);
         let mut captured = Vec::with_capacity(layer_ids.len());
         for (i, layer) in self.layers.iter().enumerate().take(last as usize + 1) {
-            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, &self.config);
+            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, &self.config, &mut |_| {});
             if layer_ids.contains(&(i as i64)) {
                 captured.push(x.shallow_clone());
             }
         }
         captured
+    }
+
+    /// Where the time of a packed forward goes: runs the captured layers
+    /// with a device synchronization after each stage and returns seconds
+    /// per stage summed over layers (for the capture benchmark).
+    pub fn profile_packed(&self, input_ids: &Tensor, seq_lengths: &[i64], last_layer: i64) -> Vec<(&'static str, f64)> {
+        let _guard = tch::no_grad_guard();
+        let sync = || {
+            if let Device::Cuda(i) = self.device {
+                tch::Cuda::synchronize(i as i64);
+            }
+        };
+        let positions = Tensor::cat(
+            &seq_lengths.iter().map(|&l| Tensor::arange(l, (Kind::Int64, self.device))).collect::<Vec<_>>(),
+            0,
+        );
+        let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
+        let (cos, sin) = (cos.unsqueeze(1), sin.unsqueeze(1));
+        let mut x = self.embed_tokens.embedding_for(input_ids);
+        let mut totals: Vec<(&'static str, f64)> = Vec::new();
+        sync();
+        let mut t = std::time::Instant::now();
+        for layer in self.layers.iter().take(last_layer as usize + 1) {
+            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, &self.config, &mut |stage| {
+                sync();
+                let dt = t.elapsed().as_secs_f64();
+                match totals.iter_mut().find(|(s, _)| *s == stage) {
+                    Some(e) => e.1 += dt,
+                    None => totals.push((stage, dt)),
+                }
+                t = std::time::Instant::now();
+            });
+        }
+        totals
     }
 
     /// One cached forward step for decoding: `ids` `[B, t]` at `positions`
@@ -338,9 +372,20 @@ impl Attention {
 }
 
 impl DecoderLayer {
-    fn forward_packed(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, lens: &[i64], c: &TargetConfig) -> Tensor {
+    /// `mark(stage)` is called after each stage (profiling; a no-op otherwise).
+    fn forward_packed(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        lens: &[i64],
+        c: &TargetConfig,
+        mark: &mut dyn FnMut(&'static str),
+    ) -> Tensor {
         let h = self.input_layernorm.forward(x);
+        mark("input norm");
         let (q, k, v) = self.self_attn.qkv(&h, cos, sin, c); // [T, heads, d]
+        mark("qkv + qk-norm + rope");
         let n_rep = c.num_heads / c.num_kv_heads;
         let (qs, ks, vs) = (q.split_with_sizes(lens, 0), k.split_with_sizes(lens, 0), v.split_with_sizes(lens, 0));
         let outs: Vec<Tensor> = qs
@@ -355,9 +400,15 @@ impl DecoderLayer {
                 o.squeeze_dim(0).transpose(0, 1).reshape([-1, c.num_heads * c.head_dim])
             })
             .collect();
-        let attn = self.self_attn.o_proj.forward(&Tensor::cat(&outs, 0));
-        let x = x + attn;
-        &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
+        let outs = Tensor::cat(&outs, 0);
+        mark("attention");
+        let x = x + self.self_attn.o_proj.forward(&outs);
+        mark("o_proj + residual");
+        let h = self.post_attention_layernorm.forward(&x);
+        mark("post norm");
+        let y = &x + self.mlp.forward(&h);
+        mark("mlp + residual");
+        y
     }
 
     #[allow(clippy::too_many_arguments)]

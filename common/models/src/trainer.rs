@@ -92,6 +92,15 @@ impl Trainer {
         let (device, kind) = (drafter.device(), drafter.kind());
         let embed = embed.to_device(device).to_kind(kind).detach();
         let lm_head = lm_head.to_device(device).to_kind(kind).detach();
+        // Every parameter gets a (zero) gradient now, so that gradient
+        // exchange between replicas always has a buffer to read and write.
+        let touch = drafter
+            .named_parameters()
+            .iter()
+            .map(|(_, p)| p.sum(Kind::Float) * 0.0)
+            .reduce(|a, b| a + b)
+            .expect("the drafter has parameters");
+        touch.backward();
         let opt = AdamW::new(drafter.named_parameters(), settings.adamw.clone());
         Self { drafter, embed, lm_head, opt, settings }
     }
@@ -112,6 +121,18 @@ impl Trainer {
     /// Trains on one batch: one optimizer step, or a skip when features,
     /// loss or gradients are not finite (the weights stay untouched).
     pub fn train_batch(&mut self, batch: &DeviceBatch) -> StepOutcome {
+        match self.compute_gradients(batch) {
+            StepOutcome::Trained(m) => self.apply_gradients(m),
+            skipped => skipped,
+        }
+    }
+
+    /// Zeroes the gradients and accumulates this batch's into them, with
+    /// the batch's metrics (their step, lr and grad norm are filled in by
+    /// [`Trainer::apply_gradients`]). Non-finite features or loss: skipped,
+    /// gradients left at zero.
+    pub fn compute_gradients(&mut self, batch: &DeviceBatch) -> StepOutcome {
+        self.opt.zero_grad();
         let s = &self.settings;
         if !bool::try_from(batch.features.isfinite().all()).unwrap_or(false) {
             return StepOutcome::Skipped(format!("batch {}: non-finite target features", batch.batch_id));
@@ -166,7 +187,6 @@ impl Trainer {
             return StepOutcome::Skipped(format!("batch {}: no trainable block positions", batch.batch_id));
         }
 
-        self.opt.zero_grad();
         let b = s.blocks.block_size;
         let mut tally = Tally { correct: vec![0.0; b - 1], counted: vec![0.0; b - 1], ..Tally::default() };
         for (g, layout) in groups.iter().zip(&layouts) {
@@ -178,13 +198,6 @@ impl Trainer {
             self.opt.zero_grad();
             return StepOutcome::Skipped(format!("batch {}: non-finite loss {loss}", batch.batch_id));
         }
-        let grad_norm = self.opt.clip_grad_norm(self.settings.grad_clip);
-        if !grad_norm.is_finite() {
-            self.opt.zero_grad();
-            return StepOutcome::Skipped(format!("batch {}: non-finite gradient norm", batch.batch_id));
-        }
-        let lr = self.settings.schedule.lr(self.opt.step);
-        self.opt.step(lr);
         let counted: f64 = tally.counted.iter().sum();
         StepOutcome::Trained(StepMetrics {
             step: self.opt.step,
@@ -194,9 +207,25 @@ impl Trainer {
             acceptance_length: tally.accept_sum / tally.blocks.max(1.0),
             tokens: batch.input_ids.len() as u64,
             blocks: tally.blocks as u64,
-            grad_norm,
-            lr,
+            grad_norm: 0.0,
+            lr: 0.0,
         })
+    }
+
+    /// Clips the accumulated gradients and takes the optimizer step;
+    /// skipped (weights untouched) when the gradient norm is not finite.
+    pub fn apply_gradients(&mut self, mut m: StepMetrics) -> StepOutcome {
+        let grad_norm = self.opt.clip_grad_norm(self.settings.grad_clip);
+        if !grad_norm.is_finite() {
+            self.opt.zero_grad();
+            return StepOutcome::Skipped("non-finite gradient norm".into());
+        }
+        let lr = self.settings.schedule.lr(self.opt.step);
+        self.opt.step(lr);
+        m.step = self.opt.step;
+        m.grad_norm = grad_norm;
+        m.lr = lr;
+        StepOutcome::Trained(m)
     }
 
     /// Forward and backward of one micro-batch; gradients accumulate. The

@@ -46,11 +46,12 @@ fn targets_match_transformers() {
         // Packed capture (the training path): two copies of the prompt.
         let packed = Tensor::from_slice(&[ids.clone(), ids.clone()].concat());
         let cap = t.capture_packed(&packed, &[n, n], &[0, 1]);
-        for (layer, key) in [(0usize, "hidden_after_layer_0"), (1, "hidden_after_layer_1")] {
-            let want = matrix(&g[name][key]);
-            assert!(max_rel_err(&feats[layer].squeeze_dim(0), &want) < 1e-5, "{name} {key} (cached)");
-            assert!(max_rel_err(&cap[layer].narrow(0, n, n), &want) < 1e-5, "{name} {key} (packed)");
-        }
+        // transformers' last hidden state is after the final norm; the
+        // residual stream after layer 0 is a plain capture point.
+        let want = matrix(&g[name]["hidden_after_layer_0"]);
+        assert!(max_rel_err(&feats[0].squeeze_dim(0), &want) < 1e-5, "{name} layer 0 (cached)");
+        assert!(max_rel_err(&cap[0].narrow(0, n, n), &want) < 1e-5, "{name} layer 0 (packed)");
+        assert!(max_rel_err(&cap[1].narrow(0, n, n), &feats[1].squeeze_dim(0).to_kind(Kind::Double)) < 1e-5);
     }
 }
 

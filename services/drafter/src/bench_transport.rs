@@ -28,15 +28,19 @@ pub struct BenchTransportArgs {
     /// Chunk size on the stream (MiB).
     #[arg(long, default_value_t = 4)]
     pub chunk_mib: usize,
-    /// Unacknowledged batches in flight.
-    #[arg(long, default_value_t = 4)]
+    /// Unacknowledged batches in flight per stream.
+    #[arg(long, default_value_t = 2)]
     pub credits: u32,
+    /// Comma-separated numbers of parallel streams (connections) to measure.
+    #[arg(long, default_value = "1,2,4")]
+    pub streams: String,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
 
 #[derive(Serialize)]
-struct Result {
+struct Row {
+    streams: usize,
     grpc_gbps: f64,
     tcp_gbps: f64,
     ratio: f64,
@@ -62,7 +66,9 @@ fn batch(id: u64, payload: &Bytes, hidden: u32) -> anyhow::Result<HostBatch> {
     Ok(HostBatch::new(meta, payload.clone())?)
 }
 
-async fn grpc(a: &BenchTransportArgs, payload: Bytes, hidden: u32, batches: usize) -> anyhow::Result<f64> {
+/// Sends `batches` batches over `streams` parallel streams to the real
+/// drafter receiver; returns GB/s of payload acknowledged.
+async fn grpc(a: &BenchTransportArgs, payload: Bytes, hidden: u32, batches: usize, streams: usize) -> anyhow::Result<f64> {
     let stop = Stop::new();
     let (queue, rx) = flume::bounded(8);
     let consumer = std::thread::spawn(move || rx.iter().count());
@@ -91,42 +97,52 @@ async fn grpc(a: &BenchTransportArgs, payload: Bytes, hidden: u32, batches: usiz
                 server_stop.stopped().await
             }),
     );
-    let channel = transport::data_endpoint(&format!("http://{addr}"))?.connect().await?;
-    let mut client = DrafterClient::new(channel)
-        .max_decoding_message_size(transport::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(transport::MAX_MESSAGE_BYTES);
-    let (tx, rx) = mpsc::channel(16);
-    tx.send(pb::TargetMessage {
-        msg: Some(pb::target_message::Msg::Hello(pb::StreamHello {
-            protocol_version: dflash_proto::PROTOCOL_VERSION,
-            run_id: "bench".into(),
-            target_instance: "bench".into(),
-        })),
-    })
-    .await?;
-    let mut acks = client.stream_hidden_states(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
-    let _welcome = acks.message().await?;
-    let chunk = a.chunk_mib << 20;
     let t0 = Instant::now();
-    let mut in_flight = 0u32;
-    let mut acked = 0usize;
-    for id in 0..batches as u64 {
-        while in_flight >= a.credits {
-            acks.message().await?.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
-            in_flight -= 1;
-            acked += 1;
-        }
-        for m in batch_messages(&batch(id, &payload, hidden)?, chunk) {
-            tx.send(m).await?;
-        }
-        in_flight += 1;
+    let mut tasks = Vec::new();
+    for s in 0..streams {
+        let share = batches / streams + usize::from(s < batches % streams);
+        let (payload, credits, chunk) = (payload.clone(), a.credits, a.chunk_mib << 20);
+        let url = format!("http://{addr}");
+        tasks.push(tokio::spawn(async move {
+            let channel = transport::data_endpoint(&url)?.connect().await?;
+            let mut client = DrafterClient::new(channel)
+                .max_decoding_message_size(transport::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(transport::MAX_MESSAGE_BYTES);
+            let (tx, rx) = mpsc::channel(16);
+            tx.send(pb::TargetMessage {
+                msg: Some(pb::target_message::Msg::Hello(pb::StreamHello {
+                    protocol_version: dflash_proto::PROTOCOL_VERSION,
+                    run_id: "bench".into(),
+                    target_instance: format!("bench-{s}"),
+                })),
+            })
+            .await?;
+            let mut acks = client.stream_hidden_states(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+            let _welcome = acks.message().await?;
+            let (mut in_flight, mut acked) = (0u32, 0usize);
+            for i in 0..share {
+                while in_flight >= credits {
+                    acks.message().await?.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+                    in_flight -= 1;
+                    acked += 1;
+                }
+                let id = (s * 1_000_000 + i) as u64;
+                for m in batch_messages(&batch(id, &payload, hidden)?, chunk) {
+                    tx.send(m).await?;
+                }
+                in_flight += 1;
+            }
+            while acked < share {
+                acks.message().await?.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+                acked += 1;
+            }
+            Ok::<_, anyhow::Error>(())
+        }));
     }
-    while acked < batches {
-        acks.message().await?.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
-        acked += 1;
+    for t in tasks {
+        t.await??;
     }
     let secs = t0.elapsed().as_secs_f64();
-    drop(tx);
     stop.stop(dflash_role::StopCause::RunCompleted);
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     let received = consumer.join().map_err(|_| anyhow::anyhow!("consumer panicked"))?;
@@ -134,34 +150,59 @@ async fn grpc(a: &BenchTransportArgs, payload: Bytes, hidden: u32, batches: usiz
     Ok((batches * payload.len()) as f64 / secs / 1e9)
 }
 
-async fn raw_tcp(payload: Bytes, batches: usize) -> anyhow::Result<f64> {
+/// The same bytes over `streams` plain TCP connections.
+async fn raw_tcp(payload: Bytes, batches: usize, streams: usize) -> anyhow::Result<f64> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let total = batches * payload.len();
+    let shares: Vec<usize> = (0..streams).map(|s| batches / streams + usize::from(s < batches % streams)).collect();
+    let len = payload.len();
     let reader = tokio::spawn(async move {
-        let (mut sock, _) = listener.accept().await?;
-        sock.set_nodelay(true)?;
-        let mut buf = vec![0u8; 4 << 20];
-        let mut got = 0usize;
-        while got < total {
-            let n = sock.read(&mut buf).await?;
-            anyhow::ensure!(n > 0, "raw TCP closed early");
-            got += n;
+        let mut readers = Vec::new();
+        for _ in 0..streams {
+            let (mut sock, _) = listener.accept().await?;
+            sock.set_nodelay(true)?;
+            readers.push(tokio::spawn(async move {
+                let mut len_buf = [0u8; 8];
+                sock.read_exact(&mut len_buf).await?;
+                let total = u64::from_le_bytes(len_buf) as usize;
+                let mut buf = vec![0u8; 4 << 20];
+                let mut got = 0usize;
+                while got < total {
+                    let n = sock.read(&mut buf).await?;
+                    anyhow::ensure!(n > 0, "raw TCP closed early");
+                    got += n;
+                }
+                sock.write_all(b"k").await?;
+                Ok::<_, anyhow::Error>(())
+            }));
         }
-        sock.write_all(b"k").await?;
+        for r in readers {
+            r.await??;
+        }
         Ok::<_, anyhow::Error>(())
     });
-    let mut sock = tokio::net::TcpStream::connect(addr).await?;
-    sock.set_nodelay(true)?;
     let t0 = Instant::now();
-    for _ in 0..batches {
-        sock.write_all(&payload).await?;
+    let mut writers = Vec::new();
+    for share in shares {
+        let payload = payload.clone();
+        writers.push(tokio::spawn(async move {
+            let mut sock = tokio::net::TcpStream::connect(addr).await?;
+            sock.set_nodelay(true)?;
+            sock.write_all(&((share * len) as u64).to_le_bytes()).await?;
+            for _ in 0..share {
+                sock.write_all(&payload).await?;
+            }
+            let mut k = [0u8; 1];
+            sock.read_exact(&mut k).await?;
+            Ok::<_, anyhow::Error>(())
+        }));
     }
-    let mut k = [0u8; 1];
-    sock.read_exact(&mut k).await?;
+    for w in writers {
+        w.await??;
+    }
     let secs = t0.elapsed().as_secs_f64();
     reader.await??;
-    Ok(total as f64 / secs / 1e9)
+    Ok((batches * len) as f64 / secs / 1e9)
 }
 
 pub fn run(a: &BenchTransportArgs) -> anyhow::Result<()> {
@@ -177,27 +218,36 @@ pub fn run(a: &BenchTransportArgs) -> anyhow::Result<()> {
         a.chunk_mib,
         a.credits
     );
-    let (g, t) = rt.block_on(async {
+    let counts: Vec<usize> = a
+        .streams
+        .split(',')
+        .map(|x| x.trim().parse::<usize>().map(|n| n.max(1)))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| anyhow::anyhow!("--streams: comma-separated integers"))?;
+    let rows = rt.block_on(async {
         // Warm both paths once, then measure.
-        grpc(a, payload.clone(), hidden, 2).await?;
-        let g = grpc(a, payload.clone(), hidden, batches).await?;
-        raw_tcp(payload.clone(), 2).await?;
-        let t = raw_tcp(payload.clone(), batches).await?;
-        Ok::<_, anyhow::Error>((g, t))
+        grpc(a, payload.clone(), hidden, 2, 1).await?;
+        raw_tcp(payload.clone(), 2, 1).await?;
+        let mut rows = Vec::new();
+        for &n in &counts {
+            let g = grpc(a, payload.clone(), hidden, batches.max(n), n).await?;
+            let t = raw_tcp(payload.clone(), batches.max(n), n).await?;
+            rows.push(Row { streams: n, grpc_gbps: g, tcp_gbps: t, ratio: g / t });
+        }
+        Ok::<_, anyhow::Error>(rows)
     })?;
-    let r = Result { grpc_gbps: g, tcp_gbps: t, ratio: g / t };
-    println!("{:<10} {:>8}", "path", "GB/s");
-    println!("{:<10} {:>8.2}", "gRPC", r.grpc_gbps);
-    println!("{:<10} {:>8.2}", "raw TCP", r.tcp_gbps);
-    println!("gRPC / raw TCP = {:.2}", r.ratio);
+    println!("{:>8} {:>10} {:>10} {:>8}", "streams", "gRPC GB/s", "TCP GB/s", "ratio");
+    for r in &rows {
+        println!("{:>8} {:>10.2} {:>10.2} {:>8.2}", r.streams, r.grpc_gbps, r.tcp_gbps, r.ratio);
+    }
     if let Some(p) = &a.json {
         let v = serde_json::json!({
             "bench": "transport",
             "batch_bytes": bytes,
             "batches": batches,
             "chunk_mib": a.chunk_mib,
-            "credits": a.credits,
-            "result": r,
+            "credits_per_stream": a.credits,
+            "rows": rows,
         });
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }

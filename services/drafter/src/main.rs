@@ -29,7 +29,7 @@ use tonic_health::ServingStatus;
 
 use crate::prefetch::Prefetcher;
 use crate::receiver::{DrafterService, Expected};
-use crate::train_loop::TrainLoop;
+use crate::train_loop::{ReplicaStep, TrainLoop, follow};
 
 #[derive(Parser, Debug)]
 #[command(name = "dflash-drafter", version, about = "The dflash drafter service")]
@@ -130,6 +130,13 @@ async fn serve(args: ServeArgs) -> i32 {
     session.finish(result).await
 }
 
+/// Gives every replica rank 0's weights and optimizer state.
+fn sync_replica(g: &dflash_models::dp::Replica, t: &Trainer) -> anyhow::Result<()> {
+    let mut tensors: Vec<tch::Tensor> = t.drafter.named_parameters().into_iter().map(|(_, p)| p).collect();
+    tensors.extend(t.opt.state_tensors().into_iter().map(|(_, s)| s));
+    g.broadcast_from_rank0(&tensors).kind(ErrorKind::Device)
+}
+
 /// Builds the trainer from the run config and the target's embeddings.
 fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Trainer> {
     let c = &session.config;
@@ -197,33 +204,34 @@ async fn start(
     session.spawn_heartbeat(Vec::new);
     let _events = session.spawn_event_watch();
     let devices = c.devices.drafter.devices().to_vec();
-    if devices.len() > 1 {
-        return Err(anyhow::anyhow!(
-            "devices.drafter lists {} devices; this build trains on one device per drafter service",
-            devices.len()
-        ))
-        .kind(ErrorKind::Config);
+    let gpus = c.devices.drafter.cuda_indices();
+    if !gpus.is_empty() {
+        dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
     }
-    let device = match devices[0] {
-        Device::Cpu => tch::Device::Cpu,
-        Device::Cuda(i) => {
-            dflash_models::cuda::ensure_cuda(&[i]).kind(ErrorKind::Device)?;
-            tch::Device::Cuda(i as usize)
-        }
-    };
-    let trainer = tokio::task::block_in_place(|| build_trainer(session, device))?;
-    let kind = trainer.drafter.kind();
-    let hidden = trainer.drafter.config.hidden_size;
+    let tdevs: Vec<tch::Device> = devices
+        .iter()
+        .map(|d| match d {
+            Device::Cpu => tch::Device::Cpu,
+            Device::Cuda(i) => tch::Device::Cuda(*i as usize),
+        })
+        .collect();
+    // One trainer per replica; replica 0 leads (resumes, logs, checkpoints).
+    let mut trainers = tdevs
+        .iter()
+        .map(|&d| tokio::task::block_in_place(|| build_trainer(session, d)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let device = tdevs[0];
+    let kind = trainers[0].drafter.kind();
+    let hidden = trainers[0].drafter.config.hidden_size;
     let (hs_tx, hs_rx) = flume::bounded(c.pipeline.hs_queue_depth as usize);
-    let (pf_tx, pf_rx) = flume::bounded(c.pipeline.prefetch_depth as usize);
 
     // Resume before accepting batches, so the coordinator resets the work
     // this drafter will not have before any target sends it more.
     let rt = tokio::runtime::Handle::current();
-    let mut train = TrainLoop::new(trainer, Arc::clone(session), rt, hs_tx.clone());
+    let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone());
     train.eval = tokio::task::block_in_place(|| eval::PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
     tokio::task::block_in_place(|| train.resume())?;
-
+    let resumed_step = train.trainer.step();
     let k = c.model.target_layer_ids.len() as u64;
     // Targets ship their compute dtype: bf16 on GPUs unless f32 is forced.
     let elem = if !c.devices.target.is_cpu() && c.model.dtype != "f32" { 2 } else { 4 };
@@ -265,21 +273,60 @@ async fn start(
     stages.spawn_task("grpc", async move { server.await.context("drafter gRPC server") });
     session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
 
-    let gpu_landing = match device {
-        tch::Device::Cuda(i) => {
-            let ctx = dflash_models::gpu::context(i).kind(ErrorKind::Device)?;
-            let bufs = (0..c.pipeline.prefetch_depth as usize + 2)
-                .map(|_| dflash_models::gpu::DeviceBuf::new(&ctx, max_payload as usize))
-                .collect::<Result<Vec<_>, _>>()
-                .kind(ErrorKind::Device)?;
-            let stream = dflash_models::gpu::side_stream(&ctx).kind(ErrorKind::Device)?;
-            Some(prefetch::GpuLanding { ordinal: i, stream, buffers: dflash_models::gpu::Pool::new(bufs) })
+    // Per replica: a prefetch stage onto its GPU and a train thread, in
+    // lockstep through NCCL when there are several.
+    let world = tdevs.len();
+    let group_id = if world > 1 { Some(dflash_models::dp::new_group_id().kind(ErrorKind::Device)?) } else { None };
+    let (report_tx, report_rx) = flume::bounded(world * 2);
+    let trained = train.trained_set.clone();
+    let mut leader = Some(train);
+    let mut followers = trainers.into_iter();
+    for (rank, &dev) in tdevs.iter().enumerate() {
+        let gpu_landing = match dev {
+            tch::Device::Cuda(i) => {
+                let ctx = dflash_models::gpu::context(i).kind(ErrorKind::Device)?;
+                let bufs = (0..c.pipeline.prefetch_depth as usize + 2)
+                    .map(|_| dflash_models::gpu::DeviceBuf::new(&ctx, max_payload as usize))
+                    .collect::<Result<Vec<_>, _>>()
+                    .kind(ErrorKind::Device)?;
+                let stream = dflash_models::gpu::side_stream(&ctx).kind(ErrorKind::Device)?;
+                Some(prefetch::GpuLanding { ordinal: i, stream, buffers: dflash_models::gpu::Pool::new(bufs) })
+            }
+            _ => None,
+        };
+        let (pf_tx, pf_rx) = flume::bounded(c.pipeline.prefetch_depth as usize);
+        let pf = Prefetcher { device: dev, kind, noise_std: c.training.feature_noise_std, gpu: gpu_landing, stop: stop.clone() };
+        let (s, hs) = (stop.clone(), hs_rx.clone());
+        stages.spawn_thread(&format!("prefetch-{rank}"), move || pf.run(hs, pf_tx, s));
+        let join = move || -> anyhow::Result<Option<dflash_models::dp::Replica>> {
+            let (Some(id), tch::Device::Cuda(ordinal)) = (group_id, dev) else { return Ok(None) };
+            Ok(Some(dflash_models::dp::Replica::join(id, rank, world, ordinal).kind(ErrorKind::Device)?))
+        };
+        let check_every = c.checkpoint.interval_steps;
+        let mut replica = ReplicaStep { input: pf_rx, group: None, trained: trained.clone(), device: dev, check_every };
+        if rank == 0 {
+            let train = leader.take().expect("one leader");
+            let reports = report_rx.clone();
+            stages.spawn_thread("train-0", move || {
+                replica.group = join()?;
+                if let Some(g) = &replica.group {
+                    sync_replica(g, &train.trainer)?;
+                    tracing::info!("data-parallel training on {world} GPUs (rank 0 leads)");
+                }
+                train.run(replica, reports)
+            });
+        } else {
+            let mut trainer = followers.next().expect("a trainer per replica");
+            let (s, reports) = (stop.clone(), report_tx.clone());
+            stages.spawn_thread(&format!("train-{rank}"), move || {
+                replica.group = join()?;
+                if let Some(g) = &replica.group {
+                    sync_replica(g, &trainer)?;
+                    trainer.opt.step = resumed_step;
+                }
+                follow(trainer, replica, s, reports)
+            });
         }
-        _ => None,
-    };
-    let pf = Prefetcher { device, kind, noise_std: c.training.feature_noise_std, gpu: gpu_landing, stop: stop.clone() };
-    let s = stop.clone();
-    stages.spawn_thread("prefetch", move || pf.run(hs_rx, pf_tx, s));
-    stages.spawn_thread("train", move || train.run(pf_rx));
+    }
     Ok(())
 }

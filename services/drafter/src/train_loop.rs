@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dflash_models::checkpoint::{TrainerState, latest_checkpoint, restore_checkpoint, save_checkpoint};
@@ -14,6 +14,120 @@ use dflash_telemetry::ErrorKind;
 
 use crate::eval::PeriodicEval;
 use crate::receiver::ReceivedBatch;
+
+/// Batch ids trained in this checkpoint lineage.
+pub type TrainedSet = Arc<Mutex<BTreeSet<u64>>>;
+
+/// What happened to one replica's batch in one step.
+pub enum ReplicaOutcome {
+    Trained(dflash_models::StepMetrics),
+    Skipped(String),
+    /// Already trained in this lineage (a replay whose ack was lost).
+    Duplicate,
+}
+
+/// One replica's part of one step.
+pub struct ReplicaReport {
+    pub batch_id: Option<u64>,
+    pub outcome: ReplicaOutcome,
+    /// Time spent computing (not waiting for a batch).
+    pub busy: Duration,
+}
+
+/// What all replicas agreed on for one step.
+pub struct Agreement {
+    pub any_batch: bool,
+    pub stopping: bool,
+}
+
+/// One replica's side of the lockstep: take a batch if one comes within a
+/// short wait, compute its gradients, agree with the other replicas on who
+/// contributes and whether to stop, average gradients, step. Every replica
+/// takes the same optimizer steps, so their weights stay identical.
+pub struct ReplicaStep {
+    pub input: flume::Receiver<DeviceBatch>,
+    pub group: Option<dflash_models::dp::Replica>,
+    pub trained: TrainedSet,
+    pub device: tch::Device,
+    /// Verify every this many steps that the replicas hold identical weights.
+    pub check_every: u64,
+}
+
+impl ReplicaStep {
+    pub fn world(&self) -> usize {
+        self.group.as_ref().map_or(1, |g| g.world)
+    }
+
+    pub fn step(&mut self, trainer: &mut dflash_models::Trainer, stop: &dflash_role::Stop) -> anyhow::Result<(ReplicaReport, Agreement)> {
+        let batch = match self.input.recv_timeout(Duration::from_millis(100)) {
+            Ok(b) => Some(b),
+            Err(flume::RecvTimeoutError::Timeout) => None,
+            Err(flume::RecvTimeoutError::Disconnected) => None,
+        };
+        let t0 = Instant::now();
+        let mut report = ReplicaReport { batch_id: batch.as_ref().map(|b| b.batch_id), outcome: ReplicaOutcome::Duplicate, busy: Duration::ZERO };
+        let mut contributes = false;
+        let mut pending = None;
+        if let Some(b) = &batch {
+            let dup = self.trained.lock().expect("trained set lock").contains(&b.batch_id);
+            if !dup {
+                match trainer.compute_gradients(b) {
+                    StepOutcome::Trained(m) => {
+                        contributes = true;
+                        pending = Some(m);
+                    }
+                    StepOutcome::Skipped(r) => report.outcome = ReplicaOutcome::Skipped(r),
+                }
+            }
+        }
+        let flags = [f32::from(u8::from(contributes)), f32::from(u8::from(batch.is_some())), f32::from(u8::from(stop.is_stopped()))];
+        let agreed = match &self.group {
+            Some(g) => g.agree(&flags, self.device).kind(ErrorKind::Device)?,
+            None => flags.to_vec(),
+        };
+        let agreement = Agreement { any_batch: agreed[1] > 0.0, stopping: agreed[2] > 0.0 };
+        if !agreement.stopping && agreed[0] > 0.0 {
+            if let Some(g) = &self.group {
+                g.average_gradients(&trainer.drafter.named_parameters(), agreed[0]).kind(ErrorKind::Device)?;
+            }
+            match trainer.apply_gradients(pending.take().unwrap_or_default()) {
+                StepOutcome::Trained(m) if contributes => report.outcome = ReplicaOutcome::Trained(m),
+                StepOutcome::Trained(_) => {}
+                StepOutcome::Skipped(r) if contributes => report.outcome = ReplicaOutcome::Skipped(r),
+                StepOutcome::Skipped(_) => {}
+            }
+            if let Some(g) = &self.group {
+                if trainer.step() % self.check_every.max(1) == 0 {
+                    let sum = g.check_identical(&trainer.drafter.named_parameters(), self.device).kind(ErrorKind::Device)?;
+                    if g.rank == 0 {
+                        tracing::info!("step {}: weights identical on all {} replicas (checksum {sum:.6e})", trainer.step(), g.world);
+                    }
+                }
+            }
+        }
+        report.busy = t0.elapsed();
+        Ok((report, agreement))
+    }
+}
+
+/// A replica other than the leader: steps in lockstep and reports each
+/// step it took part in to the leader.
+pub fn follow(
+    mut trainer: dflash_models::Trainer,
+    mut replica: ReplicaStep,
+    stop: dflash_role::Stop,
+    reports: flume::Sender<ReplicaReport>,
+) -> anyhow::Result<()> {
+    loop {
+        let (report, flags) = replica.step(&mut trainer, &stop)?;
+        if flags.stopping {
+            return Ok(());
+        }
+        if flags.any_batch && reports.send(report).is_err() {
+            return Ok(());
+        }
+    }
+}
 
 pub struct TrainLoop {
     pub trainer: Trainer,
@@ -26,7 +140,8 @@ pub struct TrainLoop {
     pub eval: Option<PeriodicEval>,
     /// Every batch trained in this checkpoint lineage, in order.
     trained: Vec<u64>,
-    trained_set: BTreeSet<u64>,
+    /// The same ids as a set, shared with the replicas (duplicate check).
+    pub trained_set: TrainedSet,
     /// Trained batches not yet reported to the coordinator.
     unreported: Vec<pb::TrainedBatch>,
     last_checkpoint_step: u64,
@@ -58,7 +173,7 @@ impl TrainLoop {
             hs_queue,
             eval: None,
             trained: Vec::new(),
-            trained_set: BTreeSet::new(),
+            trained_set: TrainedSet::default(),
             unreported: Vec::new(),
             last_checkpoint_step: 0,
             checkpointed: 0,
@@ -82,7 +197,7 @@ impl TrainLoop {
                 .kind(ErrorKind::Checkpoint);
             }
             tracing::info!("resumed from {} at step {} ({} batches)", dir.display(), state.step, state.batch_ids.len());
-            self.trained_set = state.batch_ids.iter().copied().collect();
+            *self.trained_set.lock().expect("trained set lock") = state.batch_ids.iter().copied().collect();
             self.trained = state.batch_ids;
             self.last_checkpoint_step = state.step;
             self.checkpointed = self.trained.len();
@@ -103,56 +218,75 @@ impl TrainLoop {
         Ok(())
     }
 
-    /// Trains until every batch is trained or the role stops.
-    pub fn run(mut self, input: flume::Receiver<DeviceBatch>) -> anyhow::Result<()> {
+    /// Trains until every batch is trained or the role stops. This thread
+    /// is replica 0 (the leader: it reports, logs and checkpoints); other
+    /// replicas run [`follow`] and send one [`ReplicaReport`] per step.
+    pub fn run(
+        mut self,
+        mut replica: ReplicaStep,
+        followers: flume::Receiver<ReplicaReport>,
+    ) -> anyhow::Result<()> {
         let stop = self.session.stop.clone();
         let c = self.session.config.clone();
         let mut win = Window { started: Instant::now(), tokens: 0, wait: Duration::ZERO };
+        let world = replica.world();
         loop {
             let wait_start = Instant::now();
-            let batch = match input.recv_timeout(Duration::from_millis(100)) {
-                Ok(b) => b,
-                Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => {
-                    win.wait += wait_start.elapsed();
-                    continue;
-                }
-                Err(_) => break,
-            };
-            win.wait += wait_start.elapsed();
-            let id = batch.batch_id;
-            if self.trained_set.contains(&id) {
-                // A replay of a batch this lineage already trained (its ack
-                // was lost): count it as done, do not train it twice.
-                tracing::info!("batch {id} was already trained; not training it again");
-                self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: false, skip_reason: String::new() });
+            let (own, flags) = replica.step(&mut self.trainer, &stop)?;
+            win.wait += wait_start.elapsed().saturating_sub(own.busy);
+            if flags.stopping {
+                break;
+            }
+            if !flags.any_batch {
                 continue;
             }
-            let outcome = self.trainer.train_batch(&batch);
-            self.trained.push(id);
-            self.trained_set.insert(id);
-            let metrics = match outcome {
-                StepOutcome::Trained(m) => {
-                    self.bad_in_a_row = 0;
-                    self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: false, skip_reason: String::new() });
-                    win.tokens += m.tokens;
-                    Some(m)
+            // Exactly one report per replica for every step anyone took.
+            let mut reports = vec![own];
+            while reports.len() < world {
+                match followers.recv_timeout(Duration::from_millis(200)) {
+                    Ok(r) => reports.push(r),
+                    Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => {}
+                    Err(_) => anyhow::bail!("a drafter replica stopped answering"),
                 }
-                StepOutcome::Skipped(reason) => {
-                    self.bad_in_a_row += 1;
-                    tracing::warn!("skipped {reason} ({} in a row)", self.bad_in_a_row);
-                    self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: reason.clone() });
-                    if self.bad_in_a_row >= c.training.max_bad_batches_in_a_row {
-                        return Err(anyhow::anyhow!(
-                            "{} batches in a row had non-finite features, loss or gradients (last: {reason}); \
-                             training.max_bad_batches_in_a_row = {}",
-                            self.bad_in_a_row,
-                            c.training.max_bad_batches_in_a_row
-                        ))
-                        .kind(ErrorKind::NonFinite);
+            }
+            let mut metrics = None;
+            let mut skipped_reasons = Vec::new();
+            for r in reports {
+                let Some(id) = r.batch_id else { continue };
+                match r.outcome {
+                    ReplicaOutcome::Duplicate => {
+                        tracing::info!("batch {id} was already trained; not training it again");
+                        self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: false, skip_reason: String::new() });
                     }
-                    None
+                    ReplicaOutcome::Trained(m) => {
+                        self.record(id);
+                        self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: false, skip_reason: String::new() });
+                        win.tokens += m.tokens;
+                        metrics.get_or_insert(m);
+                    }
+                    ReplicaOutcome::Skipped(reason) => {
+                        self.record(id);
+                        self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: reason.clone() });
+                        skipped_reasons.push(reason);
+                    }
                 }
-            };
+            }
+            if metrics.is_some() {
+                self.bad_in_a_row = 0;
+            }
+            for reason in skipped_reasons {
+                self.bad_in_a_row += 1;
+                tracing::warn!("skipped {reason} ({} in a row)", self.bad_in_a_row);
+                if self.bad_in_a_row >= c.training.max_bad_batches_in_a_row {
+                    return Err(anyhow::anyhow!(
+                        "{} batches in a row had non-finite features, loss or gradients (last: {reason}); \
+                         training.max_bad_batches_in_a_row = {}",
+                        self.bad_in_a_row,
+                        c.training.max_bad_batches_in_a_row
+                    ))
+                    .kind(ErrorKind::NonFinite);
+                }
+            }
             let step = self.trainer.step();
             if let Some(m) = &metrics {
                 if step % c.run.log_every_steps.max(1) == 0 || step == 1 {
@@ -190,9 +324,9 @@ impl TrainLoop {
                     tracing::info!("every batch of the run is trained: final checkpoint");
                     self.checkpoint()?;
                 }
-                // The coordinator now completes the run and stops every role.
+                // The coordinator now completes the run and stops every
+                // role; replicas leave together at the next agreement.
                 stop.stopped_blocking();
-                return Ok(());
             }
         }
         // Stopped: a signal (SIGTERM from Kubernetes, Ctrl-C) checkpoints
@@ -202,6 +336,11 @@ impl TrainLoop {
             self.checkpoint()?;
         }
         Ok(())
+    }
+
+    fn record(&mut self, id: u64) {
+        self.trained.push(id);
+        self.trained_set.lock().expect("trained set lock").insert(id);
     }
 
     /// Reports trained batches; true when the coordinator says every batch

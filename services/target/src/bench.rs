@@ -49,6 +49,9 @@ pub struct BenchArgs {
     /// SPLIT (per-layer) or PACKED payloads.
     #[arg(long, default_value = "split")]
     pub layout: String,
+    /// Also print where one batch's forward time goes, stage by stage.
+    #[arg(long)]
+    pub profile: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
@@ -232,6 +235,20 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             mfu: flops / secs / peak,
             vs_off: step_ms / off_ms,
         });
+    }
+    if a.profile {
+        let model = TargetModel::random(config.clone(), device, kind, LoadScope::CaptureUpTo { last_layer: last })?;
+        let w = &make_batches(1, a, config.vocab_size, 9)[0];
+        let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
+        let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
+        let ids = Tensor::from_slice(&ids).to_device(device);
+        let _ = model.profile_packed(&ids, &lens, last); // warm-up
+        let stages = model.profile_packed(&ids, &lens, last);
+        let total: f64 = stages.iter().map(|s| s.1).sum();
+        println!("where a forward's time goes ({} tokens, synchronized per stage):", w.input_ids.len());
+        for (stage, secs) in &stages {
+            println!("  {stage:<24} {:>8.1} ms {:>5.1}%", secs * 1e3, 100.0 * secs / total);
+        }
     }
     println!("{:<8} {:>10} {:>12} {:>7} {:>8}", "mode", "step ms", "tokens/s", "MFU", "vs off");
     for r in &results {

@@ -193,7 +193,20 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     drop(host_tx);
     session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
     stages.spawn_task("lease", work::lease_loop(Arc::clone(session), dataset, Arc::clone(&held), work_tx));
-    let sender = sender::Sender::new(Arc::clone(session), held, host_rx, drafter_endpoint);
-    stages.spawn_task("sender", sender.run());
+    // The in-flight limit is split across the streams.
+    let streams = c.pipeline.streams_per_target as usize;
+    let window = (c.pipeline.max_inflight_batches as usize).div_ceil(streams);
+    let reports = sender::spawn_reporter(Arc::clone(session));
+    for i in 0..streams {
+        let s = sender::Sender::new(
+            Arc::clone(session),
+            Arc::clone(&held),
+            host_rx.clone(),
+            drafter_endpoint.clone(),
+            window,
+            reports.clone(),
+        );
+        stages.spawn_task(&format!("sender-{i}"), s.run());
+    }
     Ok(())
 }

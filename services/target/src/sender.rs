@@ -23,14 +23,27 @@ enum StreamEnd {
     Stopped,
 }
 
+/// One stream to the drafter. A target runs `pipeline.streams_per_target`
+/// of them side by side, all taking batches from the same queue, so that
+/// one stream's per-connection limit does not cap what a GPU produces.
 pub struct Sender {
     pub session: Arc<Session>,
     pub held: HeldBatches,
     pub input: flume::Receiver<HostBatch>,
     pub drafter_endpoint: watch::Receiver<Option<String>>,
-    /// Unacknowledged batches, oldest first (bounded by the credits).
+    /// This stream's share of the target's in-flight limit.
+    window: usize,
+    /// Unacknowledged batches, oldest first (at most `window`).
     unacked: VecDeque<HostBatch>,
     reports: mpsc::Sender<(u64, String)>,
+}
+
+/// Starts the task that reports acknowledged batches to the coordinator;
+/// every stream of a target shares it.
+pub fn spawn_reporter(session: Arc<Session>) -> mpsc::Sender<(u64, String)> {
+    let (reports, rx) = mpsc::channel(256);
+    tokio::spawn(report_sent(session, rx));
+    reports
 }
 
 impl Sender {
@@ -39,10 +52,10 @@ impl Sender {
         held: HeldBatches,
         input: flume::Receiver<HostBatch>,
         drafter_endpoint: watch::Receiver<Option<String>>,
+        window: usize,
+        reports: mpsc::Sender<(u64, String)>,
     ) -> Self {
-        let (reports, rx) = mpsc::channel(256);
-        tokio::spawn(report_sent(Arc::clone(&session), rx));
-        Self { session, held, input, drafter_endpoint, unacked: VecDeque::new(), reports }
+        Self { session, held, input, drafter_endpoint, window: window.max(1), unacked: VecDeque::new(), reports }
     }
 
     /// Runs until the role stops.
@@ -115,7 +128,7 @@ impl Sender {
             }
             other => return Ok(StreamEnd::Reconnect(format!("no welcome from the drafter: {other:?}"))),
         };
-        let credits = welcome.credits.max(1) as usize;
+        let credits = (welcome.credits.max(1) as usize).min(self.window);
         let drafter = welcome.drafter_instance;
         let chunk = self.session.config.pipeline.chunk_bytes as usize;
         tracing::info!("streaming to drafter {drafter} at {endpoint} ({credits} credits)");
