@@ -1,10 +1,23 @@
 //! Records libtorch's folder as a run path so that binaries and tests built
-//! here find `libtorch_cpu.so` without LD_LIBRARY_PATH. On GPU hosts
-//! LD_LIBRARY_PATH (searched first) points at the host's PyTorch instead.
+//! here find `libtorch_cpu.so` without LD_LIBRARY_PATH (on GPU hosts
+//! LD_LIBRARY_PATH, searched first, points at the host's PyTorch), and
+//! compiles the small C++ shim for libtorch settings tch does not expose.
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
-    if let Ok(dir) = std::env::var("LIBTORCH") {
-        println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}/lib");
-    }
+    println!("cargo:rerun-if-changed=csrc/sdp.cpp");
+    let Ok(dir) = std::env::var("LIBTORCH") else {
+        panic!("LIBTORCH is not set: run scripts/setup-libtorch.sh (the Makefile does)");
+    };
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}/lib");
+    cc::Build::new()
+        .cpp(true)
+        .file("csrc/sdp.cpp")
+        .include(format!("{dir}/include"))
+        .include(format!("{dir}/include/torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+        .flag_if_supported("-Wno-unused-parameter")
+        .warnings(false)
+        .compile("dflash_sdp");
 }

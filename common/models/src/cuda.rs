@@ -30,6 +30,8 @@ pub fn ensure_cuda(gpu_indices: &[u32]) -> Result<(), ModelError> {
             "libtorch_cuda.so is loaded but no CUDA device is available (driver missing?)".into(),
         ));
     }
+    // Flash / memory-efficient attention instead of cuDNN's per-shape plans.
+    set_cudnn_attention(false);
     let count = tch::Cuda::device_count() as u32;
     if let Some(&bad) = gpu_indices.iter().find(|&&i| i >= count) {
         return Err(ModelError::Device(format!(
@@ -48,4 +50,23 @@ pub fn tch_device(cuda_index: Option<u32>) -> Result<tch::Device, ModelError> {
             Ok(tch::Device::Cuda(i as usize))
         }
     }
+}
+
+unsafe extern "C" {
+    fn dflash_set_cudnn_sdp(enabled: i32);
+    fn dflash_cudnn_sdp_enabled() -> i32;
+}
+
+/// Turns libtorch's cuDNN attention backend on or off (process-wide). It is
+/// turned off for the capture path: it builds a plan per input shape, and
+/// variable-length packed sequences keep bringing new shapes.
+pub fn set_cudnn_attention(enabled: bool) {
+    // SAFETY: plain setters on libtorch's global context.
+    unsafe { dflash_set_cudnn_sdp(i32::from(enabled)) }
+}
+
+/// Whether libtorch may use its cuDNN attention backend.
+pub fn cudnn_attention_enabled() -> bool {
+    // SAFETY: plain getter on libtorch's global context.
+    unsafe { dflash_cudnn_sdp_enabled() != 0 }
 }

@@ -87,7 +87,7 @@ fn a_fixed_batch_is_learned() {
 
 #[test]
 fn non_finite_features_are_skipped_without_touching_the_weights() {
-    let mut b = batch();
+    let b = batch();
     let _ = b.features.get(3).get(5).fill_(f64::NAN);
     let mut t = trainer(2, 1000);
     let before: Vec<Tensor> = t.drafter.named_parameters().into_iter().map(|(_, p)| p.copy()).collect();

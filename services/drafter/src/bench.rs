@@ -45,6 +45,12 @@ pub struct BenchStepArgs {
     pub max_blocks: usize,
     #[arg(long, default_value_t = 4)]
     pub steps: usize,
+    /// Distinct random batches cycled through (shapes vary as in training).
+    #[arg(long, default_value_t = 1)]
+    pub batches: usize,
+    /// Let libtorch use its cuDNN attention backend.
+    #[arg(long)]
+    pub cudnn_attention: bool,
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
     #[arg(long)]
@@ -98,37 +104,56 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
     };
     let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
+    if device.is_cuda() {
+        dflash_models::cuda::set_cudnn_attention(a.cudnn_attention);
+    }
     let peak = matmul_peak(device, kind);
     let layer_ids: Vec<i64> = dflash_config::default_target_layer_ids(shape.num_layers as u32, a.layers as u32)
         .into_iter()
         .map(i64::from)
         .collect();
     let config = DrafterConfig::for_target(&shape, a.layers, a.block, 3, layer_ids);
-    // One batch of random features and tokens, reused (the step does not
-    // depend on the values beyond their shapes).
+    // Random batches (features and tokens) with the length distribution of
+    // training; the step depends on their shapes, not their values.
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-    let mut lens = Vec::new();
-    let mut total = 0;
-    loop {
-        let l = rng.random_range(a.min_len..=a.max_len);
-        if total + l > a.batch_tokens && !lens.is_empty() {
-            break;
+    let mut batches = Vec::new();
+    let mut all_lens: Vec<Vec<usize>> = Vec::new();
+    for b in 0..a.batches.max(1) {
+        let mut lens = Vec::new();
+        let mut total = 0;
+        loop {
+            let l = rng.random_range(a.min_len..=a.max_len);
+            if total + l > a.batch_tokens && !lens.is_empty() {
+                break;
+            }
+            lens.push(l);
+            total += l;
         }
-        lens.push(l);
-        total += l;
+        batches.push(DeviceBatch {
+            batch_id: b as u64,
+            features: Tensor::randn([total as i64, config.feature_width()], (kind, device)),
+            input_ids: (0..total).map(|_| rng.random_range(0..shape.vocab_size as u32)).collect(),
+            loss_mask: vec![1; total],
+            seq_lengths: lens.iter().map(|&l| l as u32).collect(),
+            landing: None,
+        });
+        all_lens.push(lens);
     }
+    let seqs: usize = all_lens.iter().map(Vec::len).sum();
+    let tokens: usize = all_lens.iter().flatten().sum();
     println!(
-        "bench-step: {}-layer drafter for {} (hidden {}, vocab {}), block {}, {kind:?} on {device:?}; batch of {} sequences, {total} tokens; measured matmul peak {:.1} GFLOP/s",
-        a.layers, a.shape, shape.hidden_size, shape.vocab_size, a.block, lens.len(), peak / 1e9
+        "bench-step: {}-layer drafter for {} (hidden {}, vocab {}), block {}, {kind:?} on {device:?}; {} batch(es), {:.1} sequences and {:.0} tokens per batch; cuDNN attention {}; measured matmul peak {:.1} GFLOP/s",
+        a.layers,
+        a.shape,
+        shape.hidden_size,
+        shape.vocab_size,
+        a.block,
+        batches.len(),
+        seqs as f64 / batches.len() as f64,
+        tokens as f64 / batches.len() as f64,
+        if a.cudnn_attention { "on" } else { "off" },
+        peak / 1e9
     );
-    let batch = DeviceBatch {
-        batch_id: 0,
-        features: Tensor::randn([total as i64, config.feature_width()], (kind, device)),
-        input_ids: (0..total).map(|_| rng.random_range(0..shape.vocab_size as u32)).collect(),
-        loss_mask: vec![1; total],
-        seq_lengths: lens.iter().map(|&l| l as u32).collect(),
-        landing: None,
-    };
     let embed = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
     let head = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
     let mut rows = Vec::new();
@@ -150,25 +175,31 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             let drafter = Drafter::new(config.clone(), device, kind);
             let mut trainer = Trainer::new(drafter, embed.shallow_clone(), head.shallow_clone(), settings);
             let mut t0 = Instant::now();
+            let (mut flops, mut step_seqs, mut step_tokens) = (0.0, 0usize, 0usize);
             for i in 0..a.warmup + a.steps {
                 if i == a.warmup {
                     sync_device(device);
                     t0 = Instant::now();
                 }
-                if let StepOutcome::Skipped(r) = trainer.train_batch(&batch) {
+                let b = i % batches.len();
+                if let StepOutcome::Skipped(r) = trainer.train_batch(&batches[b]) {
                     anyhow::bail!("benchmark step skipped: {r}");
+                }
+                if i >= a.warmup {
+                    flops += step_flops(&config, &all_lens[b], anchors);
+                    step_seqs += all_lens[b].len();
+                    step_tokens += all_lens[b].iter().sum::<usize>();
                 }
             }
             sync_device(device);
-            let secs = t0.elapsed().as_secs_f64() / a.steps as f64;
-            let flops = step_flops(&config, &lens, anchors);
+            let secs = t0.elapsed().as_secs_f64();
             let mem = if device.is_cuda() { device_memory_used_gib() } else { 0.0 };
             rows.push(Row {
                 anchors,
                 chunk_blocks: chunk,
-                step_ms: secs * 1e3,
-                samples_per_s: lens.len() as f64 / secs,
-                tokens_per_s: total as f64 / secs,
+                step_ms: secs * 1e3 / a.steps as f64,
+                samples_per_s: step_seqs as f64 / secs,
+                tokens_per_s: step_tokens as f64 / secs,
                 mfu: flops / secs / peak,
                 peak_mem_gib: mem,
             });
@@ -189,7 +220,8 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             "layers": a.layers,
             "block": a.block,
             "device": a.device,
-            "sequences": lens,
+            "batches": all_lens,
+            "cudnn_attention": a.cudnn_attention,
             "matmul_peak_flops": peak,
             "rows": rows,
         });

@@ -52,6 +52,10 @@ pub struct BenchArgs {
     /// Also print where one batch's forward time goes, stage by stage.
     #[arg(long)]
     pub profile: bool,
+    /// Let libtorch use its cuDNN attention backend (off by default: it
+    /// plans per input shape, and packed sequences vary in shape).
+    #[arg(long)]
+    pub cudnn_attention: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
@@ -115,6 +119,9 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
     };
     let kind = compute_kind("auto", device);
+    if device.is_cuda() {
+        dflash_models::cuda::set_cudnn_attention(a.cudnn_attention);
+    }
     let _guard = tch::no_grad_guard();
     let peak = matmul_peak(device, kind);
     let mut layer_ids: Vec<i64> = dflash_config::default_target_layer_ids(config.num_layers as u32, a.layers)
@@ -125,8 +132,14 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     let last = *layer_ids.iter().max().expect("layers");
     let layout = if a.layout == "packed" { Layout::Packed } else { Layout::Split };
     println!(
-        "bench-capture: {} target ({} of {} layers, capturing {layer_ids:?}), {kind:?} on {device:?}, {} tokens/batch of {}-{}-token sequences, {layout:?}",
-        a.shape, last + 1, config.num_layers, a.batch_tokens, a.min_len, a.max_len
+        "bench-capture: {} target ({} of {} layers, capturing {layer_ids:?}), {kind:?} on {device:?}, {} tokens/batch of {}-{}-token sequences, {layout:?}, cuDNN attention {}",
+        a.shape,
+        last + 1,
+        config.num_layers,
+        a.batch_tokens,
+        a.min_len,
+        a.max_len,
+        if device.is_cuda() && dflash_models::cuda::cudnn_attention_enabled() { "on" } else { "off" }
     );
     println!("measured {kind:?} matmul peak: {:.1} GFLOP/s", peak / 1e9);
     let cuda = match device {
@@ -264,6 +277,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             "batch_tokens": a.batch_tokens,
             "seq_len_range": [a.min_len, a.max_len],
             "layout": a.layout,
+            "cudnn_attention": a.cudnn_attention,
             "matmul_peak_flops": peak,
             "results": results,
         });

@@ -75,9 +75,11 @@ impl Sender {
             match self.connection(&endpoint).await? {
                 StreamEnd::Stopped => return Ok(()),
                 StreamEnd::Reconnect(why) => {
+                    let bytes: usize = self.unacked.iter().map(|b| b.payload.len()).sum();
                     tracing::warn!(
-                        "stream to drafter {endpoint} ended ({why}); {} unacknowledged batch(es) kept for replay",
-                        self.unacked.len()
+                        "stream to drafter {endpoint} ended ({why}); {} unacknowledged batch(es), {:.1} MiB, kept for replay",
+                        self.unacked.len(),
+                        bytes as f64 / (1 << 20) as f64
                     );
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_millis(500)) => {}

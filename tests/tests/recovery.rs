@@ -1,0 +1,74 @@
+//! Nothing lost: a drafter killed with SIGKILL comes back from its last
+//! checkpoint while the targets keep running (same processes) and replay
+//! what it never acknowledged; a killed target's leases go to another
+//! target. Every batch ends trained exactly once in the committed history.
+
+use std::time::{Duration, Instant};
+
+use dflash_coordinator::ledger::Ledger;
+use dflash_tests::{Cluster, Workspace};
+use nix::sys::signal::Signal;
+
+fn assert_exactly_once(ledger: &std::path::Path, batches: usize) {
+    let l = Ledger::open(ledger).unwrap();
+    let audit = l.audit().unwrap();
+    assert_eq!(audit.len(), batches);
+    for a in &audit {
+        assert_eq!((a.state.as_str(), a.commits), ("committed", 1), "{a:?}");
+    }
+}
+
+#[test]
+fn a_killed_drafter_resumes_and_targets_keep_running() {
+    let ws = Workspace::synthetic(600, 3);
+    let extra = "[run]\nmax_steps = 40\n[checkpoint]\ninterval_steps = 8\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512";
+    let cluster = Cluster::new(&ws, ws.config("drafter-restart", extra));
+    let mut coord = cluster.coordinator(&[]);
+    let mut target = cluster.target("target-0");
+    let target_pid = target.pid();
+    let mut drafter = cluster.drafter("drafter-1");
+    assert!(drafter.wait_for_log("checkpoint", Duration::from_secs(90)), "{}", drafter.log_text());
+    assert!(drafter.wait_for_log("step 12/", Duration::from_secs(90)), "{}", drafter.log_text());
+    drafter.signal(Signal::SIGKILL);
+    drafter.expect_exit(Duration::from_secs(5));
+    let killed = Instant::now();
+
+    // While no drafter is there the target holds its batches and waits.
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(target.child.try_wait().unwrap().is_none(), "the target must keep running");
+
+    let mut drafter2 = cluster.drafter("drafter-2");
+    assert!(drafter2.wait_for_log("resumed from", Duration::from_secs(60)), "{}", drafter2.log_text());
+    assert!(drafter2.wait_for_log("step ", Duration::from_secs(60)), "{}", drafter2.log_text());
+    let recovery = killed.elapsed();
+    eprintln!("drafter SIGKILL to first trained step of its replacement: {:.2} s", recovery.as_secs_f64());
+    assert!(recovery < Duration::from_secs(30), "recovery took {recovery:?}");
+
+    assert!(coord.expect_exit(Duration::from_secs(180)).success(), "{}", coord.log_text());
+    assert!(drafter2.expect_exit(Duration::from_secs(30)).success(), "{}", drafter2.log_text());
+    assert!(target.expect_exit(Duration::from_secs(30)).success(), "{}", target.log_text());
+    assert_eq!(target.pid(), target_pid);
+    assert!(target.log_text().contains("replaying") || coord.log_text().contains("will be redone"));
+    assert_exactly_once(&cluster.ledger, 40);
+}
+
+#[test]
+fn a_killed_targets_leases_go_to_another_target() {
+    let ws = Workspace::synthetic(600, 3);
+    let extra = "[run]\nmax_steps = 30\n[faults]\nlease_timeout_ms = 3000\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512";
+    let cluster = Cluster::new(&ws, ws.config("target-loss", extra));
+    let mut coord = cluster.coordinator(&[]);
+    let mut drafter = cluster.drafter("drafter");
+    let mut t0 = cluster.target("target-0");
+    let mut t1 = cluster.target("target-1");
+    assert!(drafter.wait_for_log("step 5/", Duration::from_secs(90)), "{}", drafter.log_text());
+    t0.signal(Signal::SIGKILL);
+    t0.expect_exit(Duration::from_secs(5));
+    let killed = Instant::now();
+    assert!(coord.wait_for_log("released", Duration::from_secs(20)), "{}", coord.log_text());
+    eprintln!("target SIGKILL to its leases released for re-lease: {:.2} s", killed.elapsed().as_secs_f64());
+    assert!(coord.expect_exit(Duration::from_secs(180)).success(), "{}", coord.log_text());
+    assert!(t1.expect_exit(Duration::from_secs(30)).success());
+    assert!(drafter.expect_exit(Duration::from_secs(30)).success());
+    assert_exactly_once(&cluster.ledger, 30);
+}
