@@ -263,6 +263,45 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             println!("  {stage:<24} {:>8.1} ms {:>5.1}%", secs * 1e3, 100.0 * secs / total);
         }
     }
+    if let (Some(ctx), true) = (&cuda, a.profile) {
+        // The copy the postprocess stage makes, alone: one batch's captured
+        // layers into a pinned buffer on a side stream, and into pageable
+        // memory (what a plain `.cpu()` does), in GB/s.
+        let model = TargetModel::random(config.clone(), device, kind, LoadScope::CaptureUpTo { last_layer: last })?;
+        let w = &make_batches(1, a, config.vocab_size, 9)[0];
+        let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
+        let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
+        let layers = model.capture_packed(&Tensor::from_slice(&ids).to_device(device), &lens, &layer_ids);
+        sync_device(device);
+        let bytes: usize = layers.iter().map(|l| l.numel() * l.kind().elt_size_in_bytes()).sum();
+        let stream = dflash_models::gpu::side_stream(ctx)?;
+        let pool = dflash_models::gpu::pinned_pool(ctx, 1, bytes)?;
+        let mut best_pinned = f64::INFINITY;
+        for _ in 0..3 {
+            let mut buf = dflash_models::gpu::PinnedBuf::new(pool.take(std::time::Duration::from_secs(1)).context("pinned")?, bytes)?;
+            let t0 = Instant::now();
+            let mut off = 0;
+            for l in &layers {
+                buf.copy_from_device_async(off, l, &stream)?;
+                off += l.numel() * l.kind().elt_size_in_bytes();
+            }
+            dflash_models::gpu::sync(&stream)?;
+            best_pinned = best_pinned.min(t0.elapsed().as_secs_f64());
+        }
+        let t0 = Instant::now();
+        for l in &layers {
+            let _ = l.to_device(Device::Cpu);
+        }
+        let pageable = t0.elapsed().as_secs_f64();
+        println!(
+            "device-to-host of one batch ({:.0} MB): pinned {:.1} ms ({:.1} GB/s), pageable {:.1} ms ({:.1} GB/s)",
+            bytes as f64 / 1e6,
+            best_pinned * 1e3,
+            bytes as f64 / best_pinned / 1e9,
+            pageable * 1e3,
+            bytes as f64 / pageable / 1e9
+        );
+    }
     println!("{:<8} {:>10} {:>12} {:>7} {:>8}", "mode", "step ms", "tokens/s", "MFU", "vs off");
     for r in &results {
         println!("{:<8} {:>10.1} {:>12.0} {:>6.1}% {:>8.3}", r.mode, r.step_ms, r.tokens_per_s, 100.0 * r.mfu, r.vs_off);

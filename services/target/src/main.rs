@@ -132,6 +132,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     let gpus = c.devices.target.cuda_indices();
     if !gpus.is_empty() {
         dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
+        dflash_models::cuda::set_cudnn_attention(false);
     }
     let layout = if c.pipeline.split_fc_layers { Layout::Split } else { Layout::Packed };
     let post = Postprocessor {
