@@ -1,11 +1,8 @@
 # The two commands of the README, and their parts.
-#   make up    - the one-machine run (installs libtorch, prepares the model and data)
+#   make up    - the one-machine run: libtorch, SmolLM2, the corpora, training, evaluation
 #   make test  - the test suite (what CI runs)
 
-CONFIG ?= deploy/configs/cpu-synthetic.toml
-PREPARE ?= synthetic
-
-.PHONY: up test build libtorch clean-runs
+.PHONY: up test build libtorch demo-synthetic clean-runs
 
 libtorch:
 	@scripts/setup-libtorch.sh >/dev/null
@@ -14,7 +11,12 @@ build: libtorch
 	cargo build --release --bins
 
 up: build
-	target/release/dflash up --config $(CONFIG) --prepare $(PREPARE)
+	target/release/dflash up --config deploy/configs/cpu-smollm2.toml --prepare smollm2-chitchat \
+		--target-threads 1 --drafter-threads 2 --workdir runs/cpu-smollm2
+
+demo-synthetic: build
+	target/release/dflash up --config deploy/configs/cpu-synthetic.toml --prepare synthetic \
+		--workdir runs/cpu-synthetic
 
 test: build
 	cargo nextest run --release --workspace --no-fail-fast

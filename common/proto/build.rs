@@ -6,8 +6,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
     unsafe { std::env::set_var("PROTOC", protoc) };
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = ["common.proto", "coordinator.proto", "drafter.proto"]
-        .map(|f| root.join("dflash/v1").join(f));
+    let files = ["common.proto", "coordinator.proto", "drafter.proto"].map(|f| root.join("dflash/v1").join(f));
     for f in &files {
         println!("cargo:rerun-if-changed={}", f.display());
     }

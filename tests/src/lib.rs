@@ -280,3 +280,45 @@ pub fn safetensors_names(path: &Path) -> Vec<String> {
     names.sort();
     names
 }
+
+/// The messages of a batch whose f32 features are all NaN (`tokens` tokens
+/// of width `hidden`, one captured layer), as a target would send them.
+pub fn nan_batch(batch_id: u64, tokens: usize, hidden: u32) -> Vec<dflash_proto::TargetMessage> {
+    use dflash_proto as pb;
+    let payload: Vec<u8> = std::iter::repeat_n(f32::NAN.to_le_bytes(), tokens * hidden as usize).flatten().collect();
+    let header = pb::BatchHeader {
+        batch_id,
+        target_instance: "test-client".into(),
+        layout: pb::Layout::Packed as i32,
+        dtype: pb::Dtype::F32 as i32,
+        token_count: tokens as u32,
+        seq_lengths: vec![tokens as u32],
+        input_ids: (0..tokens as u32).map(|i| 20 + i % 100).collect(),
+        loss_mask: vec![1u8; tokens].into(),
+        layer_ids: vec![2],
+        hidden_size: hidden,
+        payload_bytes: payload.len() as u64,
+        epoch: 0,
+        sample_ids: vec![batch_id],
+        trace_context: Default::default(),
+    };
+    let chunk = 4096;
+    let mut out = vec![pb::TargetMessage { msg: Some(pb::target_message::Msg::Header(header)) }];
+    for (i, c) in payload.chunks(chunk).enumerate() {
+        out.push(pb::TargetMessage {
+            msg: Some(pb::target_message::Msg::Chunk(pb::BatchChunk {
+                batch_id,
+                index: i as u32,
+                data: c.to_vec().into(),
+            })),
+        });
+    }
+    out.push(pb::TargetMessage {
+        msg: Some(pb::target_message::Msg::End(pb::BatchEnd {
+            batch_id,
+            chunk_count: payload.len().div_ceil(chunk) as u32,
+            crc32c: crc32c::crc32c(&payload),
+        })),
+    });
+    out
+}

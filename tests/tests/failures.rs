@@ -79,9 +79,17 @@ fn an_invalid_config_names_the_field_and_exits_non_zero() {
 fn interrupting_dflash_up_stops_every_role() {
     let ws = Workspace::synthetic(200, 3);
     let config = ws.config("interrupt", "[run]\nmax_steps = 100000\nepochs = 100");
-    let args: Vec<String> = ["up", "--config", &config.display().to_string(), "--workdir", &ws.path("up").display().to_string(), "--grace-s", "10"]
-        .map(String::from)
-        .to_vec();
+    let args: Vec<String> = [
+        "up",
+        "--config",
+        &config.display().to_string(),
+        "--workdir",
+        &ws.path("up").display().to_string(),
+        "--grace-s",
+        "10",
+    ]
+    .map(String::from)
+    .to_vec();
     let mut up = Proc::start("up", "dflash", &args, ws.dir.path());
     assert!(up.wait_for_log("step 2/", Duration::from_secs(60)), "{}", up.log_text());
     up.signal(Signal::SIGINT);

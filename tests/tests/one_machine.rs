@@ -88,7 +88,15 @@ fn packed_layout_with_noise_trains_too() {
     let mut up = up(
         &ws,
         &config,
-        &["--no-split-fc-layers", "--max-steps", "6", "--set", "training.feature_noise_std=0.05", "--target-postprocess-depth", "0"],
+        &[
+            "--no-split-fc-layers",
+            "--max-steps",
+            "6",
+            "--set",
+            "training.feature_noise_std=0.05",
+            "--target-postprocess-depth",
+            "0",
+        ],
     );
     let status = up.expect_exit(Duration::from_secs(180));
     let log = up.log_text();

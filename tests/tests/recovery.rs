@@ -21,7 +21,8 @@ fn assert_exactly_once(ledger: &std::path::Path, batches: usize) {
 #[test]
 fn a_killed_drafter_resumes_and_targets_keep_running() {
     let ws = Workspace::synthetic(600, 3);
-    let extra = "[run]\nmax_steps = 40\n[checkpoint]\ninterval_steps = 8\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512";
+    let extra =
+        "[run]\nmax_steps = 40\n[checkpoint]\ninterval_steps = 8\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512";
     let cluster = Cluster::new(&ws, ws.config("drafter-restart", extra));
     let mut coord = cluster.coordinator(&[]);
     let mut target = cluster.target("target-0");
@@ -55,7 +56,8 @@ fn a_killed_drafter_resumes_and_targets_keep_running() {
 #[test]
 fn a_killed_targets_leases_go_to_another_target() {
     let ws = Workspace::synthetic(600, 3);
-    let extra = "[run]\nmax_steps = 30\n[faults]\nlease_timeout_ms = 3000\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512";
+    let extra =
+        "[run]\nmax_steps = 30\n[faults]\nlease_timeout_ms = 3000\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512";
     let cluster = Cluster::new(&ws, ws.config("target-loss", extra));
     let mut coord = cluster.coordinator(&[]);
     let mut drafter = cluster.drafter("drafter");

@@ -73,9 +73,9 @@ impl std::str::FromStr for DeviceList {
         let mut out = Vec::new();
         for part in s.split(',').map(str::trim) {
             let idx = part.strip_prefix("cuda:").unwrap_or(part);
-            let i: u32 = idx.parse().map_err(|_| {
-                format!("'{part}' is not a device: use \"cpu\" or GPU indices like \"0,1,2\"")
-            })?;
+            let i: u32 = idx
+                .parse()
+                .map_err(|_| format!("'{part}' is not a device: use \"cpu\" or GPU indices like \"0,1,2\""))?;
             let d = Device::Cuda(i);
             if out.contains(&d) {
                 return Err(format!("GPU {i} is listed twice in \"{s}\""));

@@ -9,11 +9,7 @@ fn opt<T: fmt::Display>(v: &Option<T>) -> String {
 }
 
 fn bytes(n: u32) -> String {
-    if n % (1 << 20) == 0 {
-        format!("{} MiB", n >> 20)
-    } else {
-        format!("{} KiB", n >> 10)
-    }
+    if n % (1 << 20) == 0 { format!("{} MiB", n >> 20) } else { format!("{} KiB", n >> 10) }
 }
 
 impl fmt::Display for RunConfig {
@@ -46,7 +42,13 @@ impl fmt::Display for RunConfig {
             opt(&d.mask_token_id),
             opt(&d.effective_gamma())
         )?;
-        writeln!(f, "  Devices: {}, init from: {}", dev.drafter, opt(&d.init_from))?;
+        writeln!(
+            f,
+            "  Devices: {}, init from: {}{}",
+            dev.drafter,
+            opt(&d.init_from),
+            if d.init_from_target_layers { " (layers from the target's top layers)" } else { "" }
+        )?;
         writeln!(f, "Data")?;
         let malformed = match data.on_malformed {
             MalformedPolicy::Error => "error",
@@ -60,12 +62,7 @@ impl fmt::Display for RunConfig {
             "  AdamW lr: {:e}, betas: ({}, {}), eps: {:e}, weight decay: {}, grad clip: {}",
             t.lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.grad_clip
         )?;
-        writeln!(
-            f,
-            "  Schedule: warmup {}% then cosine to {}x",
-            t.warmup_ratio * 100.0,
-            t.min_lr_ratio
-        )?;
+        writeln!(f, "  Schedule: warmup {}% then cosine to {}x", t.warmup_ratio * 100.0, t.min_lr_ratio)?;
         writeln!(
             f,
             "  Anchors per sequence: {}, feature noise std: {}, max blocks per micro-batch: {}",
@@ -103,10 +100,7 @@ impl fmt::Display for RunConfig {
         write!(
             f,
             "  Heartbeat: {} ms, instance timeout: {} ms, lease timeout: {} ms, drafter absence timeout: {} ms",
-            fl.heartbeat_interval_ms,
-            fl.instance_timeout_ms,
-            fl.lease_timeout_ms,
-            fl.drafter_absence_timeout_ms
+            fl.heartbeat_interval_ms, fl.instance_timeout_ms, fl.lease_timeout_ms, fl.drafter_absence_timeout_ms
         )
     }
 }
@@ -131,8 +125,9 @@ mod tests {
         c.pipeline.target_postprocess_depth = 2;
         c.pipeline.split_fc_layers = false;
         let text = c.startup_banner("drafter", "r1");
-        assert!(text.contains(
-            "Prefetch depth: 3, HS queue: 9\n    Target postprocess depth: 2, split FC layers: false"
-        ), "{text}");
+        assert!(
+            text.contains("Prefetch depth: 3, HS queue: 9\n    Target postprocess depth: 2, split FC layers: false"),
+            "{text}"
+        );
     }
 }

@@ -67,12 +67,8 @@ mod tests {
         let err = ConfigLoader::new().env(false).file(f.path()).load().unwrap_err().to_string();
         assert!(err.contains("prefetch_dept"), "{err}");
 
-        let err = ConfigLoader::new()
-            .env(false)
-            .set("pipeline.prefetch_depth", "\"many\"")
-            .load()
-            .unwrap_err()
-            .to_string();
+        let err =
+            ConfigLoader::new().env(false).set("pipeline.prefetch_depth", "\"many\"").load().unwrap_err().to_string();
         assert!(err.contains("pipeline.prefetch_depth"), "{err}");
     }
 

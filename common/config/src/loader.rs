@@ -48,10 +48,7 @@ impl ConfigLoader {
     }
 
     /// `section.key=value` strings, as given to `--set`.
-    pub fn set_pairs<'a>(
-        mut self,
-        pairs: impl IntoIterator<Item = &'a str>,
-    ) -> Result<Self, ConfigError> {
+    pub fn set_pairs<'a>(mut self, pairs: impl IntoIterator<Item = &'a str>) -> Result<Self, ConfigError> {
         for pair in pairs {
             let (k, v) = pair.split_once('=').ok_or_else(|| ConfigError::Flag {
                 flag: pair.to_string(),
@@ -70,17 +67,14 @@ impl ConfigLoader {
                 return Err(ConfigError::MissingFile(path.clone()));
             }
             // Parse once by hand so a syntax error names file, line and column.
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| ConfigError::Read(path.clone(), e.to_string()))?;
+            let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.clone(), e.to_string()))?;
             if let Err(e) = text.parse::<toml::Table>() {
                 return Err(ConfigError::Syntax(path.clone(), e.to_string()));
             }
             fig = fig.merge(Toml::file_exact(path));
         }
         if self.use_env {
-            fig = fig.merge(
-                Env::prefixed(ENV_PREFIX).filter(|k| k.as_str().contains("__")).split("__"),
-            );
+            fig = fig.merge(Env::prefixed(ENV_PREFIX).filter(|k| k.as_str().contains("__")).split("__"));
         }
         for (key, value) in &self.overrides {
             fig = fig.merge((key.as_str(), parse_flag_value(value)));
@@ -95,9 +89,7 @@ impl ConfigLoader {
             parts.push(format!("file {}", p.display()));
         }
         if self.use_env {
-            let n = std::env::vars()
-                .filter(|(k, _)| k.starts_with(ENV_PREFIX) && k.contains("__"))
-                .count();
+            let n = std::env::vars().filter(|(k, _)| k.starts_with(ENV_PREFIX) && k.contains("__")).count();
             if n > 0 {
                 parts.push(format!("{n} env var(s)"));
             }

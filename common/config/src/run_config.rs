@@ -81,11 +81,21 @@ pub struct DrafterSection {
     pub gamma: Option<f64>,
     /// Start from the weights of this drafter checkpoint instead of random.
     pub init_from: Option<String>,
+    /// Start the decoder layers from the target's top layers (and the final
+    /// norm from the target's) instead of random weights.
+    pub init_from_target_layers: bool,
 }
 
 impl Default for DrafterSection {
     fn default() -> Self {
-        Self { num_layers: 5, block_size: 16, mask_token_id: None, gamma: None, init_from: None }
+        Self {
+            num_layers: 5,
+            block_size: 16,
+            mask_token_id: None,
+            gamma: None,
+            init_from: None,
+            init_from_target_layers: false,
+        }
     }
 }
 
@@ -324,9 +334,7 @@ pub fn default_target_layer_ids(num_target_layers: u32, k: u32) -> Vec<u32> {
         return vec![num_target_layers / 2];
     }
     let n = num_target_layers as f64;
-    (0..k)
-        .map(|i| (1.0 + i as f64 * (n - 4.0) / (k as f64 - 1.0)).round() as u32)
-        .collect()
+    (0..k).map(|i| (1.0 + i as f64 * (n - 4.0) / (k as f64 - 1.0)).round() as u32).collect()
 }
 
 #[cfg(test)]

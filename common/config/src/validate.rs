@@ -45,18 +45,14 @@ impl RunConfig {
             format!("is {}; a block needs the anchor and at least one mask", d.block_size)
         });
         match d.effective_gamma() {
-            Some(g) => c.require(g.is_finite() && g > 0.0, "drafter.gamma", || {
-                format!("is {g}; must be positive")
-            }),
-            None => c.require(false, "drafter.gamma", || {
-                format!("has no default for block size {}; set it", d.block_size)
-            }),
+            Some(g) => c.require(g.is_finite() && g > 0.0, "drafter.gamma", || format!("is {g}; must be positive")),
+            None => {
+                c.require(false, "drafter.gamma", || format!("has no default for block size {}; set it", d.block_size))
+            }
         }
 
         let data = &self.data;
-        c.require(!data.train_path.is_empty(), "data.train_path", || {
-            "is required: a JSONL chat dataset".into()
-        });
+        c.require(!data.train_path.is_empty(), "data.train_path", || "is required: a JSONL chat dataset".into());
         c.require(data.max_seq_len >= d.block_size + 1, "data.max_seq_len", || {
             format!("is {}; must exceed drafter.block_size ({})", data.max_seq_len, d.block_size)
         });
@@ -68,34 +64,22 @@ impl RunConfig {
         c.require(unit(t.warmup_ratio), "training.warmup_ratio", || {
             format!("is {}; must be in [0, 1)", t.warmup_ratio)
         });
-        c.require(
-            t.min_lr_ratio.is_finite() && (0.0..=1.0).contains(&t.min_lr_ratio),
-            "training.min_lr_ratio",
-            || format!("is {}; must be in [0, 1]", t.min_lr_ratio),
-        );
+        c.require(t.min_lr_ratio.is_finite() && (0.0..=1.0).contains(&t.min_lr_ratio), "training.min_lr_ratio", || {
+            format!("is {}; must be in [0, 1]", t.min_lr_ratio)
+        });
         c.require(t.weight_decay.is_finite() && t.weight_decay >= 0.0, "training.weight_decay", || {
             format!("is {}; must be >= 0", t.weight_decay)
         });
-        c.require(unit(t.adam_beta1), "training.adam_beta1", || {
-            format!("is {}; must be in [0, 1)", t.adam_beta1)
-        });
-        c.require(unit(t.adam_beta2), "training.adam_beta2", || {
-            format!("is {}; must be in [0, 1)", t.adam_beta2)
-        });
-        c.require(positive(t.adam_eps), "training.adam_eps", || {
-            format!("is {}; must be > 0", t.adam_eps)
-        });
+        c.require(unit(t.adam_beta1), "training.adam_beta1", || format!("is {}; must be in [0, 1)", t.adam_beta1));
+        c.require(unit(t.adam_beta2), "training.adam_beta2", || format!("is {}; must be in [0, 1)", t.adam_beta2));
+        c.require(positive(t.adam_eps), "training.adam_eps", || format!("is {}; must be > 0", t.adam_eps));
         c.require(t.grad_clip.is_finite() && t.grad_clip >= 0.0, "training.grad_clip", || {
             format!("is {}; must be >= 0 (0 turns clipping off)", t.grad_clip)
         });
-        c.require(t.anchors_per_sequence >= 1, "training.anchors_per_sequence", || {
-            "must be at least 1".into()
+        c.require(t.anchors_per_sequence >= 1, "training.anchors_per_sequence", || "must be at least 1".into());
+        c.require(t.feature_noise_std.is_finite() && t.feature_noise_std >= 0.0, "training.feature_noise_std", || {
+            format!("is {}; must be >= 0", t.feature_noise_std)
         });
-        c.require(
-            t.feature_noise_std.is_finite() && t.feature_noise_std >= 0.0,
-            "training.feature_noise_std",
-            || format!("is {}; must be >= 0", t.feature_noise_std),
-        );
         c.require(
             t.max_blocks_per_micro_batch >= t.anchors_per_sequence,
             "training.max_blocks_per_micro_batch",
@@ -106,61 +90,40 @@ impl RunConfig {
                 )
             },
         );
-        c.require(t.loss_chunk_blocks >= 1, "training.loss_chunk_blocks", || {
-            "must be at least 1".into()
-        });
-        c.require(t.attention_chunk_blocks >= 1, "training.attention_chunk_blocks", || {
-            "must be at least 1".into()
-        });
-        c.require(t.max_bad_batches_in_a_row >= 1, "training.max_bad_batches_in_a_row", || {
-            "must be at least 1".into()
-        });
+        c.require(t.loss_chunk_blocks >= 1, "training.loss_chunk_blocks", || "must be at least 1".into());
+        c.require(t.attention_chunk_blocks >= 1, "training.attention_chunk_blocks", || "must be at least 1".into());
+        c.require(t.max_bad_batches_in_a_row >= 1, "training.max_bad_batches_in_a_row", || "must be at least 1".into());
 
         let p = &self.pipeline;
         c.require(p.token_budget >= data.max_seq_len, "pipeline.token_budget", || {
-            format!(
-                "is {}; must hold one sequence of data.max_seq_len ({})",
-                p.token_budget, data.max_seq_len
-            )
+            format!("is {}; must hold one sequence of data.max_seq_len ({})", p.token_budget, data.max_seq_len)
         });
         c.require(p.max_batch_size >= 1, "pipeline.max_batch_size", || "must be at least 1".into());
         c.require(p.prefetch_depth >= 1, "pipeline.prefetch_depth", || "must be at least 1".into());
         c.require(p.hs_queue_depth >= 1, "pipeline.hs_queue_depth", || "must be at least 1".into());
-        c.require(p.max_inflight_batches >= 1, "pipeline.max_inflight_batches", || {
-            "must be at least 1".into()
-        });
+        c.require(p.max_inflight_batches >= 1, "pipeline.max_inflight_batches", || "must be at least 1".into());
         c.require((1..=16).contains(&p.streams_per_target), "pipeline.streams_per_target", || {
             format!("is {}; must be between 1 and 16", p.streams_per_target)
         });
-        c.require(
-            (64 << 10..=64 << 20).contains(&p.chunk_bytes),
-            "pipeline.chunk_bytes",
-            || format!("is {}; must be between 64 KiB and 64 MiB", p.chunk_bytes),
-        );
+        c.require((64 << 10..=64 << 20).contains(&p.chunk_bytes), "pipeline.chunk_bytes", || {
+            format!("is {}; must be between 64 KiB and 64 MiB", p.chunk_bytes)
+        });
 
         let ck = &self.checkpoint;
         c.require(!ck.dir.is_empty(), "checkpoint.dir", || "is required".into());
-        c.require(ck.interval_steps >= 1, "checkpoint.interval_steps", || {
-            "must be at least 1".into()
-        });
+        c.require(ck.interval_steps >= 1, "checkpoint.interval_steps", || "must be at least 1".into());
 
         let e = &self.eval;
         c.require(e.max_new_tokens >= 1, "eval.max_new_tokens", || "must be at least 1".into());
 
         let f = &self.faults;
-        c.require(f.heartbeat_interval_ms >= 10, "faults.heartbeat_interval_ms", || {
-            "must be at least 10".into()
+        c.require(f.heartbeat_interval_ms >= 10, "faults.heartbeat_interval_ms", || "must be at least 10".into());
+        c.require(f.instance_timeout_ms > 2 * f.heartbeat_interval_ms, "faults.instance_timeout_ms", || {
+            format!(
+                "is {}; must exceed two heartbeats (faults.heartbeat_interval_ms = {})",
+                f.instance_timeout_ms, f.heartbeat_interval_ms
+            )
         });
-        c.require(
-            f.instance_timeout_ms > 2 * f.heartbeat_interval_ms,
-            "faults.instance_timeout_ms",
-            || {
-                format!(
-                    "is {}; must exceed two heartbeats (faults.heartbeat_interval_ms = {})",
-                    f.instance_timeout_ms, f.heartbeat_interval_ms
-                )
-            },
-        );
         for (name, v) in [
             ("faults.lease_timeout_ms", f.lease_timeout_ms),
             ("faults.drafter_absence_timeout_ms", f.drafter_absence_timeout_ms),
@@ -179,15 +142,12 @@ impl RunConfig {
     pub fn resolve(&mut self, target: &TargetFacts) -> Result<(), ConfigError> {
         let mut c = Check(Vec::new());
         if self.model.target_layer_ids.is_empty() {
-            self.model.target_layer_ids =
-                default_target_layer_ids(target.num_layers, self.drafter.num_layers);
+            self.model.target_layer_ids = default_target_layer_ids(target.num_layers, self.drafter.num_layers);
         }
         let ids = &self.model.target_layer_ids;
-        c.require(
-            ids.iter().all(|&i| i < target.num_layers),
-            "model.target_layer_ids",
-            || format!("{ids:?} names a layer the {}-layer target lacks", target.num_layers),
-        );
+        c.require(ids.iter().all(|&i| i < target.num_layers), "model.target_layer_ids", || {
+            format!("{ids:?} names a layer the {}-layer target lacks", target.num_layers)
+        });
         if self.drafter.mask_token_id.is_none() {
             self.drafter.mask_token_id = target.mask_token;
         }

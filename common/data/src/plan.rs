@@ -44,8 +44,7 @@ pub fn plan_epoch(
     let mut cur_tokens = 0u64;
     for (id, len) in order {
         let len = len.min(token_budget);
-        let full = cur.sample_ids.len() as u32 >= max_batch_size
-            || cur_tokens + len as u64 > token_budget as u64;
+        let full = cur.sample_ids.len() as u32 >= max_batch_size || cur_tokens + len as u64 > token_budget as u64;
         if full && !cur.sample_ids.is_empty() {
             cur.batch_id = batch_id(epoch, batches.len() as u32);
             batches.push(std::mem::replace(

@@ -11,8 +11,8 @@ use rand_chacha::ChaCha8Rng;
 use crate::{Conversation, DataError, Message};
 
 const WORDS: &[&str] = &[
-    "apple", "river", "stone", "cloud", "light", "green", "table", "music", "paper", "ocean",
-    "tiger", "bread", "chair", "dream", "flame", "grass", "honey", "lemon", "mango", "night",
+    "apple", "river", "stone", "cloud", "light", "green", "table", "music", "paper", "ocean", "tiger", "bread",
+    "chair", "dream", "flame", "grass", "honey", "lemon", "mango", "night",
 ];
 
 /// One generated conversation.
@@ -57,7 +57,13 @@ pub fn write_synthetic_dataset(path: &Path, n: usize, seed: u64) -> Result<(), D
 /// Writes `n` conversations whose answers run `min_tokens..=max_tokens`
 /// bytes (= tokens of the byte-level synthetic tokenizer), built from many
 /// generated answers: realistic lengths for throughput runs.
-pub fn write_long_synthetic_dataset(path: &Path, n: usize, seed: u64, min_tokens: usize, max_tokens: usize) -> Result<(), DataError> {
+pub fn write_long_synthetic_dataset(
+    path: &Path,
+    n: usize,
+    seed: u64,
+    min_tokens: usize,
+    max_tokens: usize,
+) -> Result<(), DataError> {
     let io = |e: std::io::Error| DataError::Io(path.to_path_buf(), e.to_string());
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
@@ -138,13 +144,8 @@ mod tests {
             Message::new("assistant", "go"),
         ];
         let enc = tok.encode_conversation(&msgs).unwrap();
-        let trained: Vec<u32> = enc
-            .input_ids
-            .iter()
-            .zip(&enc.loss_mask)
-            .filter(|(_, m)| **m == 1)
-            .map(|(i, _)| *i)
-            .collect();
+        let trained: Vec<u32> =
+            enc.input_ids.iter().zip(&enc.loss_mask).filter(|(_, m)| **m == 1).map(|(i, _)| *i).collect();
         let expect = tok.encode_text("yo<|im_end|>\ngo<|im_end|>\n").unwrap();
         assert_eq!(trained, expect);
     }

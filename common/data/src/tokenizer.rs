@@ -42,13 +42,12 @@ impl ChatTokenizer {
     /// Loads `dir/tokenizer.json` and `dir/tokenizer_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, DataError> {
         let tok_path = dir.join("tokenizer.json");
-        let tokenizer = Tokenizer::from_file(&tok_path)
-            .map_err(|e| DataError::Tokenizer(tok_path.clone(), e.to_string()))?;
+        let tokenizer =
+            Tokenizer::from_file(&tok_path).map_err(|e| DataError::Tokenizer(tok_path.clone(), e.to_string()))?;
         let cfg_path = dir.join("tokenizer_config.json");
-        let text = std::fs::read_to_string(&cfg_path)
-            .map_err(|e| DataError::Io(cfg_path.clone(), e.to_string()))?;
-        let cfg: Value = serde_json::from_str(&text)
-            .map_err(|e| DataError::Tokenizer(cfg_path.clone(), e.to_string()))?;
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| DataError::Io(cfg_path.clone(), e.to_string()))?;
+        let cfg: Value =
+            serde_json::from_str(&text).map_err(|e| DataError::Tokenizer(cfg_path.clone(), e.to_string()))?;
         let template_src = match cfg.get("chat_template") {
             Some(Value::String(s)) => s.clone(),
             // A list of named templates: take "default".
@@ -57,9 +56,7 @@ impl ChatTokenizer {
                 .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
                 .and_then(|t| t.get("template").and_then(Value::as_str))
                 .map(str::to_string)
-                .ok_or_else(|| {
-                    DataError::Tokenizer(cfg_path.clone(), "no \"default\" chat template".into())
-                })?,
+                .ok_or_else(|| DataError::Tokenizer(cfg_path.clone(), "no \"default\" chat template".into()))?,
             _ => {
                 return Err(DataError::Tokenizer(
                     cfg_path,
@@ -90,16 +87,7 @@ impl ChatTokenizer {
         }
         let pad_id = pad_token.as_deref().and_then(id);
         let bos_id = id(&bos_token);
-        Ok(Self {
-            tokenizer,
-            template: env,
-            bos_token,
-            eos_token,
-            stop_ids,
-            pad_id,
-            bos_id,
-            dir: dir.to_path_buf(),
-        })
+        Ok(Self { tokenizer, template: env, bos_token, eos_token, stop_ids, pad_id, bos_id, dir: dir.to_path_buf() })
     }
 
     pub fn vocab_size(&self) -> u32 {
@@ -162,10 +150,8 @@ impl ChatTokenizer {
             spans.push((before.len(), through.len()));
         }
         let (input_ids, offsets) = self.encode_with_offsets(&full)?;
-        let loss_mask = offsets
-            .iter()
-            .map(|&(start, _)| u8::from(spans.iter().any(|&(s, e)| (s..e).contains(&start))))
-            .collect();
+        let loss_mask =
+            offsets.iter().map(|&(start, _)| u8::from(spans.iter().any(|&(s, e)| (s..e).contains(&start)))).collect();
         Ok(Encoded { input_ids, loss_mask })
     }
 

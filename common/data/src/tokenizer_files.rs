@@ -70,10 +70,7 @@ pub fn write_bpe_tokenizer(dir: &Path, spec: &BpeSpec) -> Result<(), DataError> 
     if vocab.len() != spec.tokens.len() {
         return Err(err("duplicate token strings in the vocabulary".into()));
     }
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, spec.merges.clone())
-        .build()
-        .map_err(|e| err(e.to_string()))?;
+    let bpe = BPE::builder().vocab_and_merges(vocab, spec.merges.clone()).build().map_err(|e| err(e.to_string()))?;
     let mut tok = Tokenizer::new(bpe);
     let byte_level = ByteLevel::new(false, true, true);
     let pre: PreTokenizerWrapper = if spec.split_digits {
@@ -83,11 +80,8 @@ pub fn write_bpe_tokenizer(dir: &Path, spec: &BpeSpec) -> Result<(), DataError> 
     };
     tok.with_pre_tokenizer(Some(pre));
     tok.with_decoder(Some(ByteLevel::default()));
-    let specials: Vec<AddedToken> = spec
-        .special_ids
-        .iter()
-        .map(|&i| AddedToken::from(spec.tokens[i as usize].clone(), true))
-        .collect();
+    let specials: Vec<AddedToken> =
+        spec.special_ids.iter().map(|&i| AddedToken::from(spec.tokens[i as usize].clone(), true)).collect();
     tok.add_special_tokens(&specials);
     tok.save(dir.join("tokenizer.json"), false).map_err(|e| err(e.to_string()))?;
 

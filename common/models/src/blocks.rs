@@ -147,8 +147,12 @@ impl BlockLayout {
         let ctx_pos = Tensor::arange(s, (Kind::Int64, device));
         let sees_ctx = ctx_pos.view([1, 1, 1, s]).lt_tensor(&anchor_of_q.unsqueeze(-1)); // [n, G, CB, S]
         let sees_block = q_block.unsqueeze(1).eq_tensor(&q_block.unsqueeze(0)); // [CB, CB]
-        Tensor::cat(&[sees_ctx, sees_block.view([1, 1, cb, cb]).expand([n, g, cb, cb], false)], -1)
-            .view([n * g, 1, cb, s + cb])
+        Tensor::cat(&[sees_ctx, sees_block.view([1, 1, cb, cb]).expand([n, g, cb, cb], false)], -1).view([
+            n * g,
+            1,
+            cb,
+            s + cb,
+        ])
     }
 }
 

@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
+use crate::ModelError;
 use crate::drafter::DrafterConfig;
 use crate::trainer::Trainer;
 use crate::weights::write_safetensors;
-use crate::ModelError;
 
 /// File naming the most recent complete checkpoint directory.
 pub const LATEST: &str = "latest";
@@ -66,10 +66,9 @@ pub fn read_drafter_config(dir: &Path) -> Result<DrafterConfig, ModelError> {
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| ModelError::Config { path: path.clone(), message: e.to_string() })?;
     let int = |k: &str| {
-        v.get(k).and_then(serde_json::Value::as_i64).ok_or_else(|| ModelError::Config {
-            path: path.clone(),
-            message: format!("missing integer field {k}"),
-        })
+        v.get(k)
+            .and_then(serde_json::Value::as_i64)
+            .ok_or_else(|| ModelError::Config { path: path.clone(), message: format!("missing integer field {k}") })
     };
     let float = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
     let dc = v.get("dflash_config").ok_or_else(|| ModelError::Config {
@@ -118,12 +117,8 @@ pub fn export_drafter(dir: &Path, trainer: &Trainer) -> Result<(), ModelError> {
     let c = &trainer.drafter.config;
     let config = serde_json::to_vec_pretty(&hf_config_json(c)).expect("json");
     write_file(&dir.join("config.json"), &config)?;
-    let weights: Vec<(String, Tensor)> = trainer
-        .drafter
-        .named_parameters()
-        .into_iter()
-        .map(|(n, t)| (n, t.detach().to_kind(Kind::BFloat16)))
-        .collect();
+    let weights: Vec<(String, Tensor)> =
+        trainer.drafter.named_parameters().into_iter().map(|(n, t)| (n, t.detach().to_kind(Kind::BFloat16))).collect();
     write_safetensors(&dir.join("model.safetensors"), &weights)?;
     // write_safetensors does not fsync; do it so the rename publishes durable bytes.
     std::fs::File::open(dir.join("model.safetensors"))
@@ -203,8 +198,8 @@ pub fn latest_checkpoint(root: &Path) -> Result<Option<PathBuf>, ModelError> {
 pub fn restore_checkpoint(dir: &Path, trainer: &mut Trainer) -> Result<TrainerState, ModelError> {
     let state_path = dir.join("trainer_state.json");
     let text = std::fs::read_to_string(&state_path).map_err(|e| ModelError::io(&state_path, e))?;
-    let state: TrainerState = serde_json::from_str(&text)
-        .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", state_path.display())))?;
+    let state: TrainerState =
+        serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint(format!("{}: {e}", state_path.display())))?;
     let saved = read_drafter_config(dir)?;
     if saved != trainer.drafter.config {
         return Err(ModelError::Checkpoint(format!(

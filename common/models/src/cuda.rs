@@ -32,9 +32,7 @@ pub fn ensure_cuda(gpu_indices: &[u32]) -> Result<(), ModelError> {
     }
     let count = tch::Cuda::device_count() as u32;
     if let Some(&bad) = gpu_indices.iter().find(|&&i| i >= count) {
-        return Err(ModelError::Device(format!(
-            "GPU {bad} is configured but this host has {count} GPU(s)"
-        )));
+        return Err(ModelError::Device(format!("GPU {bad} is configured but this host has {count} GPU(s)")));
     }
     Ok(())
 }

@@ -82,7 +82,9 @@ impl Replica {
         for (i, op) in [ReduceOp::Min, ReduceOp::Max].iter().enumerate() {
             let t = Tensor::from_slice(&[v]).to_device(device);
             let mut slice = TensorSlice::<f64> { t: &t, stream: self.stream.clone(), _elem: Default::default() };
-            self.comm.all_reduce_in_place(&mut slice, op).map_err(|e| ModelError::Device(format!("NCCL all-reduce: {e:?}")))?;
+            self.comm
+                .all_reduce_in_place(&mut slice, op)
+                .map_err(|e| ModelError::Device(format!("NCCL all-reduce: {e:?}")))?;
             out[i] = t.double_value(&[0]);
         }
         Ok((out[0], out[1]))

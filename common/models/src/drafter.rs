@@ -8,9 +8,9 @@ use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init};
 use tch::{Device, Kind, Tensor};
 
+use crate::ModelError;
 use crate::layers::{Linear, Mlp, RmsNorm, Rope, apply_rope, repeat_kv};
 use crate::target_config::TargetConfig;
-use crate::ModelError;
 
 /// Shape of a drafter; the width follows the target.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -168,6 +168,67 @@ impl Drafter {
         Self { config, vs, fc, hidden_norm, layers, norm, rope }
     }
 
+    /// Initialises the decoder layers from the target's top layers (drafter
+    /// layer i from target layer n - L + i) and the final norm from the
+    /// target's. The fusion (`fc`, `hidden_norm`) stays fresh; QK norms the
+    /// target lacks (Llama, Qwen2) stay at one. Returns how many tensors came
+    /// from the target.
+    pub fn init_from_target(&mut self, dir: &Path) -> Result<usize, ModelError> {
+        let t = TargetConfig::from_dir(dir)?;
+        let (n, l) = (t.num_layers, self.config.num_layers);
+        if l > n || t.hidden_size != self.config.hidden_size {
+            return Err(ModelError::Config {
+                path: dir.join("config.json"),
+                message: format!(
+                    "a {l}-layer drafter of width {} cannot start from this target",
+                    self.config.hidden_size
+                ),
+            });
+        }
+        let mut map = std::collections::HashMap::new();
+        map.insert("model.norm.weight".to_string(), "norm.weight".to_string());
+        for i in 0..l {
+            let j = n - l + i;
+            for part in [
+                "input_layernorm.weight",
+                "post_attention_layernorm.weight",
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight",
+                "self_attn.q_norm.weight",
+                "self_attn.k_norm.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+                "mlp.down_proj.weight",
+            ] {
+                map.insert(format!("model.layers.{j}.{part}"), format!("layers.{i}.{part}"));
+            }
+        }
+        let kind = self.kind();
+        let w = crate::weights::Weights::load(dir, self.device(), kind, |name| map.contains_key(name))?;
+        let vars = self.vs.variables();
+        let _guard = tch::no_grad_guard();
+        let mut copied = 0;
+        for (src_name, src) in w.into_tensors() {
+            let dst_name = &map[&src_name];
+            let mut dst = vars[dst_name].shallow_clone();
+            if dst.size() != src.size() {
+                return Err(ModelError::Weights {
+                    path: dir.to_path_buf(),
+                    message: format!(
+                        "{src_name} has shape {:?}, drafter {dst_name} needs {:?}",
+                        src.size(),
+                        dst.size()
+                    ),
+                });
+            }
+            dst.copy_(&src);
+            copied += 1;
+        }
+        Ok(copied)
+    }
+
     /// Loads weights saved in the served layout (`model.safetensors`, bf16).
     pub fn load_weights(&mut self, dir: &Path) -> Result<(), ModelError> {
         self.load_named(&dir.join("model.safetensors"), "")
@@ -181,10 +242,8 @@ impl Drafter {
 
     fn load_named(&mut self, file: &Path, prefix: &str) -> Result<(), ModelError> {
         let dir = file.parent().unwrap_or(Path::new("."));
-        let tensors = Tensor::read_safetensors(file).map_err(|e| ModelError::Weights {
-            path: file.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let tensors = Tensor::read_safetensors(file)
+            .map_err(|e| ModelError::Weights { path: file.to_path_buf(), message: e.to_string() })?;
         let mut by_name: std::collections::HashMap<String, Tensor> = tensors
             .into_iter()
             .filter_map(|(n, t)| n.strip_prefix(prefix).map(|n| (n.to_string(), t)))
@@ -287,7 +346,9 @@ impl DrafterLayer {
         let vc = a.v_proj.forward(ctx).view([n, s, kv, d]);
         let vb = a.v_proj.forward(&xn).view([n, q_len, kv, d]);
         let keys = |ctx_part: &Tensor, blk_part: &Tensor| {
-            let ctx_part = if g == 1 { ctx_part.shallow_clone() } else {
+            let ctx_part = if g == 1 {
+                ctx_part.shallow_clone()
+            } else {
                 ctx_part.unsqueeze(1).expand([n, g, s, kv, d], false).reshape([n * g, s, kv, d])
             };
             Tensor::cat(&[ctx_part, blk_part.view([n * g, cb, kv, d])], 1).transpose(1, 2)

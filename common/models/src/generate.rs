@@ -13,7 +13,12 @@ use crate::target::TargetModel;
 /// Greedy continuations of `prompts` (token ids), generated together with
 /// left padding. Each output stops after a stop id (included) or at
 /// `max_new_tokens`.
-pub fn greedy_generate(target: &TargetModel, prompts: &[Vec<u32>], max_new_tokens: usize, stop_ids: &[u32]) -> Vec<Vec<u32>> {
+pub fn greedy_generate(
+    target: &TargetModel,
+    prompts: &[Vec<u32>],
+    max_new_tokens: usize,
+    stop_ids: &[u32],
+) -> Vec<Vec<u32>> {
     let _guard = tch::no_grad_guard();
     let dev = target.device;
     let b = prompts.len() as i64;
@@ -117,7 +122,8 @@ pub fn speculative_generate(target: &TargetModel, drafter: &Drafter, prompt: &[u
     let mut cache = target.new_cache(1);
     let ids_t = Tensor::from_slice(&ids).view([1, n]).to_device(dev);
     let pos = Tensor::arange(n, (Kind::Int64, dev)).unsqueeze(0);
-    let (hidden, feats) = target.forward_cached(&ids_t, &pos, &Tensor::ones([1, n], (Kind::Bool, dev)), &mut cache, &layers);
+    let (hidden, feats) =
+        target.forward_cached(&ids_t, &pos, &Tensor::ones([1, n], (Kind::Bool, dev)), &mut cache, &layers);
     let mut context = Tensor::cat(&feats, -1).to_device(drafter.device()).to_kind(kind); // [1, S, k*H]
     let mut last = target.logits(&hidden.select(1, n - 1)).argmax(-1, false).int64_value(&[0]);
     let mut out = vec![last as u32];
@@ -132,7 +138,12 @@ pub fn speculative_generate(target: &TargetModel, drafter: &Drafter, prompt: &[u
         let embeds = Tensor::embedding(s.embed, &block_t, -1, false, false);
         let positions = (Tensor::arange(bsz, (Kind::Int64, ddev)) + ctx_len).unsqueeze(0);
         let mask = Tensor::ones([1, 1, bsz, ctx_len + bsz], (Kind::Bool, ddev));
-        let h = drafter.forward(&DrafterInput { features: &context, block_embeds: &embeds, block_positions: &positions, mask: &mask });
+        let h = drafter.forward(&DrafterInput {
+            features: &context,
+            block_embeds: &embeds,
+            block_positions: &positions,
+            mask: &mask,
+        });
         let proposal = h.narrow(1, 1, bsz - 1).linear(s.lm_head, None::<Tensor>).argmax(-1, false).view([-1]);
         let proposal = Vec::<i64>::try_from(&proposal.to_device(Device::Cpu)).expect("1-D");
         // Verify: the target reads [last, proposal...] in one forward.
@@ -143,7 +154,9 @@ pub fn speculative_generate(target: &TargetModel, drafter: &Drafter, prompt: &[u
         let v_pos = (Tensor::arange(bsz, (Kind::Int64, dev)) + past).unsqueeze(0);
         let valid = Tensor::ones([1, past + bsz], (Kind::Bool, dev));
         let (vh, vfeats) = target.forward_cached(&v_t, &v_pos, &valid, &mut cache, &layers);
-        let target_next = Vec::<i64>::try_from(&target.logits(&vh.squeeze_dim(0)).argmax(-1, false).to_device(Device::Cpu)).expect("1-D");
+        let target_next =
+            Vec::<i64>::try_from(&target.logits(&vh.squeeze_dim(0)).argmax(-1, false).to_device(Device::Cpu))
+                .expect("1-D");
         let mut accepted = 0usize;
         while accepted < proposal.len() && proposal[accepted] == target_next[accepted] {
             accepted += 1;

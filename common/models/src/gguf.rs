@@ -10,9 +10,9 @@ use std::path::Path;
 use half::f16;
 use tch::{Kind, Tensor};
 
+use crate::ModelError;
 use crate::target_config::{Family, TargetConfig};
 use crate::weights::write_safetensors;
-use crate::ModelError;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -341,7 +341,8 @@ pub fn convert_llama_gguf(gguf_path: &Path, out: &Path) -> Result<TargetConfig, 
     json["bos_token_id"] = g.u64("tokenizer.ggml.bos_token_id").map(serde_json::Value::from).unwrap_or_default();
     json["eos_token_id"] = g.u64("tokenizer.ggml.eos_token_id").map(serde_json::Value::from).unwrap_or_default();
     let cfg_path = out.join("config.json");
-    std::fs::write(&cfg_path, serde_json::to_string_pretty(&json).expect("json")).map_err(|e| ModelError::io(&cfg_path, e))?;
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(&json).expect("json"))
+        .map_err(|e| ModelError::io(&cfg_path, e))?;
 
     let tok_model = g.get("tokenizer.ggml.model")?.as_str().unwrap_or_default().to_string();
     if tok_model != "gpt2" {
@@ -350,7 +351,11 @@ pub fn convert_llama_gguf(gguf_path: &Path, out: &Path) -> Result<TargetConfig, 
     let merges = g
         .strings("tokenizer.ggml.merges")?
         .into_iter()
-        .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| bad(&p, format!("bad merge {m}"))))
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| bad(&p, format!("bad merge {m}")))
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let types: Vec<u64> = match g.get("tokenizer.ggml.token_type")? {
         Value::Array(v) => v.iter().filter_map(Value::as_u64).collect(),

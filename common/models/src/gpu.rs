@@ -170,10 +170,18 @@ impl PinnedBuf {
     /// Copies `src` (a contiguous CUDA tensor) into `[offset..]` on `stream`,
     /// asynchronously. The caller synchronizes `stream` before reading or
     /// dropping the buffer and keeps `src` alive until then.
-    pub fn copy_from_device_async(&mut self, offset: usize, src: &Tensor, stream: &CudaStream) -> Result<(), ModelError> {
+    pub fn copy_from_device_async(
+        &mut self,
+        offset: usize,
+        src: &Tensor,
+        stream: &CudaStream,
+    ) -> Result<(), ModelError> {
         let n = src.numel() * src.kind().elt_size_in_bytes();
         if offset + n > self.len {
-            return Err(ModelError::Device(format!("copy of {n} bytes at {offset} overflows a {}-byte buffer", self.len)));
+            return Err(ModelError::Device(format!(
+                "copy of {n} bytes at {offset} overflows a {}-byte buffer",
+                self.len
+            )));
         }
         let dst = &mut self.as_mut_slice()[offset..offset + n];
         // SAFETY: dst is pinned host memory owned by this buffer; src is a
@@ -205,7 +213,8 @@ impl DeviceBuf {
     pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, ModelError> {
         ctx.bind_to_thread().map_err(|e| cuda_err("binding the context", e))?;
         // SAFETY: plain device allocation, freed in Drop.
-        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| cuda_err(&format!("allocating {bytes} device bytes"), e))?;
+        let ptr = unsafe { result::malloc_sync(bytes) }
+            .map_err(|e| cuda_err(&format!("allocating {bytes} device bytes"), e))?;
         Ok(Self { ptr, bytes, ctx: Arc::clone(ctx) })
     }
 
@@ -213,10 +222,15 @@ impl DeviceBuf {
     /// synchronizes `stream` before `src` may be reused.
     pub fn copy_from_host_async(&mut self, src: &[u8], stream: &CudaStream) -> Result<(), ModelError> {
         if src.len() > self.bytes {
-            return Err(ModelError::Device(format!("{} bytes do not fit a {}-byte device buffer", src.len(), self.bytes)));
+            return Err(ModelError::Device(format!(
+                "{} bytes do not fit a {}-byte device buffer",
+                src.len(),
+                self.bytes
+            )));
         }
         // SAFETY: the allocation holds `bytes >= src.len()` bytes.
-        unsafe { result::memcpy_htod_async(self.ptr, src, stream.cu_stream()) }.map_err(|e| cuda_err("host-to-device copy", e))
+        unsafe { result::memcpy_htod_async(self.ptr, src, stream.cu_stream()) }
+            .map_err(|e| cuda_err("host-to-device copy", e))
     }
 
     /// A tensor view of the first `numel` elements. The view must not

@@ -6,10 +6,10 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::target_config::{Family, TargetConfig};
-use crate::target::{random_tensors, tensor_shapes};
-use crate::weights::write_safetensors;
 use crate::ModelError;
+use crate::target::{random_tensors, tensor_shapes};
+use crate::target_config::{Family, TargetConfig};
+use crate::weights::write_safetensors;
 
 /// The shape of the synthetic target (vocabulary of the synthetic tokenizer).
 pub fn synthetic_target_config(num_layers: i64) -> TargetConfig {
@@ -102,7 +102,13 @@ pub fn write_synthetic_target(dir: &Path, config: &TargetConfig, seed: i64) -> R
 
 /// Like [`write_synthetic_target`] with a chosen device and dtype (large
 /// shapes generate faster on a GPU and are stored in bf16).
-pub fn write_random_target(dir: &Path, config: &TargetConfig, seed: i64, device: Device, kind: Kind) -> Result<(), ModelError> {
+pub fn write_random_target(
+    dir: &Path,
+    config: &TargetConfig,
+    seed: i64,
+    device: Device,
+    kind: Kind,
+) -> Result<(), ModelError> {
     write_random_target_sharded(dir, config, seed, device, kind, 1)
 }
 
@@ -150,8 +156,6 @@ pub fn write_random_target_sharded(
     let cfg_path = dir.join("config.json");
     std::fs::write(&cfg_path, serde_json::to_string_pretty(&json).expect("json"))
         .map_err(|e| ModelError::io(&cfg_path, e))?;
-    dflash_data::write_synthetic_tokenizer(dir).map_err(|e| ModelError::Config {
-        path: dir.join("tokenizer.json"),
-        message: e.to_string(),
-    })
+    dflash_data::write_synthetic_tokenizer(dir)
+        .map_err(|e| ModelError::Config { path: dir.join("tokenizer.json"), message: e.to_string() })
 }

@@ -61,10 +61,12 @@ fn norm(w: &mut Weights, name: &str, dim: i64, eps: f64) -> Result<RmsNorm, Mode
 /// Layers to hold for a scope.
 fn layers_for(c: &TargetConfig, scope: LoadScope, dir: &Path) -> Result<i64, ModelError> {
     match scope {
-        LoadScope::CaptureUpTo { last_layer } if last_layer < 0 || last_layer >= c.num_layers => Err(ModelError::Config {
-            path: dir.join("config.json"),
-            message: format!("layer {last_layer} requested but the target has {} layers", c.num_layers),
-        }),
+        LoadScope::CaptureUpTo { last_layer } if last_layer < 0 || last_layer >= c.num_layers => {
+            Err(ModelError::Config {
+                path: dir.join("config.json"),
+                message: format!("layer {last_layer} requested but the target has {} layers", c.num_layers),
+            })
+        }
         LoadScope::CaptureUpTo { last_layer } => Ok(last_layer + 1),
         LoadScope::Full => Ok(c.num_layers),
     }
@@ -189,8 +191,16 @@ impl TargetModel {
                     k_proj: linear(&mut w, &format!("{p}.self_attn.k_proj"), c.num_kv_heads * hd, h, c.attention_bias)?,
                     v_proj: linear(&mut w, &format!("{p}.self_attn.v_proj"), c.num_kv_heads * hd, h, c.attention_bias)?,
                     o_proj: linear(&mut w, &format!("{p}.self_attn.o_proj"), h, c.num_heads * hd, false)?,
-                    q_norm: if qk_norm { Some(norm(&mut w, &format!("{p}.self_attn.q_norm"), hd, c.rms_norm_eps)?) } else { None },
-                    k_norm: if qk_norm { Some(norm(&mut w, &format!("{p}.self_attn.k_norm"), hd, c.rms_norm_eps)?) } else { None },
+                    q_norm: if qk_norm {
+                        Some(norm(&mut w, &format!("{p}.self_attn.q_norm"), hd, c.rms_norm_eps)?)
+                    } else {
+                        None
+                    },
+                    k_norm: if qk_norm {
+                        Some(norm(&mut w, &format!("{p}.self_attn.k_norm"), hd, c.rms_norm_eps)?)
+                    } else {
+                        None
+                    },
                 },
                 post_attention_layernorm: norm(&mut w, &format!("{p}.post_attention_layernorm"), h, c.rms_norm_eps)?,
                 mlp: Mlp {

@@ -292,10 +292,10 @@ impl Trainer {
         let bm1 = (layout.block_size - 1) as i64;
         let valid = weights.gt(0.0).view([-1, bm1]);
         let correct = Tensor::cat(&correct_parts, 0).view([-1, bm1]).logical_and(&valid);
-        let per_slot_correct = Vec::<f64>::try_from(correct.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double))
-            .expect("1-D");
-        let per_slot_counted = Vec::<f64>::try_from(valid.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double))
-            .expect("1-D");
+        let per_slot_correct =
+            Vec::<f64>::try_from(correct.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double)).expect("1-D");
+        let per_slot_counted =
+            Vec::<f64>::try_from(valid.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double)).expect("1-D");
         for k in 0..per_slot_correct.len() {
             tally.correct[k] += per_slot_correct[k];
             tally.counted[k] += per_slot_counted[k];

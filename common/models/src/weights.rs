@@ -40,11 +40,11 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
         let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
         let json: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| ModelError::Weights { path: index.clone(), message: e.to_string() })?;
-        let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-            ModelError::Weights { path: index.clone(), message: "has no \"weight_map\" object".into() }
+        let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Weights {
+            path: index.clone(),
+            message: "has no \"weight_map\" object".into(),
         })?;
-        let files: BTreeSet<String> =
-            map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
+        let files: BTreeSet<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
         return Ok(files.into_iter().map(|f| dir.join(f)).collect());
     }
     let single = dir.join("model.safetensors");
@@ -60,12 +60,7 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
 impl Weights {
     /// Loads every tensor whose name passes `keep` from the directory's
     /// safetensors files, converting floating tensors to `kind` on `device`.
-    pub fn load(
-        dir: &Path,
-        device: Device,
-        kind: Kind,
-        keep: impl Fn(&str) -> bool,
-    ) -> Result<Self, ModelError> {
+    pub fn load(dir: &Path, device: Device, kind: Kind, keep: impl Fn(&str) -> bool) -> Result<Self, ModelError> {
         let mut tensors = HashMap::new();
         for file in shard_files(dir)? {
             let f = std::fs::File::open(&file).map_err(|e| ModelError::io(&file, e))?;
@@ -79,10 +74,9 @@ impl Weights {
                 if !keep(name) {
                     continue;
                 }
-                let view = st.tensor(name).map_err(|e| ModelError::Weights {
-                    path: file.clone(),
-                    message: format!("{name}: {e:?}"),
-                })?;
+                let view = st
+                    .tensor(name)
+                    .map_err(|e| ModelError::Weights { path: file.clone(), message: format!("{name}: {e:?}") })?;
                 let src_kind = kind_of(view.dtype(), &file, name)?;
                 let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
                 let t = Tensor::f_from_data_size(view.data(), &shape, src_kind)?;
@@ -100,10 +94,10 @@ impl Weights {
 
     /// Removes and returns a tensor, checking its shape.
     pub fn take(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, ModelError> {
-        let t = self.tensors.remove(name).ok_or_else(|| ModelError::MissingTensor {
-            dir: self.dir.clone(),
-            name: name.to_string(),
-        })?;
+        let t = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| ModelError::MissingTensor { dir: self.dir.clone(), name: name.to_string() })?;
         if t.size() != shape {
             return Err(ModelError::Weights {
                 path: self.dir.clone(),
@@ -116,6 +110,11 @@ impl Weights {
     /// Like [`Weights::take`] for a tensor that may be absent.
     pub fn take_optional(&mut self, name: &str, shape: &[i64]) -> Result<Option<Tensor>, ModelError> {
         if self.tensors.contains_key(name) { self.take(name, shape).map(Some) } else { Ok(None) }
+    }
+
+    /// Every tensor, by name.
+    pub fn into_tensors(self) -> Vec<(String, Tensor)> {
+        self.tensors.into_iter().collect()
     }
 
     /// Names not taken by the model (for a warning about unused tensors).

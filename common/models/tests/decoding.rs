@@ -35,7 +35,8 @@ fn speculative_decoding_reproduces_greedy_decoding() {
         let drafter = Drafter::new(dc, Device::Cpu, Kind::Float);
         let prompt: Vec<u32> = (30..50).collect();
         let want = greedy_generate(&t, std::slice::from_ref(&prompt), 40, &[]);
-        let s = SpecSettings { embed: t.embed_tokens(), lm_head: t.lm_head().unwrap(), max_new_tokens: 40, stop_ids: &[] };
+        let s =
+            SpecSettings { embed: t.embed_tokens(), lm_head: t.lm_head().unwrap(), max_new_tokens: 40, stop_ids: &[] };
         let got = speculative_generate(&t, &drafter, &prompt, &s);
         assert_eq!(got.tokens, want[0], "block {block}");
         assert!(got.tau() >= 1.0 && got.tau() <= block as f64);

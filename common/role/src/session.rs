@@ -167,7 +167,12 @@ impl Session {
     /// ids `held` returns (to renew their leases). Re-registers when the
     /// coordinator no longer knows this instance (it restarted); stops the
     /// role when the coordinator is unreachable past its timeout.
-    pub fn spawn_heartbeat(self: &Arc<Self>, held: impl Fn() -> Vec<u64> + Send + Sync + 'static) {
+    /// `load` returns (tokens produced so far, busy fraction) for targets.
+    pub fn spawn_heartbeat(
+        self: &Arc<Self>,
+        held: impl Fn() -> Vec<u64> + Send + Sync + 'static,
+        load: impl Fn() -> (u64, f32) + Send + Sync + 'static,
+    ) {
         let this = Arc::clone(self);
         tokio::spawn(async move {
             let f = &this.config.faults;
@@ -180,10 +185,13 @@ impl Session {
                     _ = tokio::time::sleep(period) => {}
                     _ = this.stop.stopped() => return,
                 }
+                let (tokens_produced, busy_fraction) = load();
                 let req = pb::HeartbeatRequest {
                     run_id: this.run_id.clone(),
                     instance_id: this.instance_id.clone(),
                     held_batch_ids: held(),
+                    tokens_produced,
+                    busy_fraction,
                 };
                 match with_timeout(this.rpc_timeout, client.heartbeat(req)).await {
                     Ok(_) => last_ok = Instant::now(),

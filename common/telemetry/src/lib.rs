@@ -16,9 +16,7 @@ pub const LOG_ENV: &str = "DFLASH_LOG";
 /// Installs the log subscriber: compact lines on stderr, level from
 /// `DFLASH_LOG` or `RUST_LOG` (default `info`). Idempotent.
 pub fn init_logging() {
-    let filter = std::env::var(LOG_ENV)
-        .or_else(|_| std::env::var("RUST_LOG"))
-        .unwrap_or_else(|_| "info".to_string());
+    let filter = std::env::var(LOG_ENV).or_else(|_| std::env::var("RUST_LOG")).unwrap_or_else(|_| "info".to_string());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new("info")))
         .with_writer(std::io::stderr)

@@ -92,11 +92,7 @@ impl BatchMeta {
             return bad("hidden size is 0".into());
         }
         if !self.sample_ids.is_empty() && self.sample_ids.len() != self.seq_lengths.len() {
-            return bad(format!(
-                "{} sample ids for {} sequences",
-                self.sample_ids.len(),
-                self.seq_lengths.len()
-            ));
+            return bad(format!("{} sample ids for {} sequences", self.sample_ids.len(), self.seq_lengths.len()));
         }
         Ok(())
     }
@@ -143,11 +139,7 @@ impl BatchMeta {
             _ => return Err(bad(format!("unknown dtype {}", h.dtype))),
         };
         if h.token_count as usize != h.input_ids.len() {
-            return Err(bad(format!(
-                "token count {} but {} input ids",
-                h.token_count,
-                h.input_ids.len()
-            )));
+            return Err(bad(format!("token count {} but {} input ids", h.token_count, h.input_ids.len())));
         }
         let meta = BatchMeta {
             batch_id: h.batch_id,
@@ -167,11 +159,7 @@ impl BatchMeta {
         if meta.payload_bytes() as u64 != h.payload_bytes {
             return Err(WireError::InvalidHeader {
                 batch_id: meta.batch_id,
-                what: format!(
-                    "payload_bytes {} does not match T*k*H*elem = {}",
-                    h.payload_bytes,
-                    meta.payload_bytes()
-                ),
+                what: format!("payload_bytes {} does not match T*k*H*elem = {}", h.payload_bytes, meta.payload_bytes()),
             });
         }
         Ok(meta)
@@ -196,11 +184,7 @@ impl HostBatch {
         if payload.len() != meta.payload_bytes() {
             return Err(WireError::InvalidHeader {
                 batch_id: meta.batch_id,
-                what: format!(
-                    "payload has {} bytes, header implies {}",
-                    payload.len(),
-                    meta.payload_bytes()
-                ),
+                what: format!("payload has {} bytes, header implies {}", payload.len(), meta.payload_bytes()),
             });
         }
         Ok(Self { meta, payload })

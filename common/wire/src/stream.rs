@@ -18,11 +18,7 @@ pub fn batch_messages(batch: &HostBatch, chunk_bytes: usize) -> Vec<pb::TargetMe
     for (i, start) in (0..payload.len()).step_by(chunk_bytes).enumerate() {
         let end = (start + chunk_bytes).min(payload.len());
         out.push(pb::TargetMessage {
-            msg: Some(Msg::Chunk(pb::BatchChunk {
-                batch_id: id,
-                index: i as u32,
-                data: payload.slice(start..end),
-            })),
+            msg: Some(Msg::Chunk(pb::BatchChunk { batch_id: id, index: i as u32, data: payload.slice(start..end) })),
         });
     }
     out.push(pb::TargetMessage {
@@ -186,9 +182,7 @@ impl Assembler {
     fn expect(&mut self, batch_id: u64, what: &str) -> Result<&mut Partial, WireError> {
         match self.partial.as_ref().map(|p| p.meta.batch_id) {
             Some(id) if id == batch_id => Ok(self.partial.as_mut().expect("checked")),
-            Some(id) => Err(WireError::Protocol(format!(
-                "{what} of batch {batch_id} while batch {id} is incomplete"
-            ))),
+            Some(id) => Err(WireError::Protocol(format!("{what} of batch {batch_id} while batch {id} is incomplete"))),
             None => Err(WireError::Protocol(format!("{what} of batch {batch_id} without a header"))),
         }
     }

@@ -125,13 +125,29 @@ impl Launcher {
         let s = |x: &str| x.to_string();
         match recipe {
             Prepare::Synthetic => {
-                let args = [s("prepare-synthetic"), s("--model-dir"), config.model.target_path.clone(), s("--dataset"), config.data.train_path.clone()];
+                let args = [
+                    s("prepare-synthetic"),
+                    s("--model-dir"),
+                    config.model.target_path.clone(),
+                    s("--dataset"),
+                    config.data.train_path.clone(),
+                ];
                 self.tool("prepare", "dflash-target", &args).await
             }
             Prepare::Smollm2Chitchat => {
-                self.tool("prepare", "dflash-target", &[s("prepare-smollm2"), s("--out"), config.model.target_path.clone()]).await?;
+                self.tool(
+                    "prepare",
+                    "dflash-target",
+                    &[s("prepare-smollm2"), s("--out"), config.model.target_path.clone()],
+                )
+                .await?;
                 let data_dir = Path::new(&config.data.train_path).parent().unwrap_or(Path::new(".")).to_path_buf();
-                self.tool("prepare", "dflash-target", &[s("prepare-corpora"), s("--out"), data_dir.display().to_string()]).await?;
+                self.tool(
+                    "prepare",
+                    "dflash-target",
+                    &[s("prepare-corpora"), s("--out"), data_dir.display().to_string()],
+                )
+                .await?;
                 if Path::new(&config.data.train_path).is_file() {
                     return Ok(());
                 }
@@ -183,8 +199,27 @@ impl Launcher {
     /// exit code.
     pub async fn run(self) -> anyhow::Result<i32> {
         self.prepare().await?;
-        std::fs::create_dir_all(&self.up.workdir)
-            .with_context(|| format!("creating {}", self.up.workdir.display()))?;
+        std::fs::create_dir_all(&self.up.workdir).with_context(|| format!("creating {}", self.up.workdir.display()))?;
+        let ledger_path = self.up.workdir.join("ledger.sqlite");
+        if ledger_path.is_file() {
+            let counts = crate::ledger::Ledger::open(&ledger_path)?.counts()?;
+            if counts.total() > 0 && counts.committed == counts.total() {
+                eprintln!(
+                    "[dflash     ] the run in {} is complete ({} batches committed); evaluating its last checkpoint. \
+                     Remove the folder (make clean-runs) to train again.",
+                    self.up.workdir.display(),
+                    counts.total()
+                );
+                self.final_eval().await?;
+                return Ok(0);
+            }
+            eprintln!(
+                "[dflash     ] resuming the run in {}: {} of {} batches committed",
+                self.up.workdir.display(),
+                counts.committed,
+                counts.total()
+            );
+        }
         let coord_port = free_port()?;
         let drafter_port = free_port()?;
         let target_health = free_port()?;

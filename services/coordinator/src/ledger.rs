@@ -19,9 +19,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 pub enum LedgerError {
     #[error("ledger {path}: {source}")]
     Sqlite { path: String, source: rusqlite::Error },
-    #[error(
-        "ledger {path} belongs to another plan ({what}); use another --ledger file or the original config"
-    )]
+    #[error("ledger {path} belongs to another plan ({what}); use another --ledger file or the original config")]
     PlanMismatch { path: String, what: String },
 }
 
@@ -146,13 +144,8 @@ impl Ledger {
                 )
                 .map_err(|e| LedgerError::Sqlite { path: self.path.clone(), source: e })?;
             for b in plan {
-                ins.execute(params![
-                    b.batch_id as i64,
-                    b.epoch,
-                    join(&b.sample_ids),
-                    join(&b.sample_lengths)
-                ])
-                .map_err(|e| LedgerError::Sqlite { path: self.path.clone(), source: e })?;
+                ins.execute(params![b.batch_id as i64, b.epoch, join(&b.sample_ids), join(&b.sample_lengths)])
+                    .map_err(|e| LedgerError::Sqlite { path: self.path.clone(), source: e })?;
             }
             tx.execute("INSERT INTO meta (key, value) VALUES ('plan_fingerprint', ?1)", [fingerprint])
                 .map_err(|e| LedgerError::Sqlite { path: self.path.clone(), source: e })?;
@@ -347,7 +340,12 @@ mod tests {
 
     fn plan(n: u64) -> Vec<PlannedBatch> {
         (0..n)
-            .map(|i| PlannedBatch { batch_id: i, epoch: 0, sample_ids: vec![i * 2, i * 2 + 1], sample_lengths: vec![5, 6] })
+            .map(|i| PlannedBatch {
+                batch_id: i,
+                epoch: 0,
+                sample_ids: vec![i * 2, i * 2 + 1],
+                sample_lengths: vec![5, 6],
+            })
             .collect()
     }
 

@@ -51,10 +51,8 @@ async fn run(args: Args) -> anyhow::Result<i32> {
     let loader = args.config.loader()?;
     let config = loader.load()?;
     let plan = plan_run(config)?;
-    let ledger_path = args
-        .ledger
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(format!("runs/{}.ledger.sqlite", plan.config.run.name)));
+    let ledger_path =
+        args.ledger.clone().unwrap_or_else(|| PathBuf::from(format!("runs/{}.ledger.sqlite", plan.config.run.name)));
     let mut ledger = Ledger::open(&ledger_path)?;
     let resumed = ledger.install_plan(&plan.fingerprint, &plan.batches)?;
     let run_id = match ledger.meta("run_id")? {
@@ -115,6 +113,7 @@ async fn run(args: Args) -> anyhow::Result<i32> {
                 _ = tick.tick() => {}
                 _ = monitor_stop.stopped() => return,
             }
+            monitor_run.flow.lock().expect("flow lock").sample(std::time::Instant::now());
             if let Err(e) = monitor_run.check_liveness() {
                 monitor_run.end(dflash_proto::RunState::Failed, format!("ledger failure: {e}"));
             }
@@ -122,8 +121,14 @@ async fn run(args: Args) -> anyhow::Result<i32> {
                 let c = monitor_run.counts();
                 tracing::info!(
                     "ledger: {} pending, {} leased, {} sent, {} trained, {} committed of {}",
-                    c.pending, c.leased, c.sent, c.trained, c.committed, c.total()
+                    c.pending,
+                    c.leased,
+                    c.sent,
+                    c.trained,
+                    c.committed,
+                    c.total()
                 );
+                tracing::info!("{}", monitor_run.flow.lock().expect("flow lock").summary());
                 last_log = std::time::Instant::now();
             }
         }

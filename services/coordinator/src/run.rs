@@ -68,6 +68,7 @@ pub struct Run {
     pub registry: Mutex<Registry>,
     pub progress: Mutex<Progress>,
     pub errors: Mutex<VecDeque<pb::ErrorReport>>,
+    pub flow: Mutex<crate::flow::Flow>,
     fate: Mutex<Fate>,
     events: broadcast::Sender<pb::RunEvent>,
     /// Cancelled when the run reaches a terminal state.
@@ -86,6 +87,7 @@ impl Run {
             registry: Mutex::new(Registry { drafter_absent_since: Some(Instant::now()), ..Registry::default() }),
             progress: Mutex::new(Progress::default()),
             errors: Mutex::new(VecDeque::new()),
+            flow: Mutex::new(crate::flow::Flow::default()),
             fate: Mutex::new(Fate { state: pb::RunState::Running, message: String::new() }),
             events,
             ended: CancellationToken::new(),
@@ -129,7 +131,10 @@ impl Run {
             _ => return None,
         };
         Some(pb::RunEvent {
-            event: Some(pb::run_event::Event::Stop(pb::StopRun { reason: reason as i32, message: fate.message.clone() })),
+            event: Some(pb::run_event::Event::Stop(pb::StopRun {
+                reason: reason as i32,
+                message: fate.message.clone(),
+            })),
         })
     }
 
@@ -251,7 +256,11 @@ impl Run {
             for (id, inst) in reg.instances.iter_mut() {
                 if inst.alive && inst.last_seen.elapsed() > timeout {
                     inst.alive = false;
-                    tracing::warn!("{} {id} silent for {} ms: presumed dead", inst.role().name(), f.instance_timeout_ms);
+                    tracing::warn!(
+                        "{} {id} silent for {} ms: presumed dead",
+                        inst.role().name(),
+                        f.instance_timeout_ms
+                    );
                     match inst.role() {
                         pb::Role::Target => dead_targets.push(id.clone()),
                         pb::Role::Drafter if current.as_deref() == Some(id) => drafter_lost = true,
@@ -268,6 +277,7 @@ impl Run {
             let _ = self.events.send(self.drafter_event());
         }
         for id in dead_targets {
+            self.flow.lock().expect("flow lock").target_gone(&id);
             let n = self.ledger.lock().expect("ledger lock").release_holder(&id)?;
             tracing::warn!("released {n} lease(s) of target {id}");
         }
@@ -309,7 +319,11 @@ impl Run {
                 alive: i.alive,
             })
             .collect();
+        let flow = self.flow.lock().expect("flow lock").summary();
         pb::StatusResponse {
+            supply_tokens_per_s: flow.supply_tokens_per_s,
+            demand_tokens_per_s: flow.demand_tokens_per_s,
+            bound_by: flow.bound_by.to_string(),
             run_id: self.run_id.clone(),
             state: state as i32,
             state_message,

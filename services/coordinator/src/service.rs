@@ -87,6 +87,13 @@ impl Coordinator for CoordinatorService {
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
+        if req.tokens_produced > 0 || req.busy_fraction > 0.0 {
+            self.run.flow.lock().expect("flow lock").target_report(
+                &req.instance_id,
+                req.tokens_produced,
+                req.busy_fraction,
+            );
+        }
         if !req.held_batch_ids.is_empty() {
             self.run
                 .ledger
@@ -182,7 +189,10 @@ impl Coordinator for CoordinatorService {
         }))
     }
 
-    async fn report_sent(&self, req: Request<pb::ReportSentRequest>) -> Result<Response<pb::ReportSentResponse>, Status> {
+    async fn report_sent(
+        &self,
+        req: Request<pb::ReportSentRequest>,
+    ) -> Result<Response<pb::ReportSentResponse>, Status> {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
         if !self.run.is_current_drafter(&req.drafter_instance) {
@@ -229,6 +239,7 @@ impl Coordinator for CoordinatorService {
             p.acceptance_length = req.acceptance_length;
             p.tokens += req.tokens;
         }
+        self.run.flow.lock().expect("flow lock").drafter_report(req.tokens, req.input_wait_fraction);
         Ok(Response::new(pb::ReportTrainedResponse { all_trained: self.all_trained() }))
     }
 

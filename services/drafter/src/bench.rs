@@ -163,7 +163,12 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         for chunk in a.chunks.split(',').map(|x| x.trim().parse::<usize>()) {
             let chunk = chunk.context("--chunks: comma-separated integers")?;
             let settings = TrainSettings {
-                blocks: BlockSettings { block_size: a.block as usize, mask_token_id: 3, gamma: 7.0, anchors_per_sequence: anchors },
+                blocks: BlockSettings {
+                    block_size: a.block as usize,
+                    mask_token_id: 3,
+                    gamma: 7.0,
+                    anchors_per_sequence: anchors,
+                },
                 schedule: LrSchedule::new(6e-4, 1000, 0.04, 0.0),
                 adamw: AdamWSettings { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
                 grad_clip: 1.0,
@@ -206,12 +211,21 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             });
         }
     }
-    println!("{:>8} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}", "anchors", "chunk", "step ms", "samples/s", "tokens/s", "MFU", "mem GiB");
+    println!(
+        "{:>8} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}",
+        "anchors", "chunk", "step ms", "samples/s", "tokens/s", "MFU", "mem GiB"
+    );
     for r in &rows {
         let chunk = if r.chunk_blocks >= r.anchors { "dense".to_string() } else { r.chunk_blocks.to_string() };
         println!(
             "{:>8} {:>7} {:>10.1} {:>10.2} {:>10.0} {:>6.1}% {:>9.1}",
-            r.anchors, chunk, r.step_ms, r.samples_per_s, r.tokens_per_s, 100.0 * r.mfu, r.peak_mem_gib
+            r.anchors,
+            chunk,
+            r.step_ms,
+            r.samples_per_s,
+            r.tokens_per_s,
+            100.0 * r.mfu,
+            r.peak_mem_gib
         );
     }
     if let Some(p) = &a.json {
@@ -240,5 +254,9 @@ fn device_memory_used_gib() -> f64 {
     let mut total = 0usize;
     // SAFETY: plain query of the current context's memory.
     let ok = unsafe { cudarc::driver::sys::cuMemGetInfo_v2(&mut free, &mut total) };
-    if ok == cudarc::driver::sys::CUresult::CUDA_SUCCESS { (total - free) as f64 / (1u64 << 30) as f64 } else { f64::NAN }
+    if ok == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        (total - free) as f64 / (1u64 << 30) as f64
+    } else {
+        f64::NAN
+    }
 }

@@ -68,7 +68,13 @@ fn batch(id: u64, payload: &Bytes, hidden: u32) -> anyhow::Result<HostBatch> {
 
 /// Sends `batches` batches over `streams` parallel streams to the real
 /// drafter receiver; returns GB/s of payload acknowledged.
-async fn grpc(a: &BenchTransportArgs, payload: Bytes, hidden: u32, batches: usize, streams: usize) -> anyhow::Result<f64> {
+async fn grpc(
+    a: &BenchTransportArgs,
+    payload: Bytes,
+    hidden: u32,
+    batches: usize,
+    streams: usize,
+) -> anyhow::Result<f64> {
     let stop = Stop::new();
     let (queue, rx) = flume::bounded(8);
     let consumer = std::thread::spawn(move || rx.iter().count());
@@ -117,7 +123,8 @@ async fn grpc(a: &BenchTransportArgs, payload: Bytes, hidden: u32, batches: usiz
                 })),
             })
             .await?;
-            let mut acks = client.stream_hidden_states(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+            let mut acks =
+                client.stream_hidden_states(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
             let _welcome = acks.message().await?;
             let (mut in_flight, mut acked) = (0u32, 0usize);
             for i in 0..share {

@@ -113,10 +113,17 @@ pub fn evaluate(
 
 /// Plain greedy decoding of every prompt, one at a time: the reference
 /// output and the speed speculative decoding is compared with.
-pub fn greedy_reference(target: &TargetModel, prompts: &[EvalPrompt], max_new: usize, stop_ids: &[u32]) -> (Vec<Vec<u32>>, f64) {
+pub fn greedy_reference(
+    target: &TargetModel,
+    prompts: &[EvalPrompt],
+    max_new: usize,
+    stop_ids: &[u32],
+) -> (Vec<Vec<u32>>, f64) {
     let t0 = Instant::now();
-    let outs: Vec<Vec<u32>> =
-        prompts.iter().map(|p| greedy_generate(target, std::slice::from_ref(&p.ids), max_new, stop_ids).remove(0)).collect();
+    let outs: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| greedy_generate(target, std::slice::from_ref(&p.ids), max_new, stop_ids).remove(0))
+        .collect();
     let n: usize = outs.iter().map(Vec::len).sum();
     (outs, n as f64 / t0.elapsed().as_secs_f64())
 }
@@ -161,8 +168,9 @@ fn resolve_checkpoint(p: &Path) -> anyhow::Result<PathBuf> {
     if p.join("config.json").is_file() {
         return Ok(p.to_path_buf());
     }
-    dflash_models::checkpoint::latest_checkpoint(p)?
-        .with_context(|| format!("{} is neither a drafter checkpoint nor a checkpoint folder with `latest`", p.display()))
+    dflash_models::checkpoint::latest_checkpoint(p)?.with_context(|| {
+        format!("{} is neither a drafter checkpoint nor a checkpoint folder with `latest`", p.display())
+    })
 }
 
 fn print_report(r: &EvalReport, greedy_tps: f64) {
@@ -214,7 +222,17 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
     if a.baseline {
         tch::manual_seed(0);
         let untrained = Drafter::new(config.clone(), device, kind);
-        let r = evaluate("untrained", &target, &untrained, &embed, &lm_head, &prompts, a.max_new_tokens, &tok.stop_ids, Some(&reference));
+        let r = evaluate(
+            "untrained",
+            &target,
+            &untrained,
+            &embed,
+            &lm_head,
+            &prompts,
+            a.max_new_tokens,
+            &tok.stop_ids,
+            Some(&reference),
+        );
         print_report(&r, greedy_tps);
         reports.push(r);
     }
@@ -224,7 +242,17 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
     } else {
         drafter.load_weights(&ckpt)?;
     }
-    let r = evaluate("trained", &target, &drafter, &embed, &lm_head, &prompts, a.max_new_tokens, &tok.stop_ids, Some(&reference));
+    let r = evaluate(
+        "trained",
+        &target,
+        &drafter,
+        &embed,
+        &lm_head,
+        &prompts,
+        a.max_new_tokens,
+        &tok.stop_ids,
+        Some(&reference),
+    );
     print_report(&r, greedy_tps);
     reports.push(r);
     if let Some(path) = &a.json {
@@ -254,8 +282,8 @@ impl PeriodicEval {
         }
         let dir = Path::new(&c.model.target_path);
         let tok = ChatTokenizer::from_dir(dir)?;
-        let prompts = read_prompts(Path::new(&e.prompts_path), &tok, 0, e.max_prompts as usize)
-            .context("eval.prompts_path")?;
+        let prompts =
+            read_prompts(Path::new(&e.prompts_path), &tok, 0, e.max_prompts as usize).context("eval.prompts_path")?;
         let target = TargetModel::load(dir, device, kind, LoadScope::Full)?;
         tracing::info!(
             "periodic evaluation: {} prompts from {}, every {} steps",
@@ -263,7 +291,13 @@ impl PeriodicEval {
             e.prompts_path,
             e.interval_steps
         );
-        Ok(Some(Self { target, prompts, max_new_tokens: e.max_new_tokens as usize, stop_ids: tok.stop_ids, every: e.interval_steps }))
+        Ok(Some(Self {
+            target,
+            prompts,
+            max_new_tokens: e.max_new_tokens as usize,
+            stop_ids: tok.stop_ids,
+            every: e.interval_steps,
+        }))
     }
 
     /// Runs the evaluation and logs tau.

@@ -147,8 +147,7 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
         _ => Kind::Float,
     };
     let target_dir = Path::new(&c.model.target_path);
-    let (target, embed, lm_head) =
-        dflash_models::load_embeddings(target_dir, device, kind).kind(ErrorKind::Model)?;
+    let (target, embed, lm_head) = dflash_models::load_embeddings(target_dir, device, kind).kind(ErrorKind::Model)?;
     let mask = c.drafter.mask_token_id.context("drafter.mask_token_id is unresolved").kind(ErrorKind::Config)?;
     let dc = DrafterConfig::for_target(
         &target,
@@ -159,6 +158,10 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
     );
     tch::manual_seed(c.run.seed as i64);
     let mut drafter = Drafter::new(dc, device, kind);
+    if c.drafter.init_from_target_layers {
+        let n = drafter.init_from_target(target_dir).kind(ErrorKind::Model)?;
+        tracing::info!("initialised {n} drafter tensors from the target's top layers");
+    }
     if let Some(init) = &c.drafter.init_from {
         drafter.load_weights(Path::new(init)).kind(ErrorKind::Checkpoint)?;
         tracing::info!("initialised the drafter from {init}");
@@ -201,7 +204,7 @@ async fn start(
 ) -> anyhow::Result<()> {
     let c = &session.config;
     let stop = session.stop.clone();
-    session.spawn_heartbeat(Vec::new);
+    session.spawn_heartbeat(Vec::new, || (0, 0.0));
     let _events = session.spawn_event_watch();
     let devices = c.devices.drafter.devices().to_vec();
     let gpus = c.devices.drafter.cuda_indices();
@@ -295,7 +298,13 @@ async fn start(
             _ => None,
         };
         let (pf_tx, pf_rx) = flume::bounded(c.pipeline.prefetch_depth as usize);
-        let pf = Prefetcher { device: dev, kind, noise_std: c.training.feature_noise_std, gpu: gpu_landing, stop: stop.clone() };
+        let pf = Prefetcher {
+            device: dev,
+            kind,
+            noise_std: c.training.feature_noise_std,
+            gpu: gpu_landing,
+            stop: stop.clone(),
+        };
         let (s, hs) = (stop.clone(), hs_rx.clone());
         stages.spawn_thread(&format!("prefetch-{rank}"), move || pf.run(hs, pf_tx, s));
         let join = move || -> anyhow::Result<Option<dflash_models::dp::Replica>> {

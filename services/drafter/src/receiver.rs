@@ -69,7 +69,9 @@ pub struct DrafterService {
 type AckStream = Pin<Box<dyn Stream<Item = Result<pb::DrafterMessage, Status>> + Send>>;
 
 fn ack(batch_id: u64, status: pb::AckStatus, reason: String) -> Result<pb::DrafterMessage, Status> {
-    Ok(pb::DrafterMessage { msg: Some(pb::drafter_message::Msg::Ack(pb::BatchAck { batch_id, status: status as i32, reason })) })
+    Ok(pb::DrafterMessage {
+        msg: Some(pb::drafter_message::Msg::Ack(pb::BatchAck { batch_id, status: status as i32, reason })),
+    })
 }
 
 impl Expected {
@@ -166,7 +168,9 @@ impl StreamTask {
                     return;
                 }
                 Err(s) => {
+                    // E.g. a message over the size limit: tell the target why.
                     tracing::warn!("stream from target {} broke: {}", self.target, s.message());
+                    let _ = self.acks.send(Err(s)).await;
                     return;
                 }
             };
@@ -244,8 +248,11 @@ impl StreamTask {
             }
         };
         let limit = mem.capacity();
-        let buf = dflash_models::gpu::PinnedBuf::new(mem, bytes)
-            .map_err(|_| WireError::TooLarge { batch_id: meta.batch_id, bytes, limit })?;
+        let buf = dflash_models::gpu::PinnedBuf::new(mem, bytes).map_err(|_| WireError::TooLarge {
+            batch_id: meta.batch_id,
+            bytes,
+            limit,
+        })?;
         self.assembler.begin(meta, Box::new(PinnedPayload { buf, filled: 0 }));
         Ok(Assembled::Pending)
     }

@@ -58,14 +58,22 @@ impl ReplicaStep {
         self.group.as_ref().map_or(1, |g| g.world)
     }
 
-    pub fn step(&mut self, trainer: &mut dflash_models::Trainer, stop: &dflash_role::Stop) -> anyhow::Result<(ReplicaReport, Agreement)> {
+    pub fn step(
+        &mut self,
+        trainer: &mut dflash_models::Trainer,
+        stop: &dflash_role::Stop,
+    ) -> anyhow::Result<(ReplicaReport, Agreement)> {
         let batch = match self.input.recv_timeout(Duration::from_millis(100)) {
             Ok(b) => Some(b),
             Err(flume::RecvTimeoutError::Timeout) => None,
             Err(flume::RecvTimeoutError::Disconnected) => None,
         };
         let t0 = Instant::now();
-        let mut report = ReplicaReport { batch_id: batch.as_ref().map(|b| b.batch_id), outcome: ReplicaOutcome::Duplicate, busy: Duration::ZERO };
+        let mut report = ReplicaReport {
+            batch_id: batch.as_ref().map(|b| b.batch_id),
+            outcome: ReplicaOutcome::Duplicate,
+            busy: Duration::ZERO,
+        };
         let mut contributes = false;
         let mut pending = None;
         if let Some(b) = &batch {
@@ -80,7 +88,11 @@ impl ReplicaStep {
                 }
             }
         }
-        let flags = [f32::from(u8::from(contributes)), f32::from(u8::from(batch.is_some())), f32::from(u8::from(stop.is_stopped()))];
+        let flags = [
+            f32::from(u8::from(contributes)),
+            f32::from(u8::from(batch.is_some())),
+            f32::from(u8::from(stop.is_stopped())),
+        ];
         let agreed = match &self.group {
             Some(g) => g.agree(&flags, self.device).kind(ErrorKind::Device)?,
             None => flags.to_vec(),
@@ -98,9 +110,14 @@ impl ReplicaStep {
             }
             if let Some(g) = &self.group {
                 if trainer.step() % self.check_every.max(1) == 0 {
-                    let sum = g.check_identical(&trainer.drafter.named_parameters(), self.device).kind(ErrorKind::Device)?;
+                    let sum =
+                        g.check_identical(&trainer.drafter.named_parameters(), self.device).kind(ErrorKind::Device)?;
                     if g.rank == 0 {
-                        tracing::info!("step {}: weights identical on all {} replicas (checksum {sum:.6e})", trainer.step(), g.world);
+                        tracing::info!(
+                            "step {}: weights identical on all {} replicas (checksum {sum:.6e})",
+                            trainer.step(),
+                            g.world
+                        );
                     }
                 }
             }
@@ -148,6 +165,8 @@ pub struct TrainLoop {
     /// How many of `trained` the last checkpoint holds.
     checkpointed: usize,
     bad_in_a_row: u32,
+    /// Fraction of the current log window spent waiting for input.
+    input_wait: f32,
 }
 
 /// Window of throughput accounting for the log line.
@@ -178,6 +197,7 @@ impl TrainLoop {
             last_checkpoint_step: 0,
             checkpointed: 0,
             bad_in_a_row: 0,
+            input_wait: 0.0,
         }
     }
 
@@ -221,11 +241,7 @@ impl TrainLoop {
     /// Trains until every batch is trained or the role stops. This thread
     /// is replica 0 (the leader: it reports, logs and checkpoints); other
     /// replicas run [`follow`] and send one [`ReplicaReport`] per step.
-    pub fn run(
-        mut self,
-        mut replica: ReplicaStep,
-        followers: flume::Receiver<ReplicaReport>,
-    ) -> anyhow::Result<()> {
+    pub fn run(mut self, mut replica: ReplicaStep, followers: flume::Receiver<ReplicaReport>) -> anyhow::Result<()> {
         let stop = self.session.stop.clone();
         let c = self.session.config.clone();
         let mut win = Window { started: Instant::now(), tokens: 0, wait: Duration::ZERO };
@@ -250,23 +266,37 @@ impl TrainLoop {
                 }
             }
             let mut metrics = None;
+            let mut step_tokens = 0u64;
             let mut skipped_reasons = Vec::new();
             for r in reports {
                 let Some(id) = r.batch_id else { continue };
                 match r.outcome {
                     ReplicaOutcome::Duplicate => {
                         tracing::info!("batch {id} was already trained; not training it again");
-                        self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: false, skip_reason: String::new() });
+                        self.unreported.push(pb::TrainedBatch {
+                            batch_id: id,
+                            skipped: false,
+                            skip_reason: String::new(),
+                        });
                     }
                     ReplicaOutcome::Trained(m) => {
                         self.record(id);
-                        self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: false, skip_reason: String::new() });
+                        self.unreported.push(pb::TrainedBatch {
+                            batch_id: id,
+                            skipped: false,
+                            skip_reason: String::new(),
+                        });
                         win.tokens += m.tokens;
+                        step_tokens += m.tokens;
                         metrics.get_or_insert(m);
                     }
                     ReplicaOutcome::Skipped(reason) => {
                         self.record(id);
-                        self.unreported.push(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: reason.clone() });
+                        self.unreported.push(pb::TrainedBatch {
+                            batch_id: id,
+                            skipped: true,
+                            skip_reason: reason.clone(),
+                        });
                         skipped_reasons.push(reason);
                     }
                 }
@@ -307,7 +337,9 @@ impl TrainLoop {
                     win = Window { started: Instant::now(), tokens: 0, wait: Duration::ZERO };
                 }
             }
-            let all_trained = self.report_trained(metrics.as_ref())?;
+            let secs = win.started.elapsed().as_secs_f64().max(1e-9);
+            self.input_wait = (win.wait.as_secs_f64() / secs) as f32;
+            let all_trained = self.report_trained(metrics.as_ref(), step_tokens)?;
             if step > 0 && step % c.checkpoint.interval_steps == 0 && step != self.last_checkpoint_step {
                 self.checkpoint()?;
             }
@@ -345,7 +377,7 @@ impl TrainLoop {
 
     /// Reports trained batches; true when the coordinator says every batch
     /// of the run is trained. Unreachable coordinator: keep them for later.
-    fn report_trained(&mut self, m: Option<&dflash_models::StepMetrics>) -> anyhow::Result<bool> {
+    fn report_trained(&mut self, m: Option<&dflash_models::StepMetrics>, tokens: u64) -> anyhow::Result<bool> {
         let m = m.cloned().unwrap_or_default();
         let req = pb::ReportTrainedRequest {
             run_id: self.session.run_id.clone(),
@@ -355,7 +387,8 @@ impl TrainLoop {
             loss: m.loss as f32,
             accuracy: m.accuracy as f32,
             acceptance_length: m.acceptance_length as f32,
-            tokens: m.tokens,
+            tokens,
+            input_wait_fraction: self.input_wait,
         };
         match self.rt.block_on(with_timeout(self.session.rpc_timeout(), self.session.client().report_trained(req))) {
             Ok(r) => {
@@ -386,7 +419,7 @@ impl TrainLoop {
         self.checkpointed = self.trained.len();
         tracing::info!("checkpoint {} written in {:.2} s", dir.display(), t0.elapsed().as_secs_f64());
         // Trained batches must be known to the ledger before they commit.
-        self.report_trained(None)?;
+        self.report_trained(None, 0)?;
         self.report_checkpoint(dir)
     }
 

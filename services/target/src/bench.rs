@@ -182,7 +182,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     stop: stop.clone(),
                 };
                 if let Some(ctx) = &cuda {
-                    let bytes = a.batch_tokens * layer_ids.len() * config.hidden_size as usize * kind.elt_size_in_bytes();
+                    let bytes =
+                        a.batch_tokens * layer_ids.len() * config.hidden_size as usize * kind.elt_size_in_bytes();
                     post.gpu = Some(GpuCopy {
                         ctx: ctx.clone(),
                         stream: dflash_models::gpu::side_stream(ctx)?,
@@ -200,7 +201,13 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     workers.push(std::thread::spawn(move || postprocess::worker(post, cap_rx, host_tx, s)));
                     PostprocessSink::Queue(cap_tx)
                 };
-                let fl = ForwardLoop { model, layer_ids: layer_ids.clone(), label: "bench".into(), cuda: cuda.clone() };
+                let fl = ForwardLoop {
+                    stats: std::sync::Arc::new(crate::forward::ForwardStats::new(1)),
+                    model,
+                    layer_ids: layer_ids.clone(),
+                    label: "bench".into(),
+                    cuda: cuda.clone(),
+                };
                 let s = stop.clone();
                 let fwd = std::thread::spawn(move || fl.run(work_rx, sink, s));
                 let feeder = std::thread::spawn(move || {
@@ -278,7 +285,10 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         let pool = dflash_models::gpu::pinned_pool(ctx, 1, bytes)?;
         let mut best_pinned = f64::INFINITY;
         for _ in 0..3 {
-            let mut buf = dflash_models::gpu::PinnedBuf::new(pool.take(std::time::Duration::from_secs(1)).context("pinned")?, bytes)?;
+            let mut buf = dflash_models::gpu::PinnedBuf::new(
+                pool.take(std::time::Duration::from_secs(1)).context("pinned")?,
+                bytes,
+            )?;
             let t0 = Instant::now();
             let mut off = 0;
             for l in &layers {
@@ -304,7 +314,14 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     }
     println!("{:<8} {:>10} {:>12} {:>7} {:>8}", "mode", "step ms", "tokens/s", "MFU", "vs off");
     for r in &results {
-        println!("{:<8} {:>10.1} {:>12.0} {:>6.1}% {:>8.3}", r.mode, r.step_ms, r.tokens_per_s, 100.0 * r.mfu, r.vs_off);
+        println!(
+            "{:<8} {:>10.1} {:>12.0} {:>6.1}% {:>8.3}",
+            r.mode,
+            r.step_ms,
+            r.tokens_per_s,
+            100.0 * r.mfu,
+            r.vs_off
+        );
     }
     if let Some(p) = &a.json {
         let v = serde_json::json!({

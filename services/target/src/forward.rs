@@ -24,8 +24,31 @@ pub struct CapturedBatch {
     pub ready: Option<cudarc::driver::CudaEvent>,
 }
 
+/// What the forward loops of a target did, for the coordinator's supply
+/// and demand view.
+pub struct ForwardStats {
+    pub tokens: std::sync::atomic::AtomicU64,
+    pub busy_ns: std::sync::atomic::AtomicU64,
+    pub started: Instant,
+    pub loops: usize,
+}
+
+impl ForwardStats {
+    pub fn new(loops: usize) -> Self {
+        Self { tokens: Default::default(), busy_ns: Default::default(), started: Instant::now(), loops: loops.max(1) }
+    }
+
+    /// (tokens produced, fraction of the loops' wall time spent computing).
+    pub fn load(&self) -> (u64, f32) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let wall = self.started.elapsed().as_nanos() as f64 * self.loops as f64;
+        (self.tokens.load(Relaxed), (self.busy_ns.load(Relaxed) as f64 / wall.max(1.0)) as f32)
+    }
+}
+
 /// One device's forward loop.
 pub struct ForwardLoop {
+    pub stats: std::sync::Arc<ForwardStats>,
     pub model: TargetModel,
     pub layer_ids: Vec<i64>,
     pub label: String,
@@ -54,9 +77,12 @@ impl ForwardLoop {
             // Kernel launches are asynchronous: record where the forward
             // ends and move on; postprocessing waits on the event.
             let ready = self.cuda.as_ref().map(dflash_models::gpu::record_torch_event).transpose()?;
-            busy += t0.elapsed();
+            let spent = t0.elapsed();
+            busy += spent;
             batches += 1;
             tokens += work.input_ids.len() as u64;
+            self.stats.tokens.fetch_add(work.input_ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            self.stats.busy_ns.fetch_add(spent.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
             if batches % 50 == 0 {
                 let wall = started.elapsed().as_secs_f64();
                 tracing::info!(

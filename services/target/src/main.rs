@@ -122,7 +122,12 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     stages.spawn_task("health", dflash_role::serve_health_only(args.health_listen, stop.clone()));
     let held: HeldBatches = Arc::new(Mutex::new(BTreeSet::new()));
     let held_for_heartbeat = Arc::clone(&held);
-    session.spawn_heartbeat(move || held_for_heartbeat.lock().expect("held lock").iter().copied().collect());
+    let stats = Arc::new(forward::ForwardStats::new(c.devices.target.devices().len()));
+    let load_stats = Arc::clone(&stats);
+    session.spawn_heartbeat(
+        move || held_for_heartbeat.lock().expect("held lock").iter().copied().collect(),
+        move || load_stats.load(),
+    );
     let drafter_endpoint = session.spawn_event_watch();
 
     let dataset = Arc::new(tokio::task::block_in_place(|| work::load_dataset(session))?);
@@ -161,7 +166,10 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
             // unacknowledged window; one more so the pipeline never starves.
             let p = &c.pipeline;
             let count = (p.target_postprocess_depth.max(1) + p.max_inflight_batches + 2) as usize;
-            let bytes = p.token_budget as usize * layer_ids.len() * hidden_size(&c.model.target_path)? * kind.elt_size_in_bytes();
+            let bytes = p.token_budget as usize
+                * layer_ids.len()
+                * hidden_size(&c.model.target_path)?
+                * kind.elt_size_in_bytes();
             let pool = dflash_models::gpu::pinned_pool(ctx, count, bytes).kind(ErrorKind::Device)?;
             let stream = dflash_models::gpu::side_stream(ctx).kind(ErrorKind::Device)?;
             tracing::info!("{d}: {count} pinned buffers of {} MiB for device-to-host copies", bytes >> 20);
@@ -187,7 +195,13 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
             stages.spawn_thread(&format!("postprocess-{d}"), move || postprocess::worker(p, cap_rx, out, s));
             PostprocessSink::Queue(cap_tx)
         };
-        let fl = ForwardLoop { model, layer_ids: layer_ids.clone(), label: format!("target {d}"), cuda };
+        let fl = ForwardLoop {
+            stats: Arc::clone(&stats),
+            model,
+            layer_ids: layer_ids.clone(),
+            label: format!("target {d}"),
+            cuda,
+        };
         let (rx, s) = (work_rx.clone(), stop.clone());
         stages.spawn_thread(&format!("forward-{d}"), move || fl.run(rx, sink, s));
     }

@@ -14,7 +14,6 @@ use dflash_telemetry::ErrorKind;
 use dflash_wire::{HostBatch, batch_messages};
 use tokio::sync::{mpsc, watch};
 
-
 /// Why one connection to the drafter ended.
 enum StreamEnd {
     /// Reconnect (drafter gone, endpoint changed, stream broken).

@@ -53,8 +53,7 @@ fn main() -> ExitCode {
             Command::Status { coordinator } => status(&coordinator).await.map(|()| 0),
             Command::Cancel { coordinator, reason } => {
                 let mut c = CoordinatorClient::new(lazy_channel(&coordinator)?);
-                with_timeout(std::time::Duration::from_secs(10), c.cancel_run(pb::CancelRunRequest { reason }))
-                    .await?;
+                with_timeout(std::time::Duration::from_secs(10), c.cancel_run(pb::CancelRunRequest { reason })).await?;
                 Ok(0)
             }
         }
@@ -82,6 +81,10 @@ async fn status(coordinator: &str) -> anyhow::Result<()> {
     println!(
         "progress: step {} (committed {}), loss {:.4}, accuracy {:.3}, acceptance {:.2}",
         s.step, s.committed_step, s.loss, s.accuracy, s.acceptance_length
+    );
+    println!(
+        "flow: supply {:.0} tokens/s, demand {:.0} tokens/s, bound by {}",
+        s.supply_tokens_per_s, s.demand_tokens_per_s, s.bound_by
     );
     for i in &s.instances {
         let role = pb::Role::try_from(i.role).unwrap_or(pb::Role::Unspecified);
