@@ -17,11 +17,17 @@ if [ -f "$dest/.complete" ]; then
 fi
 
 mkdir -p "$wheels"
+# pip matches --platform tags exactly, so name every manylinux level the
+# wheels use (torch: 2_28, cudart: 2_17/2014, cupti: 2_25).
+platforms=""
+for tag in manylinux_2_28 manylinux_2_27 manylinux_2_25 manylinux_2_24 manylinux_2_17 manylinux2014; do
+  platforms+=" --platform ${tag}_x86_64"
+done
 fetch() {  # fetch <requirement> <glob>: download a wheel unless cached
   if ! ls "$wheels"/$2 >/dev/null 2>&1; then
     echo "fetching $1 ..." >&2
     python3 -m pip download --quiet --no-deps --only-binary=:all: \
-      --python-version 3.11 --platform manylinux_2_28_x86_64 \
+      --python-version 3.11 $platforms \
       -d "$wheels" "$1" >&2
   fi
   ls "$wheels"/$2 | head -n 1

@@ -2,6 +2,8 @@
 //! the synthetic target, write configs, start real processes on free ports,
 //! and wait for them with deadlines.
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use std::fs::File;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -19,6 +21,24 @@ pub fn bin(name: &str) -> PathBuf {
     let p = dir.join(name);
     assert!(p.is_file(), "{} is missing: build the binaries first (cargo build --release --bins)", p.display());
     p
+}
+
+/// The body of `GET url` (plain HTTP/1.0, for the metrics endpoints).
+pub fn http_get(url: &str) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").unwrap_or(url);
+    let (host, path) = rest.split_once('/').map_or((rest, "/".to_string()), |(h, p)| (h, format!("/{p}")));
+    let mut s = std::net::TcpStream::connect(host)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    Ok(text.split_once("\r\n\r\n").map_or(text.clone(), |(_, body)| body.to_string()))
+}
+
+/// The value of one sample (`name{labels}`) in a Prometheus text page.
+pub fn metric_value(page: &str, sample: &str) -> Option<f64> {
+    page.lines().find_map(|l| l.strip_prefix(sample).and_then(|v| v.trim().parse().ok()))
 }
 
 /// A free loopback port.
@@ -131,11 +151,17 @@ pub struct Proc {
 impl Proc {
     /// Starts `bin(program)` with `args`, output to `<log_dir>/<name>.log`.
     pub fn start(name: &str, program: &str, args: &[String], log_dir: &Path) -> Self {
+        Self::start_with_env(name, program, args, &[], log_dir)
+    }
+
+    /// [`Proc::start`] with extra environment variables.
+    pub fn start_with_env(name: &str, program: &str, args: &[String], env: &[(&str, &str)], log_dir: &Path) -> Self {
         let log = log_dir.join(format!("{name}.log"));
         let out = File::create(&log).expect("log file");
         let err = out.try_clone().expect("log file");
         let child = Command::new(bin(program))
             .args(args)
+            .envs(env.iter().copied())
             .env("DFLASH_LOG", "info")
             .stdin(Stdio::null())
             .stdout(out)

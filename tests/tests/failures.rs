@@ -2,6 +2,8 @@
 //! every role with a non-zero exit and the cause in its log; no role waits
 //! forever for a peer that died.
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use std::time::{Duration, Instant};
 
 use dflash_tests::{Cluster, Proc, Workspace};

@@ -2,6 +2,8 @@
 //! kills of drafter and targets in one run, SIGTERM on the drafter, and
 //! non-finite features from a target.
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use std::time::{Duration, Instant};
 
 use dflash_coordinator::ledger::Ledger;

@@ -1,6 +1,8 @@
 //! Tests that need GPUs (ignored elsewhere; run on GPU hosts with
 //! `--ignored`, see scripts/device/). They start the real binaries.
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use std::time::Duration;
 
 use dflash_tests::{Proc, Workspace};

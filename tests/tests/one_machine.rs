@@ -2,6 +2,8 @@
 //! trains to the end and leaves a served-layout checkpoint and a ledger in
 //! which every batch was trained and committed exactly once.
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use std::time::Duration;
 
 use dflash_coordinator::ledger::Ledger;

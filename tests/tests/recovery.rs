@@ -3,6 +3,8 @@
 //! what it never acknowledged; a killed target's leases go to another
 //! target. Every batch ends trained exactly once in the committed history.
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use std::time::{Duration, Instant};
 
 use dflash_coordinator::ledger::Ledger;

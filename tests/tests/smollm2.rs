@@ -2,6 +2,8 @@
 //! verified and converted from GGUF. Pinned against an independent f32
 //! implementation (DATA.md): tokenization and the greedy chat answer.
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;

@@ -9,7 +9,7 @@ fn opt<T: fmt::Display>(v: &Option<T>) -> String {
 }
 
 fn bytes(n: u32) -> String {
-    if n % (1 << 20) == 0 { format!("{} MiB", n >> 20) } else { format!("{} KiB", n >> 10) }
+    if n.is_multiple_of(1 << 20) { format!("{} MiB", n >> 20) } else { format!("{} KiB", n >> 10) }
 }
 
 impl fmt::Display for RunConfig {
@@ -95,6 +95,13 @@ impl fmt::Display for RunConfig {
                 "  Prompts: {} ({} prompts, {} new tokens, every {} steps)",
                 e.prompts_path, e.max_prompts, e.max_new_tokens, e.interval_steps
             )?;
+        }
+        writeln!(f, "Telemetry")?;
+        let otlp = &self.telemetry.otlp_endpoint;
+        if otlp.is_empty() {
+            writeln!(f, "  Traces: OTEL_EXPORTER_OTLP_ENDPOINT of each process (off when unset)")?;
+        } else {
+            writeln!(f, "  Traces: OTLP/gRPC to {otlp}")?;
         }
         writeln!(f, "Faults")?;
         write!(

@@ -22,6 +22,7 @@ pub struct RunConfig {
     pub checkpoint: CheckpointSection,
     pub eval: EvalSection,
     pub faults: FaultSection,
+    pub telemetry: TelemetrySection,
 }
 
 /// Identity and length of the run.
@@ -312,6 +313,16 @@ impl Default for FaultSection {
             shutdown_grace_ms: 20_000,
         }
     }
+}
+
+/// Where traces go. Metrics endpoints and TLS are per process (flags and
+/// environment), because a process needs them before it has this config.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetrySection {
+    /// OTLP/gRPC collector for traces (e.g. `http://jaeger:4317`). Empty:
+    /// each process uses `OTEL_EXPORTER_OTLP_ENDPOINT` if set, else no traces.
+    pub otlp_endpoint: String,
 }
 
 impl DrafterSection {

@@ -34,6 +34,12 @@ impl RunConfig {
         c.require(matches!(m.dtype.as_str(), "auto" | "f32" | "bf16"), "model.dtype", || {
             format!("is \"{}\"; use \"auto\", \"f32\" or \"bf16\"", m.dtype)
         });
+        let otlp = &self.telemetry.otlp_endpoint;
+        c.require(
+            otlp.is_empty() || otlp.starts_with("http://") || otlp.starts_with("https://"),
+            "telemetry.otlp_endpoint",
+            || format!("is \"{otlp}\"; use an http:// or https:// URL of an OTLP/gRPC collector"),
+        );
         let ids = &m.target_layer_ids;
         c.require(ids.windows(2).all(|w| w[0] < w[1]), "model.target_layer_ids", || {
             format!("{ids:?} must be strictly increasing")
@@ -53,7 +59,7 @@ impl RunConfig {
 
         let data = &self.data;
         c.require(!data.train_path.is_empty(), "data.train_path", || "is required: a JSONL chat dataset".into());
-        c.require(data.max_seq_len >= d.block_size + 1, "data.max_seq_len", || {
+        c.require(data.max_seq_len > d.block_size, "data.max_seq_len", || {
             format!("is {}; must exceed drafter.block_size ({})", data.max_seq_len, d.block_size)
         });
 

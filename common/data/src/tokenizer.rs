@@ -79,10 +79,10 @@ impl ChatTokenizer {
         let id = |t: &str| if t.is_empty() { None } else { tokenizer.token_to_id(t) };
         let mut stop_ids: Vec<u32> = id(&eos_token).into_iter().collect();
         for t in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>"] {
-            if let Some(i) = tokenizer.token_to_id(t) {
-                if !stop_ids.contains(&i) {
-                    stop_ids.push(i);
-                }
+            if let Some(i) = tokenizer.token_to_id(t)
+                && !stop_ids.contains(&i)
+            {
+                stop_ids.push(i);
             }
         }
         let pad_id = pad_token.as_deref().and_then(id);

@@ -1,6 +1,8 @@
 //! Times the pieces of one batched decode step on a model directory.
 //! `cargo run --release --example decode_timing -- <model dir> <batch> <past len>`
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use std::time::Instant;
 
 use dflash_models::{LoadScope, TargetModel};

@@ -203,7 +203,7 @@ impl Gguf {
             GGML_Q8_0 => (34, 32),
             t => return Err(bad(&self.path, format!("tensor {}: ggml type {t} is not supported", info.name))),
         };
-        if n % block_elems != 0 {
+        if !n.is_multiple_of(block_elems) {
             return Err(bad(&self.path, format!("tensor {}: {n} elements is not whole blocks", info.name)));
         }
         let len = n / block_elems * block_bytes;

@@ -138,7 +138,7 @@ impl AdamW {
             let update = &s.exp_avg / &denom * (lr / bc1);
             let _ = s.master.g_sub_(&update);
             if s.param.kind() != Kind::Float {
-                let _ = s.param.copy_(&s.master);
+                s.param.copy_(&s.master);
             }
         }
     }
@@ -172,10 +172,10 @@ impl AdamW {
                 if src.size() != dst.size() {
                     return Err(format!("{key} has shape {:?}, expected {:?}", src.size(), dst.size()));
                 }
-                let _ = dst.copy_(&src.to_device(dst.device()).to_kind(Kind::Float));
+                dst.copy_(&src.to_device(dst.device()).to_kind(Kind::Float));
             }
             if s.param.kind() != Kind::Float {
-                let _ = s.param.copy_(&s.master);
+                s.param.copy_(&s.master);
             }
         }
         self.step = step;

@@ -95,15 +95,15 @@ impl TargetConfig {
                 )));
             }
         };
-        if let Some(act) = &raw.hidden_act {
-            if act != "silu" {
-                return Err(bad(format!("hidden_act \"{act}\" is not supported (only silu)")));
-            }
+        if let Some(act) = &raw.hidden_act
+            && act != "silu"
+        {
+            return Err(bad(format!("hidden_act \"{act}\" is not supported (only silu)")));
         }
-        if let Some(s) = &raw.rope_scaling {
-            if !s.is_null() {
-                return Err(bad(format!("rope_scaling {s} is not supported")));
-            }
+        if let Some(s) = &raw.rope_scaling
+            && !s.is_null()
+        {
+            return Err(bad(format!("rope_scaling {s} is not supported")));
         }
         if raw.num_attention_heads <= 0 || raw.hidden_size % raw.num_attention_heads != 0 && raw.head_dim.is_none() {
             return Err(bad("num_attention_heads must divide hidden_size (or set head_dim)".into()));

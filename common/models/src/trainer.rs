@@ -40,6 +40,9 @@ pub struct DeviceBatch {
     /// Memory `features` may view (a pooled device buffer); kept alive until
     /// the batch, and so its last use by a train step, is gone.
     pub landing: Option<Box<dyn std::any::Any + Send>>,
+    /// W3C trace context of the stage that produced the batch, so the
+    /// train step's span continues the batch's trace.
+    pub trace_context: std::collections::HashMap<String, String>,
 }
 
 /// What one step measured.

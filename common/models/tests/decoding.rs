@@ -2,6 +2,8 @@
 //! decoding token for token (whatever the drafter proposes), and batched
 //! generation with left padding must equal one-by-one generation.
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use dflash_models::generate::{SpecSettings, greedy_generate, speculative_generate};
 use dflash_models::synthetic::{synthetic_target_config, write_synthetic_target};
 use dflash_models::{Drafter, DrafterConfig, LoadScope, TargetModel};

@@ -3,6 +3,8 @@
 //! variants) must give the logits and residual streams transformers gives
 //! (tests/fixtures/golden.json, made by tests/fixtures/golden.py).
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use std::path::PathBuf;
 
 use dflash_models::{LoadScope, ModelError, TargetModel};

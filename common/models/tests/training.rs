@@ -2,6 +2,8 @@
 //! exactly what one dense mask computes, micro-batching accumulates the
 //! same gradient as one forward, and a fixed batch is learned (loss falls).
 
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
 use dflash_models::blocks::BlockSettings;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::synthetic::synthetic_target_config;
@@ -42,6 +44,7 @@ fn batch() -> DeviceBatch {
         loss_mask: (0..t).map(|i| u8::from(i % 5 != 0)).collect(),
         seq_lengths: lens.to_vec(),
         landing: None,
+        trace_context: Default::default(),
     }
 }
 

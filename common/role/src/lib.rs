@@ -3,15 +3,17 @@
 //! grpc.health.v1, and stop for one recorded cause.
 
 mod health;
+pub mod security;
 mod session;
 mod stages;
 mod stop;
 pub mod transport;
 
-pub use health::serve_health_only;
+pub use health::{HealthArgs, check_health, serve_health, serve_health_only};
+pub use security::{Security, SecurityArgs};
 pub use session::{
-    Announce, HeldBatches, KindExt, RoleArgs, RoleError, Session, chain_of, format_chain, kind_of, lazy_channel,
-    with_timeout,
+    Announce, CoordinatorConn, HeldBatches, KindExt, RoleArgs, RoleError, Session, chain_of, coordinator_client,
+    format_chain, kind_of, lazy_channel, with_timeout,
 };
 pub use stages::Stages;
 pub use stop::{Stop, StopCause};

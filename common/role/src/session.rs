@@ -11,9 +11,14 @@ use dflash_proto as pb;
 use dflash_proto::coordinator_client::CoordinatorClient;
 use dflash_telemetry::ErrorKind;
 use tokio::sync::watch;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::security::{ClientAuth, Security, SecurityArgs};
 use crate::{Stop, StopCause};
+
+/// A Coordinator API client that sends the shared token.
+pub type CoordinatorConn = CoordinatorClient<InterceptedService<Channel, ClientAuth>>;
 
 /// Command-line settings every role shares.
 #[derive(clap::Args, Clone, Debug)]
@@ -27,6 +32,11 @@ pub struct RoleArgs {
     /// Seconds to keep trying to reach the coordinator at startup.
     #[arg(long, env = "DFLASH_CONNECT_TIMEOUT_S", default_value_t = 60)]
     pub connect_timeout_s: u64,
+    #[command(flatten)]
+    pub security: SecurityArgs,
+    /// Serve Prometheus metrics on http://<addr>/metrics (off when unset).
+    #[arg(long, env = "DFLASH_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// What a role announces about itself.
@@ -45,7 +55,8 @@ pub struct Session {
     pub instance_id: String,
     pub role: pb::Role,
     pub stop: Stop,
-    client: CoordinatorClient<Channel>,
+    pub security: Security,
+    client: CoordinatorConn,
     request: pb::RegisterRequest,
     rpc_timeout: Duration,
 }
@@ -61,13 +72,19 @@ pub async fn with_timeout<T>(
     }
 }
 
-/// A lazily connecting channel (reconnects by itself after failures).
-pub fn lazy_channel(url: &str) -> anyhow::Result<Channel> {
-    Ok(Endpoint::from_shared(url.to_string())
+/// A lazily connecting channel (reconnects by itself after failures),
+/// with client TLS for `https://` URLs.
+pub fn lazy_channel(url: &str, security: &Security) -> anyhow::Result<Channel> {
+    let endpoint = Endpoint::from_shared(url.to_string())
         .with_context(|| format!("invalid URL {url}"))?
         .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true)
-        .connect_lazy())
+        .tcp_nodelay(true);
+    Ok(security.endpoint(endpoint)?.connect_lazy())
+}
+
+/// A Coordinator API client for `url`.
+pub fn coordinator_client(url: &str, security: &Security) -> anyhow::Result<CoordinatorConn> {
+    Ok(CoordinatorClient::with_interceptor(lazy_channel(url, security)?, security.client_auth()))
 }
 
 fn default_instance_id(role: pb::Role) -> String {
@@ -91,14 +108,20 @@ impl Session {
             endpoint: announce.endpoint,
             pid: std::process::id(),
         };
-        let mut client = CoordinatorClient::new(lazy_channel(&args.coordinator)?);
+        let security = args.security.load()?;
+        let mut client = coordinator_client(&args.coordinator, &security)?;
         let deadline = Instant::now() + Duration::from_secs(args.connect_timeout_s);
         let resp = loop {
             let attempt = with_timeout(Duration::from_secs(10), client.register(request.clone())).await;
             match attempt {
                 Ok(r) => break r,
                 // The coordinator answered and refused: no retry will help.
-                Err(s) if matches!(s.code(), tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition) => {
+                Err(s)
+                    if matches!(
+                        s.code(),
+                        tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition | tonic::Code::Unauthenticated
+                    ) =>
+                {
                     anyhow::bail!("the coordinator at {} refused registration: {}", args.coordinator, s.message());
                 }
                 Err(s) if Instant::now() >= deadline => {
@@ -120,6 +143,7 @@ impl Session {
         };
         let config = dflash_config::from_toml_str(&resp.config_toml).context("run config from the coordinator")?;
         config.validate().context("run config from the coordinator")?;
+        dflash_telemetry::enable_otlp(Some(&config.telemetry.otlp_endpoint)).context("traces")?;
         let rpc_timeout = Duration::from_millis(config.faults.rpc_timeout_ms);
         Ok(Arc::new(Self {
             run_id: resp.run_id,
@@ -127,6 +151,7 @@ impl Session {
             instance_id,
             role: announce.role,
             stop,
+            security,
             client,
             request,
             rpc_timeout,
@@ -145,7 +170,7 @@ impl Session {
     }
 
     /// A client for this session's coordinator (cheap clone of the channel).
-    pub fn client(&self) -> CoordinatorClient<Channel> {
+    pub fn client(&self) -> CoordinatorConn {
         self.client.clone()
     }
 
@@ -161,6 +186,16 @@ impl Session {
     /// Logs the effective config once, as every role does at startup.
     pub fn log_config(&self) {
         tracing::info!("{}", self.config.startup_banner(self.role.name(), &self.run_id));
+        tracing::info!("transport security: {}", self.security.summary());
+    }
+
+    /// Starts the metrics endpoint when `--metrics-listen` is set.
+    pub async fn serve_metrics(&self, args: &RoleArgs) -> anyhow::Result<()> {
+        if let Some(addr) = args.metrics_listen {
+            let stop = self.stop.clone();
+            dflash_telemetry::serve_metrics(addr, async move { stop.stopped().await }).await?;
+        }
+        Ok(())
     }
 
     /// Heartbeats every `faults.heartbeat_interval_ms`, carrying the batch
@@ -308,6 +343,13 @@ impl Session {
     /// Ends a role's main: reports a fatal error, logs why the role stops,
     /// and returns the exit code.
     pub async fn finish(&self, result: anyhow::Result<()>) -> i32 {
+        let code = self.finish_inner(result).await;
+        // Spans of the last batches go out before the process does.
+        let _ = tokio::task::spawn_blocking(dflash_telemetry::shutdown_tracing).await;
+        code
+    }
+
+    async fn finish_inner(&self, result: anyhow::Result<()>) -> i32 {
         if let Err(e) = &result {
             let kind = kind_of(e);
             tracing::error!("{}", format_chain(e));

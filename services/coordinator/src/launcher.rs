@@ -50,6 +50,16 @@ pub struct UpArgs {
     /// `eval.prompts_path` is set).
     #[arg(long)]
     pub no_final_eval: bool,
+    /// Seconds between progress lines (0: none).
+    #[arg(long, default_value_t = 10)]
+    pub progress_every_s: u64,
+    /// Give every role a Prometheus endpoint on a free loopback port.
+    #[arg(long)]
+    pub metrics: bool,
+    /// Transport security of all three roles (the token reaches them
+    /// through the environment, not the command line).
+    #[command(flatten)]
+    pub security: dflash_role::SecurityArgs,
 }
 
 pub struct Launcher {
@@ -103,6 +113,9 @@ impl Launcher {
             // then stops the roles in order.
             .process_group(0)
             .kill_on_drop(true);
+        if let Some(t) = &self.up.security.token {
+            cmd.env("DFLASH_TOKEN", t);
+        }
         let mut child = cmd.spawn().with_context(|| format!("starting {}", program.display()))?;
         prefix_lines(name, child.stdout.take().expect("piped"));
         prefix_lines(name, child.stderr.take().expect("piped"));
@@ -223,7 +236,25 @@ impl Launcher {
         let coord_port = free_port()?;
         let drafter_port = free_port()?;
         let target_health = free_port()?;
-        let coord_url = format!("http://127.0.0.1:{coord_port}");
+        let sec = &self.up.security;
+        let scheme = if sec.tls_cert.is_some() { "https" } else { "http" };
+        let coord_url = format!("{scheme}://127.0.0.1:{coord_port}");
+        // TLS files go to every role by flag; the token by environment.
+        let mut tls_args: Vec<String> = Vec::new();
+        for (flag, path) in [("--tls-cert", &sec.tls_cert), ("--tls-key", &sec.tls_key), ("--tls-ca", &sec.tls_ca)] {
+            if let Some(p) = path {
+                tls_args.extend([flag.to_string(), p.display().to_string()]);
+            }
+        }
+        let mut metrics_urls = Vec::new();
+        let mut metrics_args = |name: &str| -> anyhow::Result<Vec<String>> {
+            if !self.up.metrics {
+                return Ok(vec![]);
+            }
+            let port = free_port()?;
+            metrics_urls.push(format!("{name} http://127.0.0.1:{port}/metrics"));
+            Ok(vec!["--metrics-listen".into(), format!("127.0.0.1:{port}")])
+        };
         let mut coord_args = self.config.to_args();
         coord_args.extend([
             "--listen".into(),
@@ -231,30 +262,50 @@ impl Launcher {
             "--ledger".into(),
             self.up.workdir.join("ledger.sqlite").display().to_string(),
         ]);
+        coord_args.extend(tls_args.iter().cloned());
+        coord_args.extend(metrics_args("coordinator")?);
         let mut roles = vec![self.spawn("coordinator", &bin(&self.bin_dir, "dflash-coordinator")?, &coord_args)?];
-        let drafter_args = vec![
+        let mut drafter_args = vec![
             "serve".into(),
             "--coordinator".into(),
             coord_url.clone(),
             "--listen".into(),
             format!("127.0.0.1:{drafter_port}"),
             "--advertise".into(),
-            format!("http://127.0.0.1:{drafter_port}"),
+            format!("{scheme}://127.0.0.1:{drafter_port}"),
             "--threads".into(),
             self.up.drafter_threads.to_string(),
         ];
+        drafter_args.extend(tls_args.iter().cloned());
+        drafter_args.extend(metrics_args("drafter")?);
         roles.push(self.spawn("drafter", &bin(&self.bin_dir, "dflash-drafter")?, &drafter_args)?);
-        let target_args = vec![
+        let mut target_args = vec![
             "serve".into(),
             "--coordinator".into(),
-            coord_url,
+            coord_url.clone(),
             "--health-listen".into(),
             format!("127.0.0.1:{target_health}"),
             "--threads".into(),
             self.up.target_threads.to_string(),
         ];
+        target_args.extend(tls_args.iter().cloned());
+        target_args.extend(metrics_args("target")?);
         roles.push(self.spawn("target", &bin(&self.bin_dir, "dflash-target")?, &target_args)?);
+        if !metrics_urls.is_empty() {
+            eprintln!("[dflash     ] metrics: {}", metrics_urls.join(", "));
+        }
+        let progress = (self.up.progress_every_s > 0).then(|| {
+            let every = Duration::from_secs(self.up.progress_every_s);
+            let security = self.up.security.load();
+            tokio::spawn(async move {
+                let Ok(security) = security else { return };
+                crate::progress::report(&coord_url, &security, every).await
+            })
+        });
         let code = supervise(roles, Duration::from_secs(self.up.grace_s)).await?;
+        if let Some(p) = progress {
+            p.abort();
+        }
         if code == 0 {
             self.final_eval().await?;
         }

@@ -5,5 +5,6 @@ pub mod flow;
 pub mod launcher;
 pub mod ledger;
 pub mod plan;
+pub mod progress;
 pub mod run;
 pub mod service;

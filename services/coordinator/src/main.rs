@@ -14,14 +14,31 @@ use dflash_coordinator::plan::plan_run;
 use dflash_coordinator::run::Run;
 use dflash_coordinator::service::CoordinatorService;
 use dflash_proto::coordinator_server::CoordinatorServer;
-use dflash_role::{Stop, format_chain};
+use dflash_role::{HealthArgs, SecurityArgs, Stop, format_chain};
+use tonic::service::interceptor::InterceptedService;
 use tonic_health::ServingStatus;
 
 #[derive(Parser, Debug)]
-#[command(name = "dflash-coordinator", version, about = "The dflash coordinator service")]
+#[command(
+    name = "dflash-coordinator",
+    version,
+    about = "The dflash coordinator service",
+    args_conflicts_with_subcommands = true
+)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     #[command(flatten)]
     config: ConfigFlags,
+    #[command(flatten)]
+    security: SecurityArgs,
+    /// Also serve grpc.health.v1 in plain text here (for probes that cannot
+    /// speak TLS or send the token).
+    #[arg(long, env = "DFLASH_HEALTH_LISTEN")]
+    health_listen: Option<SocketAddr>,
+    /// Serve Prometheus metrics on http://<addr>/metrics (off when unset).
+    #[arg(long, env = "DFLASH_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
     /// Address to serve the Coordinator API and grpc.health.v1 on.
     #[arg(long, env = "DFLASH_LISTEN", default_value = "0.0.0.0:50051")]
     listen: SocketAddr,
@@ -31,12 +48,23 @@ struct Args {
     ledger: Option<PathBuf>,
 }
 
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Checks a gRPC server's grpc.health.v1 status; exit 0 when SERVING.
+    Health(HealthArgs),
+}
+
 fn main() {
-    dflash_telemetry::init_logging();
+    dflash_telemetry::init("dflash-coordinator");
     let args = Args::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    if let Some(Command::Health(h)) = &args.command {
+        std::process::exit(runtime.block_on(h.run()));
+    }
     let code = runtime.block_on(async {
-        match run(args).await {
+        let result = run(args).await;
+        let _ = tokio::task::spawn_blocking(dflash_telemetry::shutdown_tracing).await;
+        match result {
             Ok(code) => code,
             Err(e) => {
                 tracing::error!("{}", format_chain(&e));
@@ -50,6 +78,8 @@ fn main() {
 async fn run(args: Args) -> anyhow::Result<i32> {
     let loader = args.config.loader()?;
     let config = loader.load()?;
+    let security = args.security.load()?;
+    dflash_telemetry::enable_otlp(Some(&config.telemetry.otlp_endpoint))?;
     let plan = plan_run(config)?;
     let ledger_path =
         args.ledger.clone().unwrap_or_else(|| PathBuf::from(format!("runs/{}.ledger.sqlite", plan.config.run.name)));
@@ -87,14 +117,31 @@ async fn run(args: Args) -> anyhow::Result<i32> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::Serving).await;
     health.set_serving::<CoordinatorServer<CoordinatorService>>().await;
+    if let Some(addr) = args.health_listen {
+        let (service, stop) = (health_service.clone(), stop.clone());
+        tokio::spawn(async move {
+            if let Err(e) = dflash_role::serve_health(addr, service, stop).await {
+                tracing::error!("health endpoint: {e:#}");
+            }
+        });
+    }
+    if let Some(addr) = args.metrics_listen {
+        let stop = stop.clone();
+        dflash_telemetry::serve_metrics(addr, async move { stop.stopped().await }).await?;
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    tracing::info!("coordinator listening on {}", listener.local_addr()?);
-    let service = CoordinatorServer::new(CoordinatorService { run: Arc::clone(&run) });
+    tracing::info!("coordinator listening on {} ({})", listener.local_addr()?, security.summary());
+    let service = InterceptedService::new(
+        CoordinatorServer::new(CoordinatorService { run: Arc::clone(&run) }),
+        security.server_auth(),
+    );
     let server_stop = stop.clone();
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
+        security
+            .server(tonic::transport::Server::builder())?
+            .trace_fn(|req| dflash_telemetry::rpc_span(req.uri().path()))
             .add_service(health_service)
             .add_service(service)
             .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
@@ -114,6 +161,7 @@ async fn run(args: Args) -> anyhow::Result<i32> {
                 _ = monitor_stop.stopped() => return,
             }
             monitor_run.flow.lock().expect("flow lock").sample(std::time::Instant::now());
+            monitor_run.export_metrics();
             if let Err(e) = monitor_run.check_liveness() {
                 monitor_run.end(dflash_proto::RunState::Failed, format!("ledger failure: {e}"));
             }

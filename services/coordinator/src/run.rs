@@ -186,12 +186,12 @@ impl Run {
         );
         reg.instances.insert(id.clone(), Instance { request: req, last_seen: Instant::now(), alive: true });
         if role == pb::Role::Drafter {
-            if let Some(old) = reg.drafter.replace(id.clone()) {
-                if old != id {
-                    tracing::warn!("drafter {id} replaces {old}");
-                    if let Some(i) = reg.instances.get_mut(&old) {
-                        i.alive = false;
-                    }
+            if let Some(old) = reg.drafter.replace(id.clone())
+                && old != id
+            {
+                tracing::warn!("drafter {id} replaces {old}");
+                if let Some(i) = reg.instances.get_mut(&old) {
+                    i.alive = false;
                 }
             }
             reg.drafter_absent_since = None;
@@ -227,6 +227,7 @@ impl Run {
             tracing::warn!("error from {line}");
         }
         let fatal = report.fatal;
+        dflash_telemetry::metrics().errors.with_label_values(&[report.kind.as_str()]).inc();
         {
             let mut errs = self.errors.lock().expect("errors lock");
             if errs.len() == MAX_ERRORS {
@@ -282,15 +283,48 @@ impl Run {
             tracing::warn!("released {n} lease(s) of target {id}");
         }
         let absent = self.registry.lock().expect("registry lock").drafter_absent_since.map(|t| t.elapsed());
-        if let Some(a) = absent {
-            if a > Duration::from_millis(f.drafter_absence_timeout_ms) && self.is_running() {
-                self.end(
-                    pb::RunState::Failed,
-                    format!("no drafter registered for {} s (faults.drafter_absence_timeout_ms)", a.as_secs()),
-                );
-            }
+        if let Some(a) = absent
+            && a > Duration::from_millis(f.drafter_absence_timeout_ms)
+            && self.is_running()
+        {
+            self.end(
+                pb::RunState::Failed,
+                format!("no drafter registered for {} s (faults.drafter_absence_timeout_ms)", a.as_secs()),
+            );
         }
         Ok(())
+    }
+
+    /// Mirrors the ledger, the registry and the flow into the metrics.
+    pub fn export_metrics(&self) {
+        let m = dflash_telemetry::metrics();
+        let c = self.counts();
+        for (state, n) in [
+            ("pending", c.pending),
+            ("leased", c.leased),
+            ("sent", c.sent),
+            ("trained", c.trained),
+            ("committed", c.committed),
+        ] {
+            m.ledger_batches.with_label_values(&[state]).set(n as i64);
+        }
+        let flow = self.flow.lock().expect("flow lock").summary();
+        m.flow_tokens_per_second.with_label_values(&["supply"]).set(flow.supply_tokens_per_s);
+        m.flow_tokens_per_second.with_label_values(&["demand"]).set(flow.demand_tokens_per_s);
+        m.idle_fraction.with_label_values(&["drafter_wait"]).set(f64::from(flow.drafter_wait));
+        m.idle_fraction.with_label_values(&["targets_idle"]).set(1.0 - f64::from(flow.targets_busy));
+        let mut alive = std::collections::BTreeMap::<&str, i64>::new();
+        for i in self.registry.lock().expect("registry lock").instances.values() {
+            *alive.entry(i.role().name()).or_default() += i64::from(i.alive);
+        }
+        for role in ["target", "drafter"] {
+            m.registered_instances.with_label_values(&[role]).set(alive.get(role).copied().unwrap_or(0));
+        }
+        let p = self.progress.lock().expect("progress lock").clone();
+        m.step.set(p.step as f64);
+        m.loss.set(f64::from(p.loss));
+        m.accuracy.set(f64::from(p.accuracy));
+        m.acceptance_length.with_label_values(&["simulated"]).set(f64::from(p.acceptance_length));
     }
 
     pub fn counts(&self) -> Counts {

@@ -177,13 +177,18 @@ impl Coordinator for CoordinatorService {
             exhausted,
             leases: leases
                 .into_iter()
-                .map(|l| pb::WorkLease {
-                    batch_id: l.batch_id,
-                    epoch: l.epoch,
-                    sample_ids: l.sample_ids,
-                    sample_lengths: l.sample_lengths,
-                    lease_expires_unix_ms: l.expires_ms,
-                    trace_context: Default::default(),
+                .map(|l| {
+                    // The root of the batch's trace; the target continues it.
+                    let span = dflash_telemetry::batch_span("lease", &Default::default(), l.batch_id);
+                    dflash_telemetry::metrics().batches.with_label_values(&["leased"]).inc();
+                    pb::WorkLease {
+                        batch_id: l.batch_id,
+                        epoch: l.epoch,
+                        sample_ids: l.sample_ids,
+                        sample_lengths: l.sample_lengths,
+                        lease_expires_unix_ms: l.expires_ms,
+                        trace_context: dflash_telemetry::context_of(&span),
+                    }
                 })
                 .collect(),
         }))
@@ -234,9 +239,13 @@ impl Coordinator for CoordinatorService {
         {
             let mut p = self.run.progress.lock().expect("progress lock");
             p.step = req.step;
-            p.loss = req.loss;
-            p.accuracy = req.accuracy;
-            p.acceptance_length = req.acceptance_length;
+            // Reports of steps that trained nothing (duplicates, skips)
+            // carry no figures; keep the last ones.
+            if req.tokens > 0 {
+                p.loss = req.loss;
+                p.accuracy = req.accuracy;
+                p.acceptance_length = req.acceptance_length;
+            }
             p.tokens += req.tokens;
         }
         self.run.flow.lock().expect("flow lock").drafter_report(req.tokens, req.input_wait_fraction);

@@ -137,6 +137,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             loss_mask: vec![1; total],
             seq_lengths: lens.iter().map(|&l| l as u32).collect(),
             landing: None,
+            trace_context: Default::default(),
         });
         all_lens.push(lens);
     }

@@ -314,6 +314,7 @@ impl PeriodicEval {
             None,
         );
         let cats: Vec<String> = r.per_category.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
+        dflash_telemetry::metrics().acceptance_length.with_label_values(&["eval"]).set(r.tau);
         tracing::info!(
             "eval at step {step}: acceptance length tau {:.3} over {} prompts ({:.1} tok/s; {})",
             r.tau,

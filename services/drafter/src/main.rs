@@ -48,6 +48,8 @@ enum Command {
     BenchStep(bench::BenchStepArgs),
     /// Benchmark the hidden-state gRPC stream against raw TCP on loopback.
     BenchTransport(bench_transport::BenchTransportArgs),
+    /// Check a gRPC server's grpc.health.v1 status; exit 0 when SERVING.
+    Health(dflash_role::HealthArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -57,18 +59,26 @@ struct ServeArgs {
     /// Address for the hidden-state stream and grpc.health.v1.
     #[arg(long, env = "DFLASH_LISTEN", default_value = "0.0.0.0:50052")]
     listen: SocketAddr,
-    /// URL targets use to reach this drafter (default: http://<hostname>:<port>).
+    /// URL targets use to reach this drafter (default: http(s)://<hostname>:<port>).
     #[arg(long, env = "DFLASH_ADVERTISE")]
     advertise: Option<String>,
+    /// Also serve grpc.health.v1 in plain text here (for probes that cannot
+    /// speak TLS or send the token).
+    #[arg(long, env = "DFLASH_HEALTH_LISTEN")]
+    health_listen: Option<SocketAddr>,
     /// CPU threads for libtorch (0: libtorch's default).
     #[arg(long, env = "DFLASH_THREADS", default_value_t = 0)]
     threads: i32,
 }
 
 fn main() {
-    dflash_telemetry::init_logging();
+    dflash_telemetry::init("dflash-drafter");
     let cli = Cli::parse();
     let code = match cli.command {
+        Command::Health(h) => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+            rt.block_on(h.run())
+        }
         Command::Serve(args) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
             rt.block_on(serve(args))
@@ -107,7 +117,8 @@ async fn serve(args: ServeArgs) -> i32 {
     let port = listener.local_addr().map(|a| a.port()).unwrap_or(args.listen.port());
     let endpoint = args.advertise.clone().unwrap_or_else(|| {
         let host = hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "127.0.0.1".into());
-        format!("http://{host}:{port}")
+        let scheme = if args.role.security.tls_cert.is_some() { "https" } else { "http" };
+        format!("{scheme}://{host}:{port}")
     });
     let announce = Announce { role: pb::Role::Drafter, devices: vec![], endpoint: endpoint.clone() };
     let session = match Session::register(&args.role, announce, stop.clone()).await {
@@ -119,7 +130,10 @@ async fn serve(args: ServeArgs) -> i32 {
     };
     session.log_config();
     let stages = Stages::new(stop.clone());
-    let result = start(&session, &stages, listener, &endpoint).await;
+    let result = match session.serve_metrics(&args.role).await {
+        Ok(()) => start(&session, &stages, listener, &endpoint, args.health_listen).await,
+        Err(e) => Err(e),
+    };
     if result.is_ok() {
         stop.stopped().await;
     } else {
@@ -201,6 +215,7 @@ async fn start(
     stages: &Stages,
     listener: tokio::net::TcpListener,
     endpoint: &str,
+    health_listen: Option<SocketAddr>,
 ) -> anyhow::Result<()> {
     let c = &session.config;
     let stop = session.stop.clone();
@@ -261,14 +276,20 @@ async fn start(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::Serving).await;
     health.set_serving::<DrafterServer<DrafterService>>().await;
+    if let Some(addr) = health_listen {
+        stages.spawn_task("health", dflash_role::serve_health(addr, health_service.clone(), stop.clone()));
+    }
     let server_stop = stop.clone();
-    let server = dflash_role::transport::data_server()
+    let server = session
+        .security
+        .server(dflash_role::transport::data_server())?
         .add_service(health_service)
-        .add_service(
+        .add_service(tonic::service::interceptor::InterceptedService::new(
             DrafterServer::new(service)
                 .max_decoding_message_size(dflash_role::transport::MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(dflash_role::transport::MAX_MESSAGE_BYTES),
-        )
+            session.security.server_auth(),
+        ))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
             server_stop.stopped().await
         });

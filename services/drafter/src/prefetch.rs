@@ -41,7 +41,9 @@ fn add_uniform_noise(t: Tensor, std: f64) -> Tensor {
 
 impl Prefetcher {
     /// `[T, k*H]` features on the device, in the drafter's kind.
-    pub fn to_device(&self, b: &HostBatch) -> anyhow::Result<DeviceBatch> {
+    pub fn to_device(&self, b: &HostBatch, trace: &dflash_telemetry::TraceContext) -> anyhow::Result<DeviceBatch> {
+        let span = dflash_telemetry::batch_span("h2d", trace, b.meta.batch_id);
+        let _entered = span.enter();
         let m = &b.meta;
         let (t, k, h) = (m.token_count() as i64, m.layer_ids.len() as i64, m.hidden_size as i64);
         let kind = match m.dtype {
@@ -86,6 +88,7 @@ impl Prefetcher {
             loss_mask: m.loss_mask.clone(),
             seq_lengths: m.seq_lengths.clone(),
             landing,
+            trace_context: dflash_telemetry::context_of(&span),
         })
     }
 
@@ -102,12 +105,20 @@ impl Prefetcher {
                 Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => continue,
                 Err(_) => return Ok(()),
             };
-            let mut item = self.to_device(&r.batch)?;
+            let ReceivedBatch { batch, queue_wait } = r;
+            let waited = dflash_telemetry::context_of(&queue_wait);
+            drop(queue_wait);
+            let m = dflash_telemetry::metrics();
+            m.queue_depth.with_label_values(&["hs_queue"]).set(input.len() as i64);
+            let mut item = self.to_device(&batch, &waited)?;
             // The host payload is dropped here (after the copy), not earlier.
-            drop(r);
+            drop(batch);
             loop {
                 match output.send_timeout(item, Duration::from_millis(100)) {
-                    Ok(()) => break,
+                    Ok(()) => {
+                        m.queue_depth.with_label_values(&["prefetch"]).set(output.len() as i64);
+                        break;
+                    }
                     Err(flume::SendTimeoutError::Timeout(back)) if !stop.is_stopped() => item = back,
                     Err(_) => return Ok(()),
                 }

@@ -18,6 +18,8 @@ use tonic::{Request, Response, Status, Streaming};
 /// A verified batch waiting in the HS queue.
 pub struct ReceivedBatch {
     pub batch: HostBatch,
+    /// Open while the batch waits in the queue; prefetch closes it.
+    pub queue_wait: tracing::Span,
 }
 
 /// What every batch must match.
@@ -135,6 +137,7 @@ impl Drafter for DrafterService {
             queue: self.queue.clone(),
             stop: self.stop.clone(),
             acks: tx,
+            receiving: None,
         };
         tokio::spawn(task.run(incoming));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
@@ -152,6 +155,8 @@ struct StreamTask {
     queue: flume::Sender<ReceivedBatch>,
     stop: Stop,
     acks: mpsc::Sender<Result<pb::DrafterMessage, Status>>,
+    /// The receive span of the batch being assembled.
+    receiving: Option<(u64, tracing::Span)>,
 }
 
 impl StreamTask {
@@ -200,6 +205,10 @@ impl StreamTask {
             self.discarding = None;
         }
         let is_end = matches!(m, Msg::End(_));
+        if let Msg::Header(h) = &m {
+            // Continues the target's send span (its context is in the header).
+            self.receiving = Some((h.batch_id, dflash_telemetry::batch_span("receive", &h.trace_context, h.batch_id)));
+        }
         let result = match m {
             Msg::Header(h) if self.landing.is_some() => self.begin_pinned(h).await,
             Msg::Header(h) => self.assembler.push_header(h),
@@ -259,11 +268,21 @@ impl StreamTask {
 
     async fn accept(&mut self, batch: HostBatch) -> bool {
         let id = batch.meta.batch_id;
+        let receive = match self.receiving.take() {
+            Some((b, span)) if b == id => span,
+            _ => dflash_telemetry::batch_span("receive", &batch.meta.trace_context, id),
+        };
         if let Err(why) = self.expected.check(&batch) {
             tracing::error!("batch {id} from target {} rejected: {why}", self.target);
             return self.send(ack(id, pb::AckStatus::Rejected, why)).await;
         }
-        let item = ReceivedBatch { batch };
+        let m = dflash_telemetry::metrics();
+        m.batches.with_label_values(&["received"]).inc();
+        m.tokens.with_label_values(&["received"]).inc_by(batch.meta.token_count() as u64);
+        m.bytes.with_label_values(&["received"]).inc_by(batch.payload.len() as u64);
+        let received = dflash_telemetry::context_of(&receive);
+        let queue_wait = dflash_telemetry::batch_span("queue_wait", &received, id);
+        let item = ReceivedBatch { batch, queue_wait };
         // Blocks while the HS queue is full: backpressure to the target.
         let queued = tokio::select! {
             r = self.queue.send_async(item) => r.is_ok(),
@@ -272,7 +291,10 @@ impl StreamTask {
         if !queued {
             return false;
         }
-        self.send(ack(id, pb::AckStatus::Accepted, String::new())).await
+        m.queue_depth.with_label_values(&["hs_queue"]).set(self.queue.len() as i64);
+        let acked = dflash_telemetry::batch_span("ack", &received, id);
+        drop(receive);
+        tracing::Instrument::instrument(self.send(ack(id, pb::AckStatus::Accepted, String::new())), acked).await
     }
 
     async fn send(&self, m: Result<pb::DrafterMessage, Status>) -> bool {

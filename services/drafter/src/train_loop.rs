@@ -69,6 +69,8 @@ impl ReplicaStep {
             Err(flume::RecvTimeoutError::Disconnected) => None,
         };
         let t0 = Instant::now();
+        let span = batch.as_ref().map(|b| dflash_telemetry::batch_span("train_step", &b.trace_context, b.batch_id));
+        let _entered = span.as_ref().map(tracing::Span::enter);
         let mut report = ReplicaReport {
             batch_id: batch.as_ref().map(|b| b.batch_id),
             outcome: ReplicaOutcome::Duplicate,
@@ -108,17 +110,17 @@ impl ReplicaStep {
                 StepOutcome::Skipped(r) if contributes => report.outcome = ReplicaOutcome::Skipped(r),
                 StepOutcome::Skipped(_) => {}
             }
-            if let Some(g) = &self.group {
-                if trainer.step() % self.check_every.max(1) == 0 {
-                    let sum =
-                        g.check_identical(&trainer.drafter.named_parameters(), self.device).kind(ErrorKind::Device)?;
-                    if g.rank == 0 {
-                        tracing::info!(
-                            "step {}: weights identical on all {} replicas (checksum {sum:.6e})",
-                            trainer.step(),
-                            g.world
-                        );
-                    }
+            if let Some(g) = &self.group
+                && trainer.step().is_multiple_of(self.check_every.max(1))
+            {
+                let sum =
+                    g.check_identical(&trainer.drafter.named_parameters(), self.device).kind(ErrorKind::Device)?;
+                if g.rank == 0 {
+                    tracing::info!(
+                        "step {}: weights identical on all {} replicas (checksum {sum:.6e})",
+                        trainer.step(),
+                        g.world
+                    );
                 }
             }
         }
@@ -249,6 +251,7 @@ impl TrainLoop {
         loop {
             let wait_start = Instant::now();
             let (own, flags) = replica.step(&mut self.trainer, &stop)?;
+            let step_seconds = own.busy.as_secs_f64();
             win.wait += wait_start.elapsed().saturating_sub(own.busy);
             if flags.stopping {
                 break;
@@ -273,6 +276,7 @@ impl TrainLoop {
                 match r.outcome {
                     ReplicaOutcome::Duplicate => {
                         tracing::info!("batch {id} was already trained; not training it again");
+                        dflash_telemetry::metrics().batches.with_label_values(&["duplicate"]).inc();
                         self.unreported.push(pb::TrainedBatch {
                             batch_id: id,
                             skipped: false,
@@ -298,6 +302,8 @@ impl TrainLoop {
                             skip_reason: reason.clone(),
                         });
                         skipped_reasons.push(reason);
+                        dflash_telemetry::metrics().batches.with_label_values(&["skipped"]).inc();
+                        dflash_telemetry::metrics().errors.with_label_values(&["non_finite"]).inc();
                     }
                 }
             }
@@ -318,35 +324,46 @@ impl TrainLoop {
                 }
             }
             let step = self.trainer.step();
-            if let Some(m) = &metrics {
-                if step % c.run.log_every_steps.max(1) == 0 || step == 1 {
-                    let secs = win.started.elapsed().as_secs_f64();
-                    tracing::info!(
-                        "step {step}/{} | loss {:.4} | acc {:.3} | accept {:.2} | lr {:.2e} | grad {:.2} | {:.0} tok/s | queue {}/{} | wait {:.0}%",
-                        c.training.total_steps,
-                        m.loss,
-                        m.accuracy,
-                        m.acceptance_length,
-                        m.lr,
-                        m.grad_norm,
-                        win.tokens as f64 / secs,
-                        self.hs_queue.len(),
-                        c.pipeline.hs_queue_depth,
-                        100.0 * win.wait.as_secs_f64() / secs
-                    );
-                    win = Window { started: Instant::now(), tokens: 0, wait: Duration::ZERO };
-                }
+            if let Some(m) = &metrics
+                && (step.is_multiple_of(c.run.log_every_steps.max(1)) || step == 1)
+            {
+                let secs = win.started.elapsed().as_secs_f64();
+                tracing::info!(
+                    "step {step}/{} | loss {:.4} | acc {:.3} | accept {:.2} | lr {:.2e} | grad {:.2} | {:.0} tok/s | queue {}/{} | wait {:.0}%",
+                    c.training.total_steps,
+                    m.loss,
+                    m.accuracy,
+                    m.acceptance_length,
+                    m.lr,
+                    m.grad_norm,
+                    win.tokens as f64 / secs,
+                    self.hs_queue.len(),
+                    c.pipeline.hs_queue_depth,
+                    100.0 * win.wait.as_secs_f64() / secs
+                );
+                win = Window { started: Instant::now(), tokens: 0, wait: Duration::ZERO };
             }
             let secs = win.started.elapsed().as_secs_f64().max(1e-9);
             self.input_wait = (win.wait.as_secs_f64() / secs) as f32;
+            export_step_metrics(
+                step,
+                metrics.as_ref(),
+                step_tokens,
+                self.input_wait,
+                self.hs_queue.len(),
+                step_seconds,
+            );
             let all_trained = self.report_trained(metrics.as_ref(), step_tokens)?;
-            if step > 0 && step % c.checkpoint.interval_steps == 0 && step != self.last_checkpoint_step {
+            if step > 0 && step.is_multiple_of(c.checkpoint.interval_steps) && step != self.last_checkpoint_step {
                 self.checkpoint()?;
             }
-            if let Some(e) = &self.eval {
-                if metrics.is_some() && e.every > 0 && step % e.every == 0 && !all_trained {
-                    e.run(step, &self.trainer);
-                }
+            if let Some(e) = &self.eval
+                && metrics.is_some()
+                && e.every > 0
+                && step.is_multiple_of(e.every)
+                && !all_trained
+            {
+                e.run(step, &self.trainer);
             }
             if all_trained {
                 if let Some(e) = self.eval.as_ref().filter(|e| e.every > 0) {
@@ -443,5 +460,28 @@ impl TrainLoop {
                 Ok(())
             }
         }
+    }
+}
+
+/// The leader's view of one step, for the metrics endpoint.
+fn export_step_metrics(
+    step: u64,
+    m: Option<&dflash_models::StepMetrics>,
+    tokens: u64,
+    input_wait: f32,
+    queue: usize,
+    step_seconds: f64,
+) {
+    let g = dflash_telemetry::metrics();
+    g.step.set(step as f64);
+    g.idle_fraction.with_label_values(&["train"]).set(f64::from(input_wait));
+    g.queue_depth.with_label_values(&["hs_queue"]).set(queue as i64);
+    if let Some(m) = m {
+        g.tokens.with_label_values(&["trained"]).inc_by(tokens);
+        g.batches.with_label_values(&["trained"]).inc();
+        g.loss.set(m.loss);
+        g.accuracy.set(m.accuracy);
+        g.acceptance_length.with_label_values(&["simulated"]).set(m.acceptance_length);
+        g.step_seconds.observe(step_seconds);
     }
 }

@@ -104,6 +104,7 @@ fn make_batches(n: usize, a: &BenchArgs, vocab: i64, seed: u64) -> Vec<WorkItem>
                 seq_lengths: lens,
                 loss_mask: vec![1; total],
                 input_ids: ids,
+                trace: Default::default(),
             }
         })
         .collect()

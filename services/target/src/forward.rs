@@ -69,6 +69,9 @@ impl ForwardLoop {
                 Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => continue,
                 Err(_) => break,
             };
+            let mut work = work;
+            let span = dflash_telemetry::batch_span("forward", &work.trace, work.batch_id);
+            let entered = span.enter();
             let t0 = Instant::now();
             let ids: Vec<i64> = work.input_ids.iter().map(|&i| i as i64).collect();
             let ids = Tensor::from_slice(&ids).to_device(self.model.device);
@@ -78,12 +81,22 @@ impl ForwardLoop {
             // ends and move on; postprocessing waits on the event.
             let ready = self.cuda.as_ref().map(dflash_models::gpu::record_torch_event).transpose()?;
             let spent = t0.elapsed();
+            drop(entered);
+            work.trace = dflash_telemetry::context_of(&span);
+            drop(span);
             busy += spent;
+            let m = dflash_telemetry::metrics();
+            m.tokens.with_label_values(&["captured"]).inc_by(work.input_ids.len() as u64);
+            m.batches.with_label_values(&["captured"]).inc();
+            m.idle_fraction
+                .with_label_values(&["forward"])
+                .set(1.0 - busy.as_secs_f64() / started.elapsed().as_secs_f64().max(1e-9));
+            m.queue_depth.with_label_values(&["work"]).set(input.len() as i64);
             batches += 1;
             tokens += work.input_ids.len() as u64;
             self.stats.tokens.fetch_add(work.input_ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
             self.stats.busy_ns.fetch_add(spent.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-            if batches % 50 == 0 {
+            if batches.is_multiple_of(50) {
                 let wall = started.elapsed().as_secs_f64();
                 tracing::info!(
                     "{}: {batches} batches, {:.0} tokens/s, forward busy {:.0}%",

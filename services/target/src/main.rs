@@ -49,6 +49,8 @@ enum Command {
     Regenerate(regenerate::RegenArgs),
     /// Benchmark capture throughput, MFU and postprocess modes on random weights.
     BenchCapture(bench::BenchArgs),
+    /// Check a gRPC server's grpc.health.v1 status; exit 0 when SERVING.
+    Health(dflash_role::HealthArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -64,9 +66,13 @@ struct ServeArgs {
 }
 
 fn main() {
-    dflash_telemetry::init_logging();
+    dflash_telemetry::init("dflash-target");
     let cli = Cli::parse();
     let tool = match cli.command {
+        Command::Health(h) => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+            std::process::exit(rt.block_on(h.run()));
+        }
         Command::Serve(a) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
             std::process::exit(rt.block_on(serve(a)));
@@ -120,6 +126,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     let c = &session.config;
     let stop = session.stop.clone();
     stages.spawn_task("health", dflash_role::serve_health_only(args.health_listen, stop.clone()));
+    session.serve_metrics(&args.role).await?;
     let held: HeldBatches = Arc::new(Mutex::new(BTreeSet::new()));
     let held_for_heartbeat = Arc::clone(&held);
     let stats = Arc::new(forward::ForwardStats::new(c.devices.target.devices().len()));
@@ -220,6 +227,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
             drafter_endpoint.clone(),
             window,
             reports.clone(),
+            i,
         );
         stages.spawn_task(&format!("sender-{i}"), s.run());
     }

@@ -100,6 +100,8 @@ impl Postprocessor {
     }
 
     pub fn process(&self, c: CapturedBatch) -> anyhow::Result<HostBatch> {
+        let span = dflash_telemetry::batch_span("postprocess", &c.work.trace, c.work.batch_id);
+        let _entered = span.enter();
         let _guard = tch::no_grad_guard();
         let first = c.layers.first().ok_or_else(|| anyhow::anyhow!("batch {}: no captured layers", c.work.batch_id))?;
         let hidden = first.size()[1] as u32;
@@ -122,7 +124,7 @@ impl Postprocessor {
             layer_ids: self.layer_ids.clone(),
             hidden_size: hidden,
             sample_ids: w.sample_ids,
-            trace_context: Default::default(),
+            trace_context: dflash_telemetry::context_of(&span),
         };
         Ok(HostBatch::new(meta, payload)?)
     }
@@ -139,7 +141,11 @@ impl PostprocessSink {
     /// Hands one batch on; false when the pipeline is closing.
     pub fn push(&self, c: CapturedBatch, stop: &Stop) -> anyhow::Result<bool> {
         match self {
-            PostprocessSink::Queue(tx) => Ok(send_until_stop(tx, c, stop)),
+            PostprocessSink::Queue(tx) => {
+                let ok = send_until_stop(tx, c, stop);
+                dflash_telemetry::metrics().queue_depth.with_label_values(&["postprocess"]).set(tx.len() as i64);
+                Ok(ok)
+            }
             PostprocessSink::Inline(p, tx) => Ok(send_until_stop(tx, p.process(c)?, stop)),
         }
     }

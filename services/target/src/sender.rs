@@ -35,6 +35,8 @@ pub struct Sender {
     /// Unacknowledged batches, oldest first (at most `window`).
     unacked: VecDeque<HostBatch>,
     reports: mpsc::Sender<(u64, String)>,
+    /// `stream-<i>`, for metrics.
+    label: String,
 }
 
 /// Starts the task that reports acknowledged batches to the coordinator;
@@ -53,8 +55,18 @@ impl Sender {
         drafter_endpoint: watch::Receiver<Option<String>>,
         window: usize,
         reports: mpsc::Sender<(u64, String)>,
+        index: usize,
     ) -> Self {
-        Self { session, held, input, drafter_endpoint, window: window.max(1), unacked: VecDeque::new(), reports }
+        Self {
+            session,
+            held,
+            input,
+            drafter_endpoint,
+            window: window.max(1),
+            unacked: VecDeque::new(),
+            reports,
+            label: format!("stream-{index}"),
+        }
     }
 
     /// Runs until the role stops.
@@ -92,11 +104,12 @@ impl Sender {
     /// One stream to one drafter: hello, replay, then send and handle acks.
     async fn connection(&mut self, endpoint: &str) -> anyhow::Result<StreamEnd> {
         let stop = self.session.stop.clone();
-        let channel = match transport::data_endpoint(endpoint).kind(ErrorKind::Config)?.connect().await {
+        let ep = transport::data_endpoint(endpoint).and_then(|e| self.session.security.endpoint(e));
+        let channel = match ep.kind(ErrorKind::Config)?.connect().await {
             Ok(c) => c,
             Err(e) => return Ok(StreamEnd::Reconnect(format!("connect: {e}"))),
         };
-        let mut client = DrafterClient::new(channel)
+        let mut client = DrafterClient::with_interceptor(channel, self.session.security.client_auth())
             .max_decoding_message_size(transport::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(transport::MAX_MESSAGE_BYTES);
         let (tx, rx) = mpsc::channel::<pb::TargetMessage>(16);
@@ -115,7 +128,7 @@ impl Sender {
         .await
         {
             Ok(s) => s,
-            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+            Err(s) if matches!(s.code(), tonic::Code::FailedPrecondition | tonic::Code::Unauthenticated) => {
                 return Err(anyhow::anyhow!("drafter {endpoint} refused the stream: {}", s.message()))
                     .kind(ErrorKind::Protocol);
             }
@@ -150,6 +163,7 @@ impl Sender {
                     let Ok(batch) = b else { return Ok(StreamEnd::Stopped) };
                     let ok = send_batch(&tx, &batch, chunk).await;
                     self.unacked.push_back(batch);
+                    self.export_gauges();
                     if !ok {
                         return Ok(StreamEnd::Reconnect("stream closed while sending".into()));
                     }
@@ -173,6 +187,12 @@ impl Sender {
         }
     }
 
+    fn export_gauges(&self) {
+        let m = dflash_telemetry::metrics();
+        m.inflight_batches.with_label_values(&[&self.label]).set(self.unacked.len() as i64);
+        m.queue_depth.with_label_values(&["send"]).set(self.input.len() as i64);
+    }
+
     async fn handle_ack(
         &mut self,
         ack: pb::BatchAck,
@@ -188,11 +208,16 @@ impl Sender {
             Ok(pb::AckStatus::Accepted) => {
                 let batch = self.unacked.remove(pos).expect("position is valid");
                 self.held.lock().expect("held lock").remove(&batch.meta.batch_id);
+                self.export_gauges();
+                let m = dflash_telemetry::metrics();
+                m.batches.with_label_values(&["sent"]).inc();
+                m.tokens.with_label_values(&["sent"]).inc_by(batch.meta.token_count() as u64);
                 // The payload is released here: the drafter owns the batch.
                 let _ = self.reports.send((batch.meta.batch_id, drafter.to_string())).await;
             }
             Ok(pb::AckStatus::Resend) => {
                 tracing::warn!("drafter asks to resend batch {}: {}", ack.batch_id, ack.reason);
+                dflash_telemetry::metrics().batches.with_label_values(&["resent"]).inc();
                 let batch = self.unacked[pos].clone();
                 send_batch(tx, &batch, chunk).await;
             }
@@ -205,14 +230,27 @@ impl Sender {
     }
 }
 
-/// Sends one batch's messages; false if the stream is gone.
+/// Sends one batch's messages; false if the stream is gone. The header
+/// carries the send span's context, so the drafter's spans continue it.
 async fn send_batch(tx: &mpsc::Sender<pb::TargetMessage>, batch: &HostBatch, chunk: usize) -> bool {
-    for m in batch_messages(batch, chunk) {
-        if tx.send(m).await.is_err() {
-            return false;
-        }
+    let span = dflash_telemetry::batch_span("send", &batch.meta.trace_context, batch.meta.batch_id);
+    let mut messages = batch_messages(batch, chunk);
+    if let Some(pb::TargetMessage { msg: Some(pb::target_message::Msg::Header(h)) }) = messages.first_mut() {
+        h.trace_context = dflash_telemetry::context_of(&span);
     }
-    true
+    let send = async {
+        for m in messages {
+            if tx.send(m).await.is_err() {
+                return false;
+            }
+        }
+        true
+    };
+    let ok = tracing::Instrument::instrument(send, span).await;
+    if ok {
+        dflash_telemetry::metrics().bytes.with_label_values(&["sent"]).inc_by(batch.payload.len() as u64);
+    }
+    ok
 }
 
 /// Tells the coordinator which batches the drafter acknowledged, batching

@@ -21,6 +21,8 @@ pub struct WorkItem {
     pub seq_lengths: Vec<u32>,
     pub input_ids: Vec<u32>,
     pub loss_mask: Vec<u8>,
+    /// Trace context of the batch's latest stage (the lease, then forward).
+    pub trace: dflash_telemetry::TraceContext,
 }
 
 /// Loads the dataset the coordinator planned from, the same way it did.
@@ -46,6 +48,7 @@ pub fn work_item(ds: &Dataset, lease: &pb::WorkLease) -> anyhow::Result<WorkItem
         seq_lengths: Vec::with_capacity(lease.sample_ids.len()),
         input_ids: Vec::new(),
         loss_mask: Vec::new(),
+        trace: lease.trace_context.clone(),
     };
     for (i, &id) in lease.sample_ids.iter().enumerate() {
         let s = ds
@@ -98,6 +101,7 @@ pub async fn lease_loop(
                 for lease in &r.leases {
                     held.lock().expect("held lock").insert(lease.batch_id);
                     let item = work_item(&ds, lease)?;
+                    dflash_telemetry::metrics().queue_depth.with_label_values(&["work"]).set(out.len() as i64 + 1);
                     tokio::select! {
                         r = out.send_async(item) => if r.is_err() { return Ok(()) },
                         _ = stop.stopped() => return Ok(()),

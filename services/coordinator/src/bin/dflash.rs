@@ -10,8 +10,7 @@ use clap::{Parser, Subcommand};
 use dflash_config::ConfigFlags;
 use dflash_coordinator::launcher::{Launcher, UpArgs};
 use dflash_proto as pb;
-use dflash_proto::coordinator_client::CoordinatorClient;
-use dflash_role::{format_chain, lazy_channel, with_timeout};
+use dflash_role::{SecurityArgs, coordinator_client, format_chain, with_timeout};
 
 #[derive(Parser, Debug)]
 #[command(name = "dflash", version, about = "Train DFlash drafters online: one-machine runs and operator commands")]
@@ -33,6 +32,8 @@ enum Command {
     Status {
         #[arg(long, env = "DFLASH_COORDINATOR", default_value = "http://127.0.0.1:50051")]
         coordinator: String,
+        #[command(flatten)]
+        security: SecurityArgs,
     },
     /// Stop a run: every role exits.
     Cancel {
@@ -40,7 +41,11 @@ enum Command {
         coordinator: String,
         #[arg(long, default_value = "cancelled by an operator")]
         reason: String,
+        #[command(flatten)]
+        security: SecurityArgs,
     },
+    /// Check a gRPC server's grpc.health.v1 status; exit 0 when SERVING.
+    Health(dflash_role::HealthArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,9 +55,10 @@ fn main() -> ExitCode {
     let result = rt.block_on(async {
         match cli.command {
             Command::Up { config, up } => Launcher::new(config, up)?.run().await,
-            Command::Status { coordinator } => status(&coordinator).await.map(|()| 0),
-            Command::Cancel { coordinator, reason } => {
-                let mut c = CoordinatorClient::new(lazy_channel(&coordinator)?);
+            Command::Status { coordinator, security } => status(&coordinator, &security).await.map(|()| 0),
+            Command::Health(h) => Ok(h.run().await),
+            Command::Cancel { coordinator, reason, security } => {
+                let mut c = coordinator_client(&coordinator, &security.load()?)?;
                 with_timeout(std::time::Duration::from_secs(10), c.cancel_run(pb::CancelRunRequest { reason })).await?;
                 Ok(0)
             }
@@ -67,8 +73,8 @@ fn main() -> ExitCode {
     }
 }
 
-async fn status(coordinator: &str) -> anyhow::Result<()> {
-    let mut c = CoordinatorClient::new(lazy_channel(coordinator)?);
+async fn status(coordinator: &str, security: &SecurityArgs) -> anyhow::Result<()> {
+    let mut c = coordinator_client(coordinator, &security.load()?)?;
     let s = with_timeout(std::time::Duration::from_secs(10), c.status(pb::StatusRequest {})).await?;
     let state = pb::RunState::try_from(s.state).unwrap_or(pb::RunState::Unspecified);
     println!("run {}: {} {}", s.run_id, state.as_str_name(), s.state_message);

@@ -1,0 +1,140 @@
+//! Prometheus metrics: one registry per process, the figures an operator
+//! watches (throughput, queues, idle time, loss, acceptance length, bytes,
+//! errors), served as text on `/metrics`.
+
+use std::net::SocketAddr;
+use std::sync::LazyLock;
+
+use prometheus::{
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+/// Every metric a role may export; each role sets the ones that apply.
+pub struct Metrics {
+    pub registry: Registry,
+    /// Feature tokens by stage: `captured` (target forward), `sent`
+    /// (acknowledged by a drafter), `received`, `trained`.
+    pub tokens: IntCounterVec,
+    /// Batches by stage: `leased`, `captured`, `sent`, `resent`, `received`,
+    /// `trained`, `skipped`, `duplicate`, `committed`.
+    pub batches: IntCounterVec,
+    /// Current depth of each bounded queue (`work`, `postprocess`, `send`,
+    /// `hs_queue`, `prefetch`).
+    pub queue_depth: IntGaugeVec,
+    /// Batches sent to a drafter and not yet acknowledged.
+    pub inflight_batches: IntGaugeVec,
+    /// Fraction of wall time a loop waited for input (`forward`, `train`).
+    pub idle_fraction: GaugeVec,
+    pub step_seconds: Histogram,
+    pub loss: Gauge,
+    pub accuracy: Gauge,
+    /// `simulated` (from the training step) and `eval` (real speculative
+    /// decoding on held-out prompts).
+    pub acceptance_length: GaugeVec,
+    pub step: Gauge,
+    /// Payload bytes by direction (`sent`, `received`).
+    pub bytes: IntCounterVec,
+    /// Errors by kind of the written policy.
+    pub errors: IntCounterVec,
+    /// Coordinator: ledger batches by state.
+    pub ledger_batches: IntGaugeVec,
+    /// Coordinator: feature tokens/s the targets produce (`supply`) and the
+    /// drafters train (`demand`).
+    pub flow_tokens_per_second: GaugeVec,
+    pub registered_instances: IntGaugeVec,
+    pub up: IntCounter,
+}
+
+fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let m = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(m.clone())).expect("unique metric");
+    m
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    let m = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(m.clone())).expect("unique metric");
+    m
+}
+
+fn int_gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let m = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(m.clone())).expect("unique metric");
+    m
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> Gauge {
+    let m = Gauge::new(name, help).expect("valid metric");
+    r.register(Box::new(m.clone())).expect("unique metric");
+    m
+}
+
+impl Metrics {
+    fn new() -> Self {
+        let r = Registry::new_custom(Some("dflash".into()), None).expect("registry");
+        let step_seconds = Histogram::with_opts(
+            HistogramOpts::new("step_seconds", "Wall time of one optimizer step")
+                .buckets(prometheus::exponential_buckets(0.005, 2.0, 14).expect("buckets")),
+        )
+        .expect("valid metric");
+        r.register(Box::new(step_seconds.clone())).expect("unique metric");
+        let up = IntCounter::new("process_starts_total", "Starts of this process (1 while it runs)").expect("metric");
+        r.register(Box::new(up.clone())).expect("unique metric");
+        up.inc();
+        Self {
+            tokens: counter_vec(&r, "tokens_total", "Feature tokens by pipeline stage", &["stage"]),
+            batches: counter_vec(&r, "batches_total", "Batches by pipeline stage", &["stage"]),
+            queue_depth: int_gauge_vec(&r, "queue_depth", "Items in each bounded queue", &["queue"]),
+            inflight_batches: int_gauge_vec(&r, "inflight_batches", "Unacknowledged batches per stream", &["stream"]),
+            idle_fraction: gauge_vec(&r, "idle_fraction", "Fraction of wall time a loop waited for input", &["loop"]),
+            step_seconds,
+            loss: gauge(&r, "loss", "Training loss of the last step"),
+            accuracy: gauge(&r, "accuracy", "Token accuracy of the last step"),
+            acceptance_length: gauge_vec(&r, "acceptance_length", "Acceptance length tau", &["kind"]),
+            step: gauge(&r, "step", "Optimizer step"),
+            bytes: counter_vec(&r, "payload_bytes_total", "Hidden-state payload bytes", &["direction"]),
+            errors: counter_vec(&r, "errors_total", "Errors by kind", &["kind"]),
+            ledger_batches: int_gauge_vec(&r, "ledger_batches", "Ledger batches by state", &["state"]),
+            flow_tokens_per_second: gauge_vec(&r, "flow_tokens_per_second", "Supply and demand", &["side"]),
+            registered_instances: int_gauge_vec(&r, "registered_instances", "Registered instances by role", &["role"]),
+            up,
+            registry: r,
+        }
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
+            return format!("# encoding failed: {e}\n");
+        }
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+}
+
+static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
+
+/// The process's metrics.
+pub fn metrics() -> &'static Metrics {
+    &METRICS
+}
+
+/// Serves `/metrics` on `addr` until the future `shutdown` completes.
+/// Returns the bound address (port 0 picks one) once listening.
+pub async fn serve_metrics(
+    addr: SocketAddr,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<SocketAddr> {
+    let listener =
+        tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("metrics endpoint {addr}: {e}"))?;
+    let bound = listener.local_addr()?;
+    let app = axum::Router::new().route("/metrics", axum::routing::get(|| async { metrics().render() }));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+            tracing::warn!("metrics endpoint stopped: {e}");
+        }
+    });
+    tracing::info!("metrics on http://{bound}/metrics");
+    Ok(bound)
+}
