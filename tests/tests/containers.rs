@@ -155,7 +155,7 @@ fn compose_stack_survives_a_drafter_kill_and_a_target_cut_off() {
     });
     assert_eq!(stack.inspect(&coordinator, "{{.State.ExitCode}}"), "0", "{}", stack.logs("coordinator"));
     let coordinator_log = stack.logs("coordinator");
-    assert!(coordinator_log.contains("run completed"), "{coordinator_log}");
+    assert!(coordinator_log.contains("completed: all"), "{coordinator_log}");
 
     // The target was never restarted: same container, same start.
     assert_eq!(stack.container("target"), target);

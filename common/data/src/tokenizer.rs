@@ -8,6 +8,9 @@ use tokenizers::Tokenizer;
 
 use crate::{DataError, Message};
 
+/// Token ids and each token's byte span in the text.
+type TokensWithOffsets = (Vec<u32>, Vec<(usize, usize)>);
+
 /// Tokenizer (tokenizer.json) plus chat template and special tokens
 /// (tokenizer_config.json) of a Hugging Face model directory.
 pub struct ChatTokenizer {
@@ -155,7 +158,7 @@ impl ChatTokenizer {
         Ok(Encoded { input_ids, loss_mask })
     }
 
-    fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<(usize, usize)>), DataError> {
+    fn encode_with_offsets(&self, text: &str) -> Result<TokensWithOffsets, DataError> {
         let enc = self
             .tokenizer
             .encode(text, false)

@@ -7,13 +7,16 @@ use std::time::{Duration, Instant};
 
 use crate::{Stop, StopCause, format_chain};
 
+/// Join handles with the stage names they belong to.
+type Named<T> = Arc<Mutex<Vec<(String, T)>>>;
+
 /// The stages of one role and the first error any of them returned.
 #[derive(Clone)]
 pub struct Stages {
     stop: Stop,
     first_error: Arc<Mutex<Option<anyhow::Error>>>,
-    threads: Arc<Mutex<Vec<(String, std::thread::JoinHandle<()>)>>>,
-    tasks: Arc<Mutex<Vec<(String, tokio::task::JoinHandle<()>)>>>,
+    threads: Named<std::thread::JoinHandle<()>>,
+    tasks: Named<tokio::task::JoinHandle<()>>,
 }
 
 impl Stages {

@@ -77,6 +77,9 @@ struct Partial {
 
 /// What one pushed message produced.
 #[derive(Debug)]
+// A batch is produced once per batch and moved straight to the queue, so
+// the size difference costs nothing; boxing would add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum Assembled {
     /// More messages are needed.
     Pending,
