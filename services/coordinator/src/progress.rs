@@ -8,7 +8,7 @@ use dflash_role::{Security, coordinator_client, with_timeout};
 
 /// One line with the figures an operator watches.
 pub fn progress_line(s: &pb::StatusResponse) -> String {
-    let l = s.ledger.clone().unwrap_or_default();
+    let l = s.ledger.unwrap_or_default();
     // Committed batches were trained first.
     let trained = l.trained + l.committed;
     let pct = if l.total > 0 { 100.0 * trained as f64 / l.total as f64 } else { 0.0 };
