@@ -85,3 +85,28 @@ fn bf16_weights_load_and_agree_with_f32() {
     let err = max_rel_err(&b[0], &a[0].to_kind(Kind::Double));
     assert!(err < 5e-2, "bf16 vs f32: {err}");
 }
+
+#[test]
+fn drafter_can_start_from_the_targets_top_layers_and_final_norm() {
+    use dflash_models::{Drafter, DrafterConfig, TargetConfig};
+    let dir = fixtures().join("tiny-llama");
+    let t = TargetConfig::from_dir(&dir).unwrap();
+    let target: std::collections::HashMap<String, Tensor> =
+        dflash_models::weights::Weights::load(&dir, Device::Cpu, Kind::Float, |_| true)
+            .unwrap()
+            .into_tensors()
+            .into_iter()
+            .collect();
+    let mut d = Drafter::new(DrafterConfig::for_target(&t, 1, 4, 3, vec![1]), Device::Cpu, Kind::Float);
+    let fc_before = d.named_parameters().into_iter().find(|(n, _)| n == "fc.weight").unwrap().1.copy();
+    // norm + the 9 tensors of a Llama layer (no QK norms there).
+    assert_eq!(d.init_from_target(&dir).unwrap(), 10);
+    let p: std::collections::HashMap<String, Tensor> = d.named_parameters().into_iter().collect();
+    let last = t.num_layers - 1;
+    assert!(p["norm.weight"].equal(&target["model.norm.weight"]));
+    assert!(
+        p["layers.0.self_attn.q_proj.weight"].equal(&target[&format!("model.layers.{last}.self_attn.q_proj.weight")])
+    );
+    assert!(p["layers.0.mlp.down_proj.weight"].equal(&target[&format!("model.layers.{last}.mlp.down_proj.weight")]));
+    assert!(p["fc.weight"].equal(&fc_before), "the fusion stays fresh");
+}
