@@ -6,6 +6,7 @@
 # image instead (BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04 for GPUs).
 #
 # Usage: deploy/docker/build-base.sh [image-tag]   (default dflash-base:bookworm)
+# Needs root (debootstrap; apt installs debootstrap when it is missing).
 # The root file system is cached as .cache/docker/base-rootfs.tar.
 set -euo pipefail
 
@@ -23,7 +24,8 @@ mkdir -p "$cache"
 if [ ! -f "$tarball" ]; then
   if ! command -v debootstrap >/dev/null; then
     echo "installing debootstrap ..." >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >&2 \
+      || { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >&2; }
   fi
   rootfs=$(mktemp -d "$cache/rootfs.XXXX")
   trap 'rm -rf "$rootfs"' EXIT

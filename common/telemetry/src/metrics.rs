@@ -17,7 +17,7 @@ pub struct Metrics {
     /// (acknowledged by a drafter), `received`, `trained`.
     pub tokens: IntCounterVec,
     /// Batches by stage: `leased`, `captured`, `sent`, `resent`, `received`,
-    /// `trained`, `skipped`, `duplicate`, `committed`.
+    /// `trained`, `skipped`, `duplicate`.
     pub batches: IntCounterVec,
     /// Current depth of each bounded queue (`work`, `postprocess`, `send`,
     /// `hs_queue`, `prefetch`).

@@ -116,6 +116,13 @@ impl Launcher {
         if let Some(t) = &self.up.security.token {
             cmd.env("DFLASH_TOKEN", t);
         }
+        // Per-process settings of the launcher's environment would make
+        // the three roles bind the same ports or share an identity.
+        for v in
+            ["DFLASH_LISTEN", "DFLASH_HEALTH_LISTEN", "DFLASH_METRICS_LISTEN", "DFLASH_INSTANCE_ID", "DFLASH_ADVERTISE"]
+        {
+            cmd.env_remove(v);
+        }
         let mut child = cmd.spawn().with_context(|| format!("starting {}", program.display()))?;
         prefix_lines(name, child.stdout.take().expect("piped"));
         prefix_lines(name, child.stderr.take().expect("piped"));
