@@ -231,6 +231,24 @@ impl Drop for Proc {
     }
 }
 
+/// `dflash up` on `config` in `ws` (one libtorch thread per role), with
+/// extra flags and environment; output in `<ws>/up.log`.
+pub fn up(ws: &Workspace, config: &Path, extra: &[&str], env: &[(&str, &str)]) -> Proc {
+    let mut args = vec![
+        "up".to_string(),
+        "--config".into(),
+        config.display().to_string(),
+        "--workdir".into(),
+        ws.path("up").display().to_string(),
+        "--target-threads".into(),
+        "1".into(),
+        "--drafter-threads".into(),
+        "1".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::start_with_env("up", "dflash", &args, env, ws.dir.path())
+}
+
 /// The three roles of one run on loopback ports.
 pub struct Cluster {
     pub coordinator_url: String,

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dflash_tests::{Proc, Workspace, free_port, http_get, metric_value};
+use dflash_tests::{Workspace, free_port, http_get, metric_value};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
@@ -91,23 +91,8 @@ fn one_trace_per_batch_spans_the_services_and_metrics_are_served() {
         "traced",
         &format!("[run]\nmax_steps = 30\n[telemetry]\notlp_endpoint = \"http://127.0.0.1:{port}\"\n"),
     );
-    let args: Vec<String> = [
-        "up",
-        "--config",
-        config.to_str().unwrap(),
-        "--workdir",
-        ws.path("up").to_str().unwrap(),
-        "--target-threads",
-        "1",
-        "--drafter-threads",
-        "1",
-        "--metrics",
-        "--progress-every-s",
-        "1",
-    ]
-    .map(String::from)
-    .to_vec();
-    let mut up = Proc::start_with_env("up", "dflash", &args, &[("OTEL_BSP_SCHEDULE_DELAY", "500")], ws.dir.path());
+    let extra = ["--metrics", "--progress-every-s", "1"];
+    let mut up = dflash_tests::up(&ws, &config, &extra, &[("OTEL_BSP_SCHEDULE_DELAY", "500")]);
 
     // Metrics while the run goes: every role counts its side of the work.
     assert!(up.wait_for_log("metrics: ", Duration::from_secs(30)), "no metrics line:\n{}", up.log_text());

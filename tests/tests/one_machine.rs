@@ -7,29 +7,13 @@
 use std::time::Duration;
 
 use dflash_coordinator::ledger::Ledger;
-use dflash_tests::{Proc, Workspace, safetensors_names};
-
-fn up(ws: &Workspace, config: &std::path::Path, extra: &[&str]) -> Proc {
-    let mut args = vec![
-        "up".to_string(),
-        "--config".into(),
-        config.display().to_string(),
-        "--workdir".into(),
-        ws.path("up").display().to_string(),
-        "--target-threads".into(),
-        "1".into(),
-        "--drafter-threads".into(),
-        "1".into(),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    Proc::start("up", "dflash", &args, ws.dir.path())
-}
+use dflash_tests::{Workspace, safetensors_names};
 
 #[test]
 fn dflash_up_trains_to_the_end_and_commits_every_batch_once() {
     let ws = Workspace::synthetic(300, 4);
     let config = ws.config("up-split", "");
-    let mut up = up(&ws, &config, &[]);
+    let mut up = dflash_tests::up(&ws, &config, &[], &[]);
     let status = up.expect_exit(Duration::from_secs(180));
     let log = up.log_text();
     assert!(status.success(), "dflash up failed:\n{log}");
@@ -87,7 +71,7 @@ fn dflash_up_trains_to_the_end_and_commits_every_batch_once() {
 fn packed_layout_with_noise_trains_too() {
     let ws = Workspace::synthetic(200, 3);
     let config = ws.config("up-packed", "");
-    let mut up = up(
+    let mut up = dflash_tests::up(
         &ws,
         &config,
         &[
@@ -99,6 +83,7 @@ fn packed_layout_with_noise_trains_too() {
             "--target-postprocess-depth",
             "0",
         ],
+        &[],
     );
     let status = up.expect_exit(Duration::from_secs(180));
     let log = up.log_text();

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use dflash_tests::{Cluster, Proc, Workspace, bin, free_port};
+use dflash_tests::{Cluster, Workspace, bin, free_port};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 
 /// A CA and one leaf certificate (server and client) for 127.0.0.1.
@@ -53,23 +53,10 @@ fn a_run_over_mutual_tls_with_a_token_trains_to_the_end() {
     let ws = Workspace::synthetic(200, 4);
     let p = pki(ws.dir.path());
     let config = ws.config("mtls", "[run]\nmax_steps = 6\n");
-    let mut args: Vec<String> = [
-        "up",
-        "--config",
-        config.to_str().unwrap(),
-        "--workdir",
-        ws.path("up").to_str().unwrap(),
-        "--target-threads",
-        "1",
-        "--drafter-threads",
-        "1",
-        "--token",
-        "s3cret-token",
-    ]
-    .map(String::from)
-    .to_vec();
-    args.extend(tls_args(&p));
-    let mut up = Proc::start("up", "dflash", &args, ws.dir.path());
+    let mut extra = vec!["--token".to_string(), "s3cret-token".into()];
+    extra.extend(tls_args(&p));
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut up = dflash_tests::up(&ws, &config, &extra, &[]);
     let status = up.expect_exit(Duration::from_secs(180));
     let log = up.log_text();
     assert!(status.success(), "{log}");

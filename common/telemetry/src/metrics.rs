@@ -46,26 +46,9 @@ pub struct Metrics {
     pub up: IntCounter,
 }
 
-fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    let m = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-    r.register(Box::new(m.clone())).expect("unique metric");
-    m
-}
-
-fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
-    let m = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-    r.register(Box::new(m.clone())).expect("unique metric");
-    m
-}
-
-fn int_gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
-    let m = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-    r.register(Box::new(m.clone())).expect("unique metric");
-    m
-}
-
-fn gauge(r: &Registry, name: &str, help: &str) -> Gauge {
-    let m = Gauge::new(name, help).expect("valid metric");
+/// Registers a metric with the registry and returns it (a cheap handle).
+fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, metric: prometheus::Result<C>) -> C {
+    let m = metric.expect("valid metric");
     r.register(Box::new(m.clone())).expect("unique metric");
     m
 }
@@ -73,31 +56,55 @@ fn gauge(r: &Registry, name: &str, help: &str) -> Gauge {
 impl Metrics {
     fn new() -> Self {
         let r = Registry::new_custom(Some("dflash".into()), None).expect("registry");
-        let step_seconds = Histogram::with_opts(
-            HistogramOpts::new("step_seconds", "Wall time of one optimizer step")
-                .buckets(prometheus::exponential_buckets(0.005, 2.0, 14).expect("buckets")),
-        )
-        .expect("valid metric");
-        r.register(Box::new(step_seconds.clone())).expect("unique metric");
-        let up = IntCounter::new("process_starts_total", "Starts of this process (1 while it runs)").expect("metric");
-        r.register(Box::new(up.clone())).expect("unique metric");
+        let step_seconds = reg(
+            &r,
+            Histogram::with_opts(
+                HistogramOpts::new("step_seconds", "Wall time of one optimizer step")
+                    .buckets(prometheus::exponential_buckets(0.005, 2.0, 14).expect("buckets")),
+            ),
+        );
+        let up = reg(&r, IntCounter::new("process_starts_total", "Starts of this process (1 while it runs)"));
         up.inc();
         Self {
-            tokens: counter_vec(&r, "tokens_total", "Feature tokens by pipeline stage", &["stage"]),
-            batches: counter_vec(&r, "batches_total", "Batches by pipeline stage", &["stage"]),
-            queue_depth: int_gauge_vec(&r, "queue_depth", "Items in each bounded queue", &["queue"]),
-            inflight_batches: int_gauge_vec(&r, "inflight_batches", "Unacknowledged batches per stream", &["stream"]),
-            idle_fraction: gauge_vec(&r, "idle_fraction", "Fraction of wall time a loop waited for input", &["loop"]),
+            tokens: reg(
+                &r,
+                IntCounterVec::new(Opts::new("tokens_total", "Feature tokens by pipeline stage"), &["stage"]),
+            ),
+            batches: reg(&r, IntCounterVec::new(Opts::new("batches_total", "Batches by pipeline stage"), &["stage"])),
+            queue_depth: reg(&r, IntGaugeVec::new(Opts::new("queue_depth", "Items in each bounded queue"), &["queue"])),
+            inflight_batches: reg(
+                &r,
+                IntGaugeVec::new(Opts::new("inflight_batches", "Unacknowledged batches per stream"), &["stream"]),
+            ),
+            idle_fraction: reg(
+                &r,
+                GaugeVec::new(Opts::new("idle_fraction", "Fraction of wall time a loop waited for input"), &["loop"]),
+            ),
             step_seconds,
-            loss: gauge(&r, "loss", "Training loss of the last step"),
-            accuracy: gauge(&r, "accuracy", "Token accuracy of the last step"),
-            acceptance_length: gauge_vec(&r, "acceptance_length", "Acceptance length tau", &["kind"]),
-            step: gauge(&r, "step", "Optimizer step"),
-            bytes: counter_vec(&r, "payload_bytes_total", "Hidden-state payload bytes", &["direction"]),
-            errors: counter_vec(&r, "errors_total", "Errors by kind", &["kind"]),
-            ledger_batches: int_gauge_vec(&r, "ledger_batches", "Ledger batches by state", &["state"]),
-            flow_tokens_per_second: gauge_vec(&r, "flow_tokens_per_second", "Supply and demand", &["side"]),
-            registered_instances: int_gauge_vec(&r, "registered_instances", "Registered instances by role", &["role"]),
+            loss: reg(&r, Gauge::new("loss", "Training loss of the last step")),
+            accuracy: reg(&r, Gauge::new("accuracy", "Token accuracy of the last step")),
+            acceptance_length: reg(
+                &r,
+                GaugeVec::new(Opts::new("acceptance_length", "Acceptance length tau"), &["kind"]),
+            ),
+            step: reg(&r, Gauge::new("step", "Optimizer step")),
+            bytes: reg(
+                &r,
+                IntCounterVec::new(Opts::new("payload_bytes_total", "Hidden-state payload bytes"), &["direction"]),
+            ),
+            errors: reg(&r, IntCounterVec::new(Opts::new("errors_total", "Errors by kind"), &["kind"])),
+            ledger_batches: reg(
+                &r,
+                IntGaugeVec::new(Opts::new("ledger_batches", "Ledger batches by state"), &["state"]),
+            ),
+            flow_tokens_per_second: reg(
+                &r,
+                GaugeVec::new(Opts::new("flow_tokens_per_second", "Supply and demand"), &["side"]),
+            ),
+            registered_instances: reg(
+                &r,
+                IntGaugeVec::new(Opts::new("registered_instances", "Registered instances by role"), &["role"]),
+            ),
             up,
             registry: r,
         }
