@@ -82,7 +82,18 @@ pub struct SpecResult {
     pub tokens: Vec<u32>,
     /// Tokens produced by each target verify step (accepted + bonus).
     pub per_step: Vec<u32>,
+    /// What each verify step saw: the anchor's absolute position (prompt
+    /// included), the drafter's proposals and how many the target accepted.
+    pub steps: Vec<SpecStep>,
     pub elapsed: Duration,
+}
+
+/// One draft-and-verify step of speculative decoding.
+#[derive(Clone, Debug)]
+pub struct SpecStep {
+    pub anchor: usize,
+    pub proposal: Vec<u32>,
+    pub accepted: u32,
 }
 
 impl SpecResult {
@@ -128,6 +139,7 @@ pub fn speculative_generate(target: &TargetModel, drafter: &Drafter, prompt: &[u
     let mut last = target.logits(&hidden.select(1, n - 1)).argmax(-1, false).int64_value(&[0]);
     let mut out = vec![last as u32];
     let mut per_step = Vec::new();
+    let mut steps = Vec::new();
     let ddev = drafter.device();
     while out.len() < s.max_new_tokens && !s.stop_ids.contains(&(last as u32)) {
         let ctx_len = context.size()[1];
@@ -179,6 +191,11 @@ pub fn speculative_generate(target: &TargetModel, drafter: &Drafter, prompt: &[u
             }
         }
         per_step.push(produced);
+        steps.push(SpecStep {
+            anchor: ctx_len as usize,
+            proposal: proposal.iter().map(|&t| t as u32).collect(),
+            accepted: accepted as u32,
+        });
     }
-    SpecResult { tokens: out, per_step, elapsed: started.elapsed() }
+    SpecResult { tokens: out, per_step, steps, elapsed: started.elapsed() }
 }

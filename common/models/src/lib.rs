@@ -2,6 +2,7 @@
 //! with layer capture, the DFlash drafter and its training step, AdamW,
 //! checkpoints in the served layout, and CUDA loading.
 
+pub mod acceptance;
 pub mod blocks;
 pub mod checkpoint;
 pub mod cuda;

@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 
+use dflash_models::acceptance::block_predictions;
 use dflash_models::generate::{SpecSettings, greedy_generate, speculative_generate};
 use dflash_models::synthetic::{synthetic_target_config, write_synthetic_target};
 use dflash_models::{Drafter, DrafterConfig, LoadScope, TargetModel};
@@ -43,5 +44,45 @@ fn speculative_decoding_reproduces_greedy_decoding() {
         assert_eq!(got.tokens, want[0], "block {block}");
         assert!(got.tau() >= 1.0 && got.tau() <= block as f64);
         assert_eq!(1 + got.per_step.iter().sum::<u32>() as usize, got.tokens.len());
+    }
+}
+
+#[test]
+fn decoding_proposes_what_the_training_layout_predicts_at_the_same_anchors() {
+    // The drafter sees the same inputs in training (packed features of the
+    // whole sequence, block layout, mask) and in decoding (features grown
+    // by each verify step): its proposals at every anchor decoding visits
+    // must be the same tokens.
+    let (_d, t) = target();
+    for (seed, block) in [(3i64, 4i64), (4, 8)] {
+        tch::manual_seed(seed);
+        let dc = DrafterConfig::for_target(&t.config, 2, block, 3, vec![0, 2]);
+        let drafter = Drafter::new(dc, Device::Cpu, Kind::Float);
+        let prompt: Vec<u32> = (60..75).collect();
+        let s =
+            SpecSettings { embed: t.embed_tokens(), lm_head: t.lm_head().unwrap(), max_new_tokens: 48, stop_ids: &[] };
+        let got = speculative_generate(&t, &drafter, &prompt, &s);
+        assert!(got.steps.len() >= 6, "{} steps", got.steps.len());
+        let seq: Vec<u32> = prompt.iter().chain(&got.tokens).copied().collect();
+        let mask: Vec<u8> = (0..seq.len()).map(|i| u8::from(i >= prompt.len())).collect();
+        let anchors: Vec<usize> = got.steps.iter().map(|st| st.anchor).collect();
+        for (st, tokens_before) in got.steps.iter().zip(got.per_step.iter().scan(1usize, |n, &p| {
+            let before = *n;
+            *n += p as usize;
+            Some(before)
+        })) {
+            assert_eq!(st.anchor, prompt.len() + tokens_before - 1, "the anchor is the last token produced");
+            assert_eq!(seq[st.anchor], got.tokens[tokens_before - 1]);
+        }
+        let pred = block_predictions(&t, &drafter, t.embed_tokens(), t.lm_head().unwrap(), &seq, &mask, &anchors);
+        for (i, st) in got.steps.iter().enumerate() {
+            assert_eq!(st.proposal, pred.proposals[i], "block {block}, step {i} at anchor {}", st.anchor);
+        }
+        let accepted = pred.accepted(&seq, &mask);
+        for (st, a) in got.steps.iter().zip(&accepted) {
+            if st.anchor + (block as usize) < seq.len() {
+                assert_eq!(st.accepted, *a, "anchor {}", st.anchor);
+            }
+        }
     }
 }

@@ -85,10 +85,29 @@ mod tests {
         Ok(out)
     }
 
+    fn messages_of(b: &HostBatch, chunk: usize) -> Vec<dflash_proto::TargetMessage> {
+        batch_messages(b, chunk).collect()
+    }
+
+    #[test]
+    fn large_chunks_land_in_pieces_with_the_same_crc() {
+        // 1000 tokens x 2 layers x 96 x 4 bytes = 768,000 bytes: chunks of
+        // 300,000 bytes span several landing steps and end mid-step.
+        let b = batch(1000, 2, 96);
+        let m = messages_of(&b, 300_000);
+        assert_eq!(m.len(), 5);
+        match &m[4].msg {
+            Some(Msg::End(e)) => assert_eq!(e.crc32c, crc32c::crc32c(&b.payload)),
+            other => panic!("expected the end marker, got {other:?}"),
+        }
+        let got = assemble(&mut Assembler::new(1 << 20), m).unwrap().unwrap();
+        assert_eq!(got.payload, b.payload);
+    }
+
     #[test]
     fn bytes_round_trip_through_chunks() {
         let b = batch(37, 3, 16);
-        let msgs = batch_messages(&b, 1000);
+        let msgs = messages_of(&b, 1000);
         // 37*3*16*4 = 7104 bytes -> 8 chunks + header + end
         assert_eq!(msgs.len(), 10);
         let got = assemble(&mut Assembler::new(1 << 20), msgs).unwrap().unwrap();
@@ -99,7 +118,7 @@ mod tests {
     #[test]
     fn flipped_bit_fails_the_crc_and_asks_for_resend() {
         let b = batch(37, 3, 16);
-        let mut msgs = batch_messages(&b, 1000);
+        let mut msgs = messages_of(&b, 1000);
         if let Some(Msg::Chunk(c)) = &mut msgs[3].msg {
             let mut d = c.data.to_vec();
             d[5] ^= 1;
@@ -113,12 +132,12 @@ mod tests {
     #[test]
     fn truncated_and_reordered_chunks_are_detected() {
         let b = batch(37, 3, 16);
-        let mut msgs = batch_messages(&b, 1000);
+        let mut msgs = messages_of(&b, 1000);
         msgs.remove(4);
         let err = assemble(&mut Assembler::new(1 << 20), msgs).unwrap_err();
         assert!(err.is_retryable() && err.to_string().contains("chunk 4 arrived where chunk 3"), "{err}");
 
-        let mut msgs = batch_messages(&b, 1000);
+        let mut msgs = messages_of(&b, 1000);
         let n = msgs.len();
         msgs.remove(n - 2); // last chunk
         let err = assemble(&mut Assembler::new(1 << 20), msgs).unwrap_err();
@@ -128,10 +147,10 @@ mod tests {
     #[test]
     fn oversized_and_inconsistent_headers_are_rejected() {
         let b = batch(37, 3, 16);
-        let err = assemble(&mut Assembler::new(1000), batch_messages(&b, 1000)).unwrap_err();
+        let err = assemble(&mut Assembler::new(1000), messages_of(&b, 1000)).unwrap_err();
         assert!(matches!(err, WireError::TooLarge { .. }), "{err}");
 
-        let mut msgs = batch_messages(&b, 1000);
+        let mut msgs = messages_of(&b, 1000);
         if let Some(Msg::Header(h)) = &mut msgs[0].msg {
             h.seq_lengths = vec![30, 2];
         }
@@ -142,7 +161,7 @@ mod tests {
     #[test]
     fn chunk_without_header_is_a_protocol_error() {
         let b = batch(37, 3, 16);
-        let msgs = batch_messages(&b, 1000).split_off(1);
+        let msgs = messages_of(&b, 1000).split_off(1);
         let err = assemble(&mut Assembler::new(1 << 20), msgs).unwrap_err();
         assert!(matches!(err, WireError::Protocol(_)), "{err}");
     }

@@ -8,28 +8,79 @@ use crate::{BatchMeta, HostBatch, WireError};
 
 /// The messages that carry one batch: header, chunks of at most
 /// `chunk_bytes` (zero-copy slices of the payload), end marker with CRC32C.
-pub fn batch_messages(batch: &HostBatch, chunk_bytes: usize) -> Vec<pb::TargetMessage> {
+/// Lazy: the CRC is accumulated chunk by chunk as the chunks are handed to
+/// the stream, so sending starts at once instead of after a pass over the
+/// whole payload.
+pub fn batch_messages(batch: &HostBatch, chunk_bytes: usize) -> BatchMessages<'_> {
     assert!(chunk_bytes > 0, "chunk size must be positive");
-    let id = batch.meta.batch_id;
-    let payload = &batch.payload;
-    let n_chunks = payload.len().div_ceil(chunk_bytes);
-    let mut out = Vec::with_capacity(n_chunks + 2);
-    out.push(pb::TargetMessage { msg: Some(Msg::Header(batch.meta.to_header())) });
-    for (i, start) in (0..payload.len()).step_by(chunk_bytes).enumerate() {
-        let end = (start + chunk_bytes).min(payload.len());
-        out.push(pb::TargetMessage {
-            msg: Some(Msg::Chunk(pb::BatchChunk { batch_id: id, index: i as u32, data: payload.slice(start..end) })),
-        });
-    }
-    out.push(pb::TargetMessage {
-        msg: Some(Msg::End(pb::BatchEnd {
-            batch_id: id,
-            chunk_count: n_chunks as u32,
-            crc32c: crc32c::crc32c(payload),
-        })),
-    });
-    out
+    BatchMessages { batch, chunk_bytes, next: Next::Header, crc: 0, trace_context: None }
 }
+
+/// Iterator over one batch's stream messages (see [`batch_messages`]).
+pub struct BatchMessages<'a> {
+    batch: &'a HostBatch,
+    chunk_bytes: usize,
+    next: Next,
+    crc: u32,
+    trace_context: Option<std::collections::HashMap<String, String>>,
+}
+
+enum Next {
+    Header,
+    Chunk(usize),
+    End,
+    Done,
+}
+
+impl BatchMessages<'_> {
+    /// Sends this trace context in the header instead of the batch's own
+    /// (the sender's span, so the drafter's spans continue it).
+    pub fn with_trace_context(mut self, ctx: std::collections::HashMap<String, String>) -> Self {
+        self.trace_context = Some(ctx);
+        self
+    }
+
+    fn chunk_count(&self) -> usize {
+        self.batch.payload.len().div_ceil(self.chunk_bytes)
+    }
+}
+
+impl Iterator for BatchMessages<'_> {
+    type Item = pb::TargetMessage;
+
+    fn next(&mut self) -> Option<pb::TargetMessage> {
+        let id = self.batch.meta.batch_id;
+        let payload = &self.batch.payload;
+        let msg = match self.next {
+            Next::Header => {
+                let mut h = self.batch.meta.to_header();
+                if let Some(ctx) = self.trace_context.take() {
+                    h.trace_context = ctx;
+                }
+                self.next = if payload.is_empty() { Next::End } else { Next::Chunk(0) };
+                Msg::Header(h)
+            }
+            Next::Chunk(i) => {
+                let start = i * self.chunk_bytes;
+                let end = (start + self.chunk_bytes).min(payload.len());
+                self.crc = crc32c::crc32c_append(self.crc, &payload[start..end]);
+                self.next = if end == payload.len() { Next::End } else { Next::Chunk(i + 1) };
+                Msg::Chunk(pb::BatchChunk { batch_id: id, index: i as u32, data: payload.slice(start..end) })
+            }
+            Next::End => {
+                self.next = Next::Done;
+                Msg::End(pb::BatchEnd { batch_id: id, chunk_count: self.chunk_count() as u32, crc32c: self.crc })
+            }
+            Next::Done => return None,
+        };
+        Some(pb::TargetMessage { msg: Some(msg) })
+    }
+}
+
+/// Bytes copied between two CRC updates when a chunk lands: small enough to
+/// stay in the core's cache, so the CRC reads the copy's source from cache
+/// instead of making a second pass over memory.
+const LANDING_STEP: usize = 256 << 10;
 
 /// Where a payload is assembled: growable host memory by default, or a
 /// pooled pinned buffer on GPU hosts (so the host-to-device copy is fast).
@@ -42,8 +93,6 @@ pub trait PayloadBuffer: Send + Sync {
     }
     /// The finished payload as shared, immutable bytes.
     fn freeze(self: Box<Self>) -> Bytes;
-    /// The bytes received so far (for the CRC).
-    fn filled(&self) -> &[u8];
 }
 
 impl PayloadBuffer for BytesMut {
@@ -55,9 +104,6 @@ impl PayloadBuffer for BytesMut {
     }
     fn freeze(self: Box<Self>) -> Bytes {
         BytesMut::freeze(*self)
-    }
-    fn filled(&self) -> &[u8] {
-        self
     }
 }
 
@@ -73,6 +119,8 @@ struct Partial {
     meta: BatchMeta,
     buf: Box<dyn PayloadBuffer>,
     next_index: u32,
+    /// CRC32C of the bytes received so far.
+    crc: u32,
 }
 
 /// What one pushed message produced.
@@ -129,7 +177,7 @@ impl Assembler {
 
     /// Starts a checked batch whose payload goes into `buf` (empty).
     pub fn begin(&mut self, meta: BatchMeta, buf: Box<dyn PayloadBuffer>) {
-        self.partial = Some(Partial { meta, buf, next_index: 0 });
+        self.partial = Some(Partial { meta, buf, next_index: 0, crc: 0 });
     }
 
     pub fn push_chunk(&mut self, chunk: pb::BatchChunk) -> Result<Assembled, WireError> {
@@ -151,7 +199,10 @@ impl Assembler {
                 ),
             });
         }
-        p.buf.extend(&chunk.data);
+        for piece in chunk.data.chunks(LANDING_STEP) {
+            p.buf.extend(piece);
+            p.crc = crc32c::crc32c_append(p.crc, piece);
+        }
         p.next_index += 1;
         Ok(Assembled::Pending)
     }
@@ -170,7 +221,7 @@ impl Assembler {
                 ),
             });
         }
-        let crc = crc32c::crc32c(p.buf.filled());
+        let crc = p.crc;
         if crc != end.crc32c {
             return Err(WireError::Corrupt {
                 batch_id: end.batch_id,

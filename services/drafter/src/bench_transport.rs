@@ -15,7 +15,7 @@ use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use crate::receiver::{DrafterService, Expected};
+use crate::receiver::{DrafterService, Expected, LandingPool};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchTransportArgs {
@@ -34,6 +34,11 @@ pub struct BenchTransportArgs {
     /// Comma-separated numbers of parallel streams (connections) to measure.
     #[arg(long, default_value = "1,2,4")]
     pub streams: String,
+    /// Receive as a drafter on this device: "cpu" (payloads assemble in
+    /// heap memory) or a GPU index (pooled pinned landing buffers, the GPU
+    /// drafter's path).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -70,6 +75,7 @@ fn batch(id: u64, payload: &Bytes, hidden: u32) -> anyhow::Result<HostBatch> {
 /// drafter receiver; returns GB/s of payload acknowledged.
 async fn grpc(
     a: &BenchTransportArgs,
+    landing: Option<LandingPool>,
     payload: Bytes,
     hidden: u32,
     batches: usize,
@@ -79,7 +85,7 @@ async fn grpc(
     let (queue, rx) = flume::bounded(8);
     let consumer = std::thread::spawn(move || rx.iter().count());
     let service = DrafterService {
-        landing: None,
+        landing,
         run_id: "bench".into(),
         instance_id: "bench-drafter".into(),
         credits: a.credits,
@@ -231,13 +237,25 @@ pub fn run(a: &BenchTransportArgs) -> anyhow::Result<()> {
         .map(|x| x.trim().parse::<usize>().map(|n| n.max(1)))
         .collect::<std::result::Result<_, _>>()
         .map_err(|_| anyhow::anyhow!("--streams: comma-separated integers"))?;
+    let most = counts.iter().copied().max().unwrap_or(1);
+    let landing = match a.device.as_str() {
+        "cpu" => None,
+        i => {
+            let ordinal: usize = i.parse().map_err(|_| anyhow::anyhow!("--device: cpu or a GPU index"))?;
+            let ctx = dflash_models::gpu::context(ordinal)?;
+            // As the drafter sizes it: every stream's credits plus room.
+            let count = most * a.credits as usize + 4;
+            Some(dflash_models::gpu::pinned_pool(&ctx, count, bytes)?)
+        }
+    };
+    println!("landing: {}", if landing.is_some() { "pooled pinned buffers" } else { "heap memory" });
     let rows = rt.block_on(async {
         // Warm both paths once, then measure.
-        grpc(a, payload.clone(), hidden, 2, 1).await?;
+        grpc(a, landing.clone(), payload.clone(), hidden, 2, 1).await?;
         raw_tcp(payload.clone(), 2, 1).await?;
         let mut rows = Vec::new();
         for &n in &counts {
-            let g = grpc(a, payload.clone(), hidden, batches.max(n), n).await?;
+            let g = grpc(a, landing.clone(), payload.clone(), hidden, batches.max(n), n).await?;
             let t = raw_tcp(payload.clone(), batches.max(n), n).await?;
             rows.push(Row { streams: n, grpc_gbps: g, tcp_gbps: t, ratio: g / t });
         }
@@ -254,6 +272,7 @@ pub fn run(a: &BenchTransportArgs) -> anyhow::Result<()> {
             "batches": batches,
             "chunk_mib": a.chunk_mib,
             "credits_per_stream": a.credits,
+            "landing": if landing.is_some() { "pinned" } else { "heap" },
             "rows": rows,
         });
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use dflash_data::{ChatTokenizer, Conversation};
+use dflash_models::acceptance::block_predictions;
+use dflash_models::blocks::anchor_candidates;
 use dflash_models::generate::{SpecSettings, greedy_generate, speculative_generate};
 use dflash_models::{Drafter, LoadScope, TargetModel};
 use serde::Serialize;
@@ -63,6 +65,13 @@ pub struct EvalReport {
     /// Every output equalled plain greedy decoding (checked when a
     /// baseline was decoded).
     pub lossless: Option<bool>,
+    /// Simulated acceptance (the training step's measure) over every valid
+    /// anchor of the prompts' greedy outputs, when those were given.
+    pub simulated_tau: Option<f64>,
+    /// Fraction of verify steps whose accepted count equals the training
+    /// layout's at the same anchor (1.0 unless training and decoding see
+    /// the drafter's inputs differently).
+    pub step_agreement: Option<f64>,
 }
 
 /// Decodes every prompt speculatively and measures tau.
@@ -86,10 +95,27 @@ pub fn evaluate(
     let mut cats: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     let mut per_prompt = Vec::with_capacity(prompts.len());
     let mut lossless = true;
+    let (mut sim_sum, mut sim_n, mut agree, mut compared) = (0.0f64, 0usize, 0usize, 0usize);
     for (i, p) in prompts.iter().enumerate() {
         let r = speculative_generate(target, drafter, &p.ids, &s);
         if let Some(refs) = reference {
             lossless &= refs[i] == r.tokens;
+            let seq: Vec<u32> = p.ids.iter().chain(&refs[i]).copied().collect();
+            let mask: Vec<u8> = (0..seq.len()).map(|j| u8::from(j >= p.ids.len())).collect();
+            let mut anchors = anchor_candidates(&mask);
+            sim_n += anchors.len();
+            let visited = r.steps.iter().map(|st| st.anchor).filter(|a| a + 1 < seq.len());
+            anchors.extend(visited);
+            anchors.sort_unstable();
+            anchors.dedup();
+            let pred = block_predictions(target, drafter, embed, lm_head, &seq, &mask, &anchors);
+            let accepted = pred.accepted(&seq, &mask);
+            let at: BTreeMap<usize, u32> = anchors.iter().copied().zip(accepted).collect();
+            sim_sum += anchor_candidates(&mask).iter().map(|a| 1.0 + f64::from(at[a])).sum::<f64>();
+            for st in r.steps.iter().filter(|st| st.anchor + drafter.config.block_size as usize <= seq.len()) {
+                compared += 1;
+                agree += usize::from(at.get(&st.anchor) == Some(&st.accepted));
+            }
         }
         let produced: u64 = r.per_step.iter().map(|&n| n as u64).sum();
         steps += r.per_step.len() as u64;
@@ -110,6 +136,8 @@ pub fn evaluate(
         per_category: cats.into_iter().map(|(k, (t, n))| (k, t / n.max(1.0))).collect(),
         per_prompt,
         lossless: reference.map(|_| lossless),
+        simulated_tau: reference.map(|_| sim_sum / sim_n.max(1) as f64),
+        step_agreement: reference.map(|_| agree as f64 / compared.max(1) as f64),
     }
 }
 
@@ -192,6 +220,14 @@ fn print_report(r: &EvalReport, greedy_tps: f64) {
     );
     let cats: Vec<String> = r.per_category.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
     println!("{:<10} per category: {}", "", cats.join(", "));
+    if let (Some(sim), Some(agree)) = (r.simulated_tau, r.step_agreement) {
+        println!(
+            "{:<10} simulated acceptance over all anchors of the greedy outputs {sim:.2}; \
+             verify steps accepting what the training layout predicts: {:.1}%",
+            "",
+            100.0 * agree
+        );
+    }
 }
 
 pub fn run(a: &EvalArgs) -> anyhow::Result<()> {

@@ -50,9 +50,6 @@ impl dflash_wire::PayloadBuffer for PinnedPayload {
     fn freeze(self: Box<Self>) -> bytes::Bytes {
         bytes::Bytes::from_owner(self.buf)
     }
-    fn filled(&self) -> &[u8] {
-        &self.buf.as_ref()[..self.filled]
-    }
 }
 
 pub struct DrafterService {

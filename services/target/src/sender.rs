@@ -234,10 +234,7 @@ impl Sender {
 /// carries the send span's context, so the drafter's spans continue it.
 async fn send_batch(tx: &mpsc::Sender<pb::TargetMessage>, batch: &HostBatch, chunk: usize) -> bool {
     let span = dflash_telemetry::batch_span("send", &batch.meta.trace_context, batch.meta.batch_id);
-    let mut messages = batch_messages(batch, chunk);
-    if let Some(pb::TargetMessage { msg: Some(pb::target_message::Msg::Header(h)) }) = messages.first_mut() {
-        h.trace_context = dflash_telemetry::context_of(&span);
-    }
+    let messages = batch_messages(batch, chunk).with_trace_context(dflash_telemetry::context_of(&span));
     let send = async {
         for m in messages {
             if tx.send(m).await.is_err() {

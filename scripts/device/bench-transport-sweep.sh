@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One call on an H200 machine: chunk size and credits of the hidden-state
+# stream with pinned landing (the GPU drafter's path). Binary in .device/tx.
+set -u
+cd "$(dirname "$0")/../.."
+export LD_LIBRARY_PATH="$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib"
+B=.device/tx
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+for chunk in 1 2 4 8 16; do
+  for credits in 2 4; do
+    echo "== chunk $chunk MiB, credits $credits"
+    timeout 100 $B/dflash-drafter bench-transport --device 0 --streams 1,2 --chunk-mib $chunk --credits $credits 2>&1 | grep -E "^ +[0-9]"
+  done
+done
