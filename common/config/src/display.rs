@@ -68,6 +68,11 @@ impl fmt::Display for RunConfig {
             "  Anchors per sequence: {}, feature noise std: {}, max blocks per micro-batch: {}",
             t.anchors_per_sequence, t.feature_noise_std, t.max_blocks_per_micro_batch
         )?;
+        writeln!(
+            f,
+            "  Attention: {} blocks per call, context padded to a multiple of {}",
+            t.attention_chunk_blocks, t.context_pad_multiple
+        )?;
         writeln!(f, "Pipeline")?;
         writeln!(f, "  Token budget: {}, max batch size: {}", p.token_budget, p.max_batch_size)?;
         writeln!(f, "  Prefetch depth: {}, HS queue: {}", p.prefetch_depth, p.hs_queue_depth)?;

@@ -156,6 +156,10 @@ pub struct TrainingSection {
     /// their own slots as keys (exact; fewer masked-out keys than one dense
     /// mask over all blocks).
     pub attention_chunk_blocks: u32,
+    /// Context length of a micro-batch rounded up to a multiple of this
+    /// (the padding is masked): fewer distinct attention shapes, so the
+    /// attention backend's per-shape plans are reused across batches.
+    pub context_pad_multiple: u32,
     /// This many batches in a row with non-finite features or loss fail the run.
     pub max_bad_batches_in_a_row: u32,
     /// Length of the learning-rate schedule in steps (0: every planned
@@ -179,6 +183,7 @@ impl Default for TrainingSection {
             max_blocks_per_micro_batch: 4096,
             loss_chunk_blocks: 256,
             attention_chunk_blocks: 32,
+            context_pad_multiple: 128,
             max_bad_batches_in_a_row: 5,
             total_steps: 0,
         }

@@ -98,6 +98,7 @@ impl RunConfig {
         );
         c.require(t.loss_chunk_blocks >= 1, "training.loss_chunk_blocks", || "must be at least 1".into());
         c.require(t.attention_chunk_blocks >= 1, "training.attention_chunk_blocks", || "must be at least 1".into());
+        c.require(t.context_pad_multiple >= 1, "training.context_pad_multiple", || "must be at least 1".into());
         c.require(t.max_bad_batches_in_a_row >= 1, "training.max_bad_batches_in_a_row", || "must be at least 1".into());
 
         let p = &self.pipeline;

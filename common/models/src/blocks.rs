@@ -128,6 +128,15 @@ impl BlockLayout {
         l
     }
 
+    /// Rounds the context length up to a multiple of `m`. The extra keys
+    /// are zero features after every anchor, so the mask hides them from
+    /// every query and the result is unchanged; what changes is that
+    /// batches of nearby lengths share one attention shape.
+    pub fn with_context_multiple(mut self, m: usize) -> Self {
+        self.context_len = self.context_len.div_ceil(m.max(1)) * m.max(1);
+        self
+    }
+
     pub fn total_weight(&self) -> f64 {
         self.weights.iter().map(|&w| w as f64).sum()
     }

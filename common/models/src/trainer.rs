@@ -25,6 +25,9 @@ pub struct TrainSettings {
     /// Blocks per attention call (their keys: the context and their own
     /// slots); a large value attends over all blocks at once (dense mask).
     pub attention_chunk_blocks: usize,
+    /// Micro-batch context lengths are rounded up to a multiple of this
+    /// (masked padding), so attention sees few distinct shapes.
+    pub context_pad_multiple: usize,
     /// Seed of anchor sampling (combined with the batch id).
     pub seed: u64,
 }
@@ -183,6 +186,7 @@ impl Trainer {
                     })
                     .collect();
                 BlockLayout::new(&members, &s.blocks, s.attention_chunk_blocks)
+                    .with_context_multiple(s.context_pad_multiple)
             })
             .collect();
         let total_weight: f64 = layouts.iter().map(BlockLayout::total_weight).sum();

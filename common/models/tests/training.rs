@@ -1,5 +1,5 @@
-//! The training step against references: chunked block attention computes
-//! exactly what one dense mask computes, micro-batching accumulates the
+//! The training step against references: chunked block attention and a
+//! padded context compute exactly what one dense mask computes, micro-batching accumulates the
 //! same gradient as one forward, and a fixed batch is learned (loss falls).
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
@@ -19,6 +19,7 @@ fn settings(chunk: usize, micro: usize) -> TrainSettings {
         max_blocks_per_micro_batch: micro,
         loss_chunk_blocks: 3,
         attention_chunk_blocks: chunk,
+        context_pad_multiple: 1,
         seed: 5,
     }
 }
@@ -65,13 +66,14 @@ fn chunked_attention_and_micro_batches_match_one_dense_forward() {
     let mut dense = trainer(1000, 1000);
     let l_dense = loss(dense.train_batch(&b));
     let g_dense = grads(&dense);
-    for (chunk, micro) in [(1, 1000), (2, 1000), (1000, 6), (2, 12)] {
+    for (chunk, micro, pad) in [(1, 1000, 1), (2, 1000, 1), (1000, 6, 1), (2, 12, 1), (2, 1000, 16), (1000, 12, 64)] {
         let mut t = trainer(chunk, micro);
+        t.settings.context_pad_multiple = pad;
         let l = loss(t.train_batch(&b));
-        assert!((l - l_dense).abs() < 1e-10, "chunk {chunk} micro {micro}: loss {l} vs {l_dense}");
+        assert!((l - l_dense).abs() < 1e-10, "chunk {chunk} micro {micro} pad {pad}: loss {l} vs {l_dense}");
         for (a, d) in grads(&t).iter().zip(&g_dense) {
             let err = (a - d).abs().max().double_value(&[]);
-            assert!(err < 1e-10, "chunk {chunk} micro {micro}: gradient differs by {err}");
+            assert!(err < 1e-10, "chunk {chunk} micro {micro} pad {pad}: gradient differs by {err}");
         }
     }
 }

@@ -52,6 +52,10 @@ pub struct BenchStepArgs {
     /// keeps it on: faster for masked block attention at 512 anchors).
     #[arg(long)]
     pub no_cudnn_attention: bool,
+    /// Round each micro-batch's context up to a multiple of this
+    /// (training.context_pad_multiple; 1: no padding).
+    #[arg(long, default_value_t = 128)]
+    pub context_multiple: usize,
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
     #[arg(long)]
@@ -176,6 +180,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
                 max_blocks_per_micro_batch: a.max_blocks.max(anchors),
                 loss_chunk_blocks: 256,
                 attention_chunk_blocks: chunk,
+                context_pad_multiple: a.context_multiple,
                 seed: 0,
             };
             tch::manual_seed(0);

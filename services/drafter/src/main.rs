@@ -205,6 +205,7 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
         max_blocks_per_micro_batch: t.max_blocks_per_micro_batch as usize,
         loss_chunk_blocks: t.loss_chunk_blocks as usize,
         attention_chunk_blocks: t.attention_chunk_blocks as usize,
+        context_pad_multiple: t.context_pad_multiple as usize,
         seed: c.run.seed,
     };
     Ok(Trainer::new(drafter, embed, lm_head, settings))
