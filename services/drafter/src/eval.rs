@@ -11,7 +11,7 @@ use anyhow::Context;
 use dflash_data::{ChatTokenizer, Conversation};
 use dflash_models::acceptance::block_predictions;
 use dflash_models::blocks::anchor_candidates;
-use dflash_models::generate::{SpecSettings, greedy_generate, speculative_generate};
+use dflash_models::generate::{SpecResult, SpecSettings, greedy_generate, speculative_generate};
 use dflash_models::{Drafter, LoadScope, TargetModel};
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
@@ -95,27 +95,12 @@ pub fn evaluate(
     let mut cats: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     let mut per_prompt = Vec::with_capacity(prompts.len());
     let mut lossless = true;
-    let (mut sim_sum, mut sim_n, mut agree, mut compared) = (0.0f64, 0usize, 0usize, 0usize);
+    let mut check = LayoutCheck::default();
     for (i, p) in prompts.iter().enumerate() {
         let r = speculative_generate(target, drafter, &p.ids, &s);
         if let Some(refs) = reference {
             lossless &= refs[i] == r.tokens;
-            let seq: Vec<u32> = p.ids.iter().chain(&refs[i]).copied().collect();
-            let mask: Vec<u8> = (0..seq.len()).map(|j| u8::from(j >= p.ids.len())).collect();
-            let mut anchors = anchor_candidates(&mask);
-            sim_n += anchors.len();
-            let visited = r.steps.iter().map(|st| st.anchor).filter(|a| a + 1 < seq.len());
-            anchors.extend(visited);
-            anchors.sort_unstable();
-            anchors.dedup();
-            let pred = block_predictions(target, drafter, embed, lm_head, &seq, &mask, &anchors);
-            let accepted = pred.accepted(&seq, &mask);
-            let at: BTreeMap<usize, u32> = anchors.iter().copied().zip(accepted).collect();
-            sim_sum += anchor_candidates(&mask).iter().map(|a| 1.0 + f64::from(at[a])).sum::<f64>();
-            for st in r.steps.iter().filter(|st| st.anchor + drafter.config.block_size as usize <= seq.len()) {
-                compared += 1;
-                agree += usize::from(at.get(&st.anchor) == Some(&st.accepted));
-            }
+            check.add(target, drafter, (embed, lm_head), &p.ids, &refs[i], &r);
         }
         let produced: u64 = r.per_step.iter().map(|&n| n as u64).sum();
         steps += r.per_step.len() as u64;
@@ -136,8 +121,49 @@ pub fn evaluate(
         per_category: cats.into_iter().map(|(k, (t, n))| (k, t / n.max(1.0))).collect(),
         per_prompt,
         lossless: reference.map(|_| lossless),
-        simulated_tau: reference.map(|_| sim_sum / sim_n.max(1) as f64),
-        step_agreement: reference.map(|_| agree as f64 / compared.max(1) as f64),
+        simulated_tau: reference.map(|_| check.sim_sum / check.sim_anchors.max(1) as f64),
+        step_agreement: reference.map(|_| check.agreed as f64 / check.compared.max(1) as f64),
+    }
+}
+
+/// Decoding set against the training step's view of the same sequence:
+/// simulated acceptance over every anchor of a greedy output, and how many
+/// verify steps accepted exactly what the training layout predicts there.
+#[derive(Default)]
+struct LayoutCheck {
+    sim_sum: f64,
+    sim_anchors: usize,
+    agreed: usize,
+    compared: usize,
+}
+
+impl LayoutCheck {
+    /// Adds one prompt: its greedy `output` and its speculative decoding `r`.
+    fn add(
+        &mut self,
+        target: &TargetModel,
+        drafter: &Drafter,
+        (embed, lm_head): (&Tensor, &Tensor),
+        prompt: &[u32],
+        output: &[u32],
+        r: &SpecResult,
+    ) {
+        let seq: Vec<u32> = prompt.iter().chain(output).copied().collect();
+        let mask: Vec<u8> = (0..seq.len()).map(|j| u8::from(j >= prompt.len())).collect();
+        let candidates = anchor_candidates(&mask);
+        let mut anchors = candidates.clone();
+        anchors.extend(r.steps.iter().map(|st| st.anchor).filter(|a| a + 1 < seq.len()));
+        anchors.sort_unstable();
+        anchors.dedup();
+        let pred = block_predictions(target, drafter, embed, lm_head, &seq, &mask, &anchors);
+        let at: BTreeMap<usize, u32> = anchors.iter().copied().zip(pred.accepted(&seq, &mask)).collect();
+        self.sim_sum += candidates.iter().map(|a| 1.0 + f64::from(at[a])).sum::<f64>();
+        self.sim_anchors += candidates.len();
+        // Steps whose whole block lies inside the output: both sides see every slot.
+        for st in r.steps.iter().filter(|st| st.anchor + drafter.config.block_size as usize <= seq.len()) {
+            self.compared += 1;
+            self.agreed += usize::from(at.get(&st.anchor) == Some(&st.accepted));
+        }
     }
 }
 
