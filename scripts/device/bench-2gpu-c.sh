@@ -3,7 +3,7 @@
 # batches, and the device-to-host copy alone (pinned vs pageable).
 set -u
 cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH="$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib"
+. scripts/device/env.sh
 B=.device/bin
 for a in 256 512; do
   for flag in "" "--cudnn-attention"; do

@@ -3,10 +3,8 @@
 # the end-to-end run (drafter with cuDNN attention, as the service runs).
 set -u
 cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH="$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. scripts/device/env.sh
 B=.device/bin
-OUT=${OUT:-/tmp/out}
 ( $B/dflash-target prepare-synthetic --shape qwen3-8b --bf16 --gpu 1 --model-dir /tmp/q8/model \
   --dataset /tmp/q8/data.jsonl --samples 600 --answer-tokens 500 2900 --seed 1 > "$OUT/prepare.log" 2>&1 ) &
 PREP=$!

@@ -6,11 +6,8 @@
 # one session. Binaries prebuilt in .device/bin; results go to $OUT.
 set -u
 cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH="$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. scripts/device/env.sh
 B=.device/bin
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
 
 for pad in 1 128; do

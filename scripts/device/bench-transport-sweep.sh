@@ -3,10 +3,8 @@
 # stream with pinned landing (the GPU drafter's path). Binary in .device/tx.
 set -u
 cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH="$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib"
+. scripts/device/env.sh
 B=.device/tx
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 for chunk in 1 2 4 8 16; do
   for credits in 2 4; do
     echo "== chunk $chunk MiB, credits $credits"

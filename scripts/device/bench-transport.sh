@@ -5,10 +5,8 @@
 # pooled pinned buffers. Results go to $OUT.
 set -u
 cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH="$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib"
+. scripts/device/env.sh
 B=.device/tx
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 nproc
 for round in 1 2; do
   echo "== round $round: before (heap landing)"

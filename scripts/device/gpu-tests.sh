@@ -5,7 +5,6 @@
 # it starts in .device/bin.
 set -u
 cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH="$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. scripts/device/env.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 400 .device/bin/deps/gpu --ignored --test-threads 1 2>&1 | grep -E "^test |test result|panicked|Error" | head -20

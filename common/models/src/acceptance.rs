@@ -8,7 +8,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::blocks::{BlockLayout, BlockSequence, BlockSettings};
-use crate::drafter::{Drafter, DrafterInput};
+use crate::drafter::Drafter;
 use crate::target::TargetModel;
 
 /// Anchors per attention chunk of the no-grad forward (bounds memory on
@@ -72,15 +72,7 @@ pub fn block_predictions(
     };
     let seq = BlockSequence { input_ids, loss_mask, anchors: anchors.to_vec() };
     let layout = BlockLayout::new(std::slice::from_ref(&seq), &settings, CHUNK_BLOCKS);
-    let q_len = (layout.blocks * layout.block_size) as i64;
-    let block_ids = Tensor::from_slice(&layout.block_ids).view([1, q_len]).to_device(ddev);
-    let positions = Tensor::from_slice(&layout.block_positions).view([1, q_len]).to_device(ddev);
-    let hidden = drafter.forward(&DrafterInput {
-        features: &features,
-        block_embeds: &Tensor::embedding(embed, &block_ids, -1, false, false),
-        block_positions: &positions,
-        mask: &layout.attention_mask(ddev),
-    });
+    let hidden = drafter.forward_layout(&features, embed, &layout);
     let b = c.block_size;
     let argmax = hidden
         .view([layout.blocks as i64, b, -1])

@@ -9,6 +9,7 @@ use tch::nn::{self, Init};
 use tch::{Device, Kind, Tensor};
 
 use crate::ModelError;
+use crate::blocks::BlockLayout;
 use crate::layers::{Linear, Mlp, RmsNorm, Rope, apply_rope, repeat_kv};
 use crate::target_config::TargetConfig;
 
@@ -295,6 +296,22 @@ impl Drafter {
     pub fn forward(&self, input: &DrafterInput) -> Tensor {
         let ctx = self.context(input.features);
         self.forward_with_context(&ctx, input)
+    }
+
+    /// Forward over the blocks of `layout`, their tokens embedded with the
+    /// target's `embed`; `features` is `[n, S, k*H]`, S the layout's
+    /// context length. The training step and the acceptance check share it.
+    pub fn forward_layout(&self, features: &Tensor, embed: &Tensor, layout: &BlockLayout) -> Tensor {
+        let dev = self.device();
+        let (n, q_len) = (layout.n as i64, (layout.blocks * layout.block_size) as i64);
+        let ids = Tensor::from_slice(&layout.block_ids).view([n, q_len]).to_device(dev);
+        let positions = Tensor::from_slice(&layout.block_positions).view([n, q_len]).to_device(dev);
+        self.forward(&DrafterInput {
+            features,
+            block_embeds: &Tensor::embedding(embed, &ids, -1, false, false),
+            block_positions: &positions,
+            mask: &layout.attention_mask(dev),
+        })
     }
 
     /// Like [`Drafter::forward`] with the fused context `[n, S, H]` given.

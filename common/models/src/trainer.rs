@@ -7,7 +7,7 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
 
 use crate::blocks::{BlockLayout, BlockSequence, BlockSettings, sample_anchors};
-use crate::drafter::{Drafter, DrafterInput};
+use crate::drafter::Drafter;
 use crate::optim::{AdamW, AdamWSettings, LrSchedule};
 
 /// Settings of the training step.
@@ -249,22 +249,12 @@ impl Trainer {
         let device = self.drafter.device();
         let kind = self.drafter.kind();
         let (n, s) = (layout.n as i64, layout.context_len as i64);
-        let q_len = (layout.blocks * layout.block_size) as i64;
         let width = features.size()[1];
         let padded = Tensor::zeros([n, s, width], (kind, device));
         for (i, &(off, len)) in members.iter().enumerate() {
             padded.get(i as i64).narrow(0, 0, len as i64).copy_(&features.narrow(0, off as i64, len as i64));
         }
-        let ids = Tensor::from_slice(&layout.block_ids).view([n, q_len]).to_device(device);
-        let block_embeds = Tensor::embedding(&self.embed, &ids, -1, false, false);
-        let positions = Tensor::from_slice(&layout.block_positions).view([n, q_len]).to_device(device);
-        let mask = layout.attention_mask(device);
-        let hidden = self.drafter.forward(&DrafterInput {
-            features: &padded,
-            block_embeds: &block_embeds,
-            block_positions: &positions,
-            mask: &mask,
-        });
+        let hidden = self.drafter.forward_layout(&padded, &self.embed, layout);
         let h = hidden.size()[2];
         let rows_idx = Tensor::from_slice(&layout.rows).to_device(device);
         let rows = hidden.view([-1, h]).index_select(0, &rows_idx); // [M, H]
