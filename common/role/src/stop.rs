@@ -111,3 +111,15 @@ impl Stop {
         });
     }
 }
+
+/// Blocking send on a bounded queue that gives up when the role stops
+/// (checking every 100 ms); false when the item was not delivered.
+pub fn send_until_stop<T>(tx: &flume::Sender<T>, mut item: T, stop: &Stop) -> bool {
+    loop {
+        match tx.send_timeout(item, std::time::Duration::from_millis(100)) {
+            Ok(()) => return true,
+            Err(flume::SendTimeoutError::Timeout(back)) if !stop.is_stopped() => item = back,
+            Err(_) => return false,
+        }
+    }
+}

@@ -125,24 +125,86 @@ impl Drafter for DrafterService {
             })),
         };
         tx.send(Ok(welcome)).await.map_err(|_| Status::cancelled("stream closed"))?;
-        let task = StreamTask {
-            target,
+        let lander = Lander {
+            target: target.clone(),
             assembler: Assembler::new(self.max_payload_bytes),
             landing: self.landing.clone(),
             discarding: None,
             expected: self.expected.clone(),
             queue: self.queue.clone(),
             stop: self.stop.clone(),
-            acks: tx,
+            acks: tx.clone(),
             receiving: None,
         };
-        tokio::spawn(task.run(incoming));
+        tokio::spawn(receive(target, incoming, lander, tx, self.stop.clone()));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
 
-/// Receives one target's stream.
-struct StreamTask {
+/// Messages decoded but not yet landed, per stream: with 4 MiB chunks,
+/// 16 MiB of decoded chunks wait at most while the lander copies one.
+const LANDING_DEPTH: usize = 4;
+
+/// Reads one target's stream: tonic decodes messages on this task while a
+/// thread of the stream's own (the [`Lander`]) copies the previous ones
+/// into their payload buffers and checks them. Decoding copies every byte
+/// once and landing once more; on two cores instead of one, the stream
+/// runs at the speed of the slower copy rather than of both together.
+async fn receive(
+    target: String,
+    mut incoming: Streaming<pb::TargetMessage>,
+    lander: Lander,
+    acks: mpsc::Sender<Result<pb::DrafterMessage, Status>>,
+    stop: Stop,
+) {
+    let (tx, rx) = flume::bounded(LANDING_DEPTH);
+    let (done_tx, mut done) = tokio::sync::oneshot::channel::<()>();
+    let spawned = std::thread::Builder::new().name(format!("land-{target}")).spawn(move || {
+        lander.run(rx);
+        let _ = done_tx.send(());
+    });
+    if let Err(e) = spawned {
+        tracing::error!("cannot start the landing thread for target {target}: {e}");
+        let _ = acks.send(Err(Status::resource_exhausted("drafter cannot start a landing thread"))).await;
+        return;
+    }
+    loop {
+        let msg = tokio::select! {
+            m = incoming.message() => m,
+            _ = stop.stopped() => return,
+            // The lander ended the stream (a closed queue, a dropped ack
+            // stream): stop reading.
+            _ = &mut done => return,
+        };
+        match msg {
+            Ok(Some(m)) => {
+                // Waits while the lander is behind (it waits on the HS queue).
+                let sent = tokio::select! {
+                    r = tx.send_async(m) => r.is_ok(),
+                    _ = stop.stopped() => false,
+                };
+                if !sent {
+                    return;
+                }
+            }
+            Ok(None) => {
+                tracing::info!("target {target} closed its stream");
+                return;
+            }
+            Err(s) => {
+                // E.g. a message over the size limit: tell the target why.
+                tracing::warn!("stream from target {target} broke: {}", s.message());
+                let _ = acks.send(Err(s)).await;
+                return;
+            }
+        }
+    }
+}
+
+/// Lands one stream's messages: reassembly into payload buffers, CRC,
+/// checks, the HS queue and the acks. Runs on its own thread; every wait
+/// is bounded and gives up when the role stops.
+struct Lander {
     target: String,
     assembler: Assembler,
     landing: Option<LandingPool>,
@@ -156,34 +218,18 @@ struct StreamTask {
     receiving: Option<(u64, tracing::Span)>,
 }
 
-impl StreamTask {
-    async fn run(mut self, mut incoming: Streaming<pb::TargetMessage>) {
-        loop {
-            let msg = tokio::select! {
-                m = incoming.message() => m,
-                _ = self.stop.stopped() => return,
-            };
-            let msg = match msg {
-                Ok(Some(m)) => m,
-                Ok(None) => {
-                    tracing::info!("target {} closed its stream", self.target);
-                    return;
-                }
-                Err(s) => {
-                    // E.g. a message over the size limit: tell the target why.
-                    tracing::warn!("stream from target {} broke: {}", self.target, s.message());
-                    let _ = self.acks.send(Err(s)).await;
-                    return;
-                }
-            };
-            if !self.handle(msg).await {
+impl Lander {
+    /// Until the reader closes the channel or a message ends the stream.
+    fn run(mut self, messages: flume::Receiver<pb::TargetMessage>) {
+        while let Ok(m) = messages.recv() {
+            if !self.handle(m) {
                 return;
             }
         }
     }
 
     /// Handles one message; false ends the stream.
-    async fn handle(&mut self, msg: pb::TargetMessage) -> bool {
+    fn handle(&mut self, msg: pb::TargetMessage) -> bool {
         let batch_of = |m: &Msg| match m {
             Msg::Header(h) => Some(h.batch_id),
             Msg::Chunk(c) => Some(c.batch_id),
@@ -195,7 +241,7 @@ impl StreamTask {
             if batch_of(&m) == Some(bad) {
                 if matches!(m, Msg::End(_)) {
                     self.discarding = None;
-                    return self.send(ack(bad, pb::AckStatus::Resend, "corrupt in transit".into())).await;
+                    return self.send(ack(bad, pb::AckStatus::Resend, "corrupt in transit".into()));
                 }
                 return true;
             }
@@ -207,7 +253,7 @@ impl StreamTask {
             self.receiving = Some((h.batch_id, dflash_telemetry::batch_span("receive", &h.trace_context, h.batch_id)));
         }
         let result = match m {
-            Msg::Header(h) if self.landing.is_some() => self.begin_pinned(h).await,
+            Msg::Header(h) if self.landing.is_some() => self.begin_pinned(h),
             Msg::Header(h) => self.assembler.push_header(h),
             Msg::Chunk(c) => self.assembler.push_chunk(c),
             Msg::End(e) => self.assembler.push_end(e),
@@ -215,7 +261,7 @@ impl StreamTask {
         };
         match result {
             Ok(Assembled::Pending) => true,
-            Ok(Assembled::Batch(batch)) => self.accept(batch).await,
+            Ok(Assembled::Batch(batch)) => self.accept(batch),
             Err(e) if e.is_retryable() => {
                 let id = e.batch_id().or(self.assembler.partial_batch_id()).unwrap_or(0);
                 tracing::warn!("from target {}: {e}; asking for a resend", self.target);
@@ -223,7 +269,7 @@ impl StreamTask {
                 // Damage found at the end marker: the batch is over; ask now.
                 // Found mid-batch: skip its remaining chunks, ask at its end.
                 if is_end {
-                    self.send(ack(id, pb::AckStatus::Resend, e.to_string())).await
+                    self.send(ack(id, pb::AckStatus::Resend, e.to_string()))
                 } else {
                     self.discarding = Some(id);
                     true
@@ -233,24 +279,23 @@ impl StreamTask {
                 tracing::error!("from target {}: {e}", self.target);
                 let id = e.batch_id().or(self.assembler.partial_batch_id()).unwrap_or(0);
                 self.assembler.reset();
-                self.send(ack(id, pb::AckStatus::Rejected, e.to_string())).await
+                self.send(ack(id, pb::AckStatus::Rejected, e.to_string()))
             }
         }
     }
 
     /// Starts a batch in a pinned landing buffer, waiting (bounded by the
     /// pool, cancelled by stop) for one to be free: backpressure.
-    async fn begin_pinned(&mut self, h: pb::BatchHeader) -> Result<Assembled, WireError> {
+    fn begin_pinned(&mut self, h: pb::BatchHeader) -> Result<Assembled, WireError> {
         let meta = self.assembler.check_header(h)?;
         let pool = self.landing.clone().expect("checked by the caller");
         let bytes = meta.payload_bytes();
         let mem = loop {
-            if let Some(m) = pool.take(Duration::ZERO) {
+            if let Some(m) = pool.take(Duration::from_millis(100)) {
                 break m;
             }
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(2)) => {}
-                _ = self.stop.stopped() => return Err(WireError::Protocol("drafter stopping".into())),
+            if self.stop.is_stopped() {
+                return Err(WireError::Protocol("drafter stopping".into()));
             }
         };
         let limit = mem.capacity();
@@ -263,7 +308,7 @@ impl StreamTask {
         Ok(Assembled::Pending)
     }
 
-    async fn accept(&mut self, batch: HostBatch) -> bool {
+    fn accept(&mut self, batch: HostBatch) -> bool {
         let id = batch.meta.batch_id;
         let receive = match self.receiving.take() {
             Some((b, span)) if b == id => span,
@@ -271,7 +316,7 @@ impl StreamTask {
         };
         if let Err(why) = self.expected.check(&batch) {
             tracing::error!("batch {id} from target {} rejected: {why}", self.target);
-            return self.send(ack(id, pb::AckStatus::Rejected, why)).await;
+            return self.send(ack(id, pb::AckStatus::Rejected, why));
         }
         let m = dflash_telemetry::metrics();
         m.batches.with_label_values(&["received"]).inc();
@@ -279,22 +324,17 @@ impl StreamTask {
         m.bytes.with_label_values(&["received"]).inc_by(batch.payload.len() as u64);
         let received = dflash_telemetry::context_of(&receive);
         let queue_wait = dflash_telemetry::batch_span("queue_wait", &received, id);
-        let item = ReceivedBatch { batch, queue_wait };
         // Blocks while the HS queue is full: backpressure to the target.
-        let queued = tokio::select! {
-            r = self.queue.send_async(item) => r.is_ok(),
-            _ = self.stop.stopped() => false,
-        };
-        if !queued {
+        if !dflash_role::send_until_stop(&self.queue, ReceivedBatch { batch, queue_wait }, &self.stop) {
             return false;
         }
         m.queue_depth.with_label_values(&["hs_queue"]).set(self.queue.len() as i64);
-        let acked = dflash_telemetry::batch_span("ack", &received, id);
+        let _acked = dflash_telemetry::batch_span("ack", &received, id).entered();
         drop(receive);
-        tracing::Instrument::instrument(self.send(ack(id, pb::AckStatus::Accepted, String::new())), acked).await
+        self.send(ack(id, pb::AckStatus::Accepted, String::new()))
     }
 
-    async fn send(&self, m: Result<pb::DrafterMessage, Status>) -> bool {
-        self.acks.send(m).await.is_ok()
+    fn send(&self, m: Result<pb::DrafterMessage, Status>) -> bool {
+        self.acks.blocking_send(m).is_ok()
     }
 }
