@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tch::{Device, Tensor};
 
-use crate::forward::{ForwardLoop, compute_kind};
+use crate::forward::{CudaFeed, ForwardLoop, compute_kind};
 use crate::postprocess::{self, GpuCopy, PostprocessSink, Postprocessor};
 use crate::work::WorkItem;
 
@@ -110,6 +110,21 @@ fn make_batches(n: usize, a: &BenchArgs, vocab: i64, seed: u64) -> Vec<WorkItem>
         .collect()
 }
 
+/// The forward loop's CUDA input path, as the service builds it.
+fn cuda_feed(
+    cuda: &Option<std::sync::Arc<cudarc::driver::CudaContext>>,
+    device: Device,
+    max_tokens: usize,
+    count: usize,
+) -> anyhow::Result<Option<CudaFeed>> {
+    match (cuda, device) {
+        (Some(ctx), Device::Cuda(i)) => {
+            Ok(Some(CudaFeed { ctx: ctx.clone(), upload: crate::upload::IdsUploader::new(ctx, i, max_tokens, count)? }))
+        }
+        _ => Ok(None),
+    }
+}
+
 pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     if a.threads > 0 {
         tch::set_num_threads(a.threads);
@@ -160,16 +175,34 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         let stop = Stop::new();
         let elapsed = match mode {
             "off" => {
+                // The forward loop's input path (ids uploaded ahead on CUDA,
+                // one batch queued behind the running one), nothing after it.
+                let upload = cuda_feed(&cuda, device, a.batch_tokens, 2)?;
+                let mut previous = None;
                 let mut t0 = Instant::now();
                 for (i, w) in batches.iter().enumerate() {
                     if i == a.warmup {
+                        drop(previous.take());
                         sync_device(device);
                         t0 = Instant::now();
                     }
-                    let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
                     let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
-                    let _ = model.capture_packed(&Tensor::from_slice(&ids).to_device(device), &lens, &layer_ids);
+                    match &upload {
+                        Some(feed) => {
+                            let mut ids = feed.upload.upload(&w.input_ids, &stop)?;
+                            let _ = model.capture_packed(ids.tensor(), &lens, &layer_ids);
+                            ids.release_after_torch_work()?;
+                            // Waits for the forward before this one.
+                            previous = Some(ids);
+                        }
+                        None => {
+                            let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
+                            let _ =
+                                model.capture_packed(&Tensor::from_slice(&ids).to_device(device), &lens, &layer_ids);
+                        }
+                    }
                 }
+                drop(previous);
                 sync_device(device);
                 t0.elapsed()
             }
@@ -207,7 +240,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     model,
                     layer_ids: layer_ids.clone(),
                     label: "bench".into(),
-                    cuda: cuda.clone(),
+                    cuda: cuda_feed(&cuda, device, a.batch_tokens, 4)?,
                 };
                 let s = stop.clone();
                 let fwd = std::thread::spawn(move || fl.run(work_rx, sink, s));

@@ -9,6 +9,7 @@ use dflash_role::Stop;
 use tch::{Kind, Tensor};
 
 use crate::postprocess::PostprocessSink;
+use crate::upload::{GpuBusy, IdsUploader, UploadedIds};
 use crate::work::WorkItem;
 
 /// A batch whose features exist (or are being computed) on the device: the
@@ -22,6 +23,10 @@ pub struct CapturedBatch {
     /// On CUDA: completes when the forward that produces `layers` is done.
     /// The forward loop does not wait for it.
     pub ready: Option<cudarc::driver::CudaEvent>,
+    /// On CUDA: the ids the forward reads, held until the batch is dropped
+    /// (after postprocessing has waited for the forward).
+    #[allow(dead_code, reason = "held for ownership, never read")]
+    pub ids: Option<UploadedIds>,
 }
 
 /// What the forward loops of a target did, for the coordinator's supply
@@ -52,8 +57,14 @@ pub struct ForwardLoop {
     pub model: TargetModel,
     pub layer_ids: Vec<i64>,
     pub label: String,
-    /// The device's CUDA context (None on CPU).
-    pub cuda: Option<std::sync::Arc<cudarc::driver::CudaContext>>,
+    /// The device's CUDA context and the ids uploader (None on CPU).
+    pub cuda: Option<CudaFeed>,
+}
+
+/// How a CUDA forward loop gets its inputs onto the device.
+pub struct CudaFeed {
+    pub ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    pub upload: IdsUploader,
 }
 
 impl ForwardLoop {
@@ -63,6 +74,7 @@ impl ForwardLoop {
         let mut tokens = 0u64;
         let started = Instant::now();
         let mut busy = Duration::ZERO;
+        let mut gpu_busy = GpuBusy::default();
         loop {
             let work = match input.recv_timeout(Duration::from_millis(100)) {
                 Ok(w) => w,
@@ -73,14 +85,27 @@ impl ForwardLoop {
             let span = dflash_telemetry::batch_span("forward", &work.trace, work.batch_id);
             let entered = span.enter();
             let t0 = Instant::now();
-            let ids: Vec<i64> = work.input_ids.iter().map(|&i| i as i64).collect();
-            let ids = Tensor::from_slice(&ids).to_device(self.model.device);
             let lens: Vec<i64> = work.seq_lengths.iter().map(|&l| l as i64).collect();
-            let layers = self.model.capture_packed(&ids, &lens, &self.layer_ids);
-            // Kernel launches are asynchronous: record where the forward
-            // ends and move on; postprocessing waits on the event.
-            let ready = self.cuda.as_ref().map(dflash_models::gpu::record_torch_event).transpose()?;
-            let spent = t0.elapsed();
+            let (layers, ready, ids) = match &self.cuda {
+                Some(feed) => {
+                    let mut ids = feed.upload.upload(&work.input_ids, &stop)?;
+                    let start = GpuBusy::start(&feed.ctx)?;
+                    let layers = self.model.capture_packed(ids.tensor(), &lens, &self.layer_ids);
+                    // Kernel launches are asynchronous: record where the
+                    // forward ends and move on; postprocessing waits on the
+                    // event.
+                    gpu_busy.finish(&feed.ctx, start)?;
+                    ids.release_after_torch_work()?;
+                    (layers, Some(dflash_models::gpu::record_torch_event(&feed.ctx)?), Some(ids))
+                }
+                None => {
+                    let ids: Vec<i64> = work.input_ids.iter().map(|&i| i as i64).collect();
+                    let ids = Tensor::from_slice(&ids).to_device(self.model.device);
+                    (self.model.capture_packed(&ids, &lens, &self.layer_ids), None, None)
+                }
+            };
+            // On CUDA the loop runs ahead of the GPU: busy time is the GPU's.
+            let spent = if self.cuda.is_some() { gpu_busy.collect() } else { t0.elapsed() };
             drop(entered);
             work.trace = dflash_telemetry::context_of(&span);
             drop(span);
@@ -105,7 +130,7 @@ impl ForwardLoop {
                     100.0 * busy.as_secs_f64() / wall
                 );
             }
-            if !sink.push(CapturedBatch { work, layers, ready }, &stop)? {
+            if !sink.push(CapturedBatch { work, layers, ready, ids }, &stop)? {
                 break;
             }
         }

@@ -9,6 +9,7 @@ mod postprocess;
 mod prepare;
 mod regenerate;
 mod sender;
+mod upload;
 mod work;
 
 use std::collections::BTreeSet;
@@ -201,6 +202,16 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
             let (p, out, s) = (post.clone(), host_tx.clone(), stop.clone());
             stages.spawn_thread(&format!("postprocess-{d}"), move || postprocess::worker(p, cap_rx, out, s));
             PostprocessSink::Queue(cap_tx)
+        };
+        let cuda = match (cuda, d) {
+            (Some(ctx), Device::Cuda(i)) => {
+                // Ids are held by: the loop, the postprocess queue, the worker.
+                let count = depth + 3;
+                let upload = upload::IdsUploader::new(&ctx, *i as usize, c.pipeline.token_budget as usize, count)
+                    .kind(ErrorKind::Device)?;
+                Some(forward::CudaFeed { ctx, upload })
+            }
+            _ => None,
         };
         let fl = ForwardLoop {
             stats: Arc::clone(&stats),

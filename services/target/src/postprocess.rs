@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dflash_models::gpu;
-use dflash_role::Stop;
+use dflash_role::{Stop, send_until_stop};
 use dflash_wire::{BatchMeta, DType, HostBatch, Layout};
 use tch::{Kind, Tensor};
 
@@ -147,17 +147,6 @@ impl PostprocessSink {
                 Ok(ok)
             }
             PostprocessSink::Inline(p, tx) => Ok(send_until_stop(tx, p.process(c)?, stop)),
-        }
-    }
-}
-
-/// Blocking send that gives up when the role stops.
-pub fn send_until_stop<T>(tx: &flume::Sender<T>, mut item: T, stop: &Stop) -> bool {
-    loop {
-        match tx.send_timeout(item, Duration::from_millis(100)) {
-            Ok(()) => return true,
-            Err(flume::SendTimeoutError::Timeout(back)) if !stop.is_stopped() => item = back,
-            Err(_) => return false,
         }
     }
 }

@@ -1,0 +1,146 @@
+//! Token ids onto the GPU ahead of the forward that reads them.
+//!
+//! `Tensor::to_device` from pageable memory first waits for everything queued
+//! on torch's stream, then copies: the forward loop stalled each batch until
+//! the previous forward had ended, and the tiny copy started at the very
+//! moment that batch's device-to-host copy did. Here the ids go through
+//! pinned memory on a side stream as soon as the batch arrives, and torch's
+//! stream waits for that copy on the GPU: the loop queues the next forward
+//! behind the current one and never waits on the host.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
+use dflash_models::gpu::{self, DeviceBuf, DeviceTensor, PinnedBuf, PinnedMem, Pool};
+use dflash_role::Stop;
+use tch::{Kind, Tensor};
+
+/// Uploads the ids of one device's batches (pooled pinned staging and
+/// device buffers, so at most `count` batches are in flight).
+pub struct IdsUploader {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    stream: Arc<CudaStream>,
+    staging: Pool<PinnedMem>,
+    device: Pool<DeviceBuf>,
+    max_tokens: usize,
+}
+
+/// Ids on the device. Its buffers return to their pools only once the
+/// forward that reads them is done: dropping waits for that (or, before a
+/// forward was attached, for the copy itself).
+pub struct UploadedIds {
+    ids: DeviceTensor,
+    _staging: PinnedBuf,
+    copied: CudaEvent,
+    read: Option<CudaEvent>,
+    ctx: Arc<CudaContext>,
+}
+
+impl UploadedIds {
+    pub fn tensor(&self) -> &Tensor {
+        self.ids.tensor()
+    }
+
+    /// Ties the buffers to the work queued on torch's stream so far (the
+    /// forward that reads the ids).
+    pub fn release_after_torch_work(&mut self) -> anyhow::Result<()> {
+        self.read = Some(gpu::record_torch_event(&self.ctx)?);
+        Ok(())
+    }
+}
+
+impl Drop for UploadedIds {
+    fn drop(&mut self) {
+        // Errors here mean the context is gone; nothing can still read.
+        let _ = self.read.as_ref().unwrap_or(&self.copied).synchronize();
+    }
+}
+
+fn take<T>(pool: &Pool<T>, stop: &Stop, what: &str) -> anyhow::Result<gpu::Pooled<T>> {
+    loop {
+        if let Some(m) = pool.take(Duration::from_millis(100)) {
+            return Ok(m);
+        }
+        if stop.is_stopped() {
+            anyhow::bail!("stopped while waiting for {what}");
+        }
+    }
+}
+
+impl IdsUploader {
+    /// `count` buffer pairs for batches of up to `max_tokens` tokens.
+    pub fn new(ctx: &Arc<CudaContext>, ordinal: usize, max_tokens: usize, count: usize) -> anyhow::Result<Self> {
+        let bytes = max_tokens.max(1) * 8;
+        Ok(Self {
+            ctx: Arc::clone(ctx),
+            ordinal,
+            stream: gpu::side_stream(ctx)?,
+            staging: gpu::pinned_pool(ctx, count, bytes)?,
+            device: Pool::new((0..count).map(|_| DeviceBuf::new(ctx, bytes)).collect::<Result<_, _>>()?),
+            max_tokens,
+        })
+    }
+
+    /// Starts copying `ids` (as int64) to the device; torch's stream will
+    /// wait for the copy before anything queued after this call.
+    pub fn upload(&self, ids: &[u32], stop: &Stop) -> anyhow::Result<UploadedIds> {
+        anyhow::ensure!(
+            ids.len() <= self.max_tokens,
+            "a batch of {} tokens exceeds pipeline.token_budget ({})",
+            ids.len(),
+            self.max_tokens
+        );
+        let mut staging = PinnedBuf::new(take(&self.staging, stop, "an ids staging buffer")?, ids.len() * 8)?;
+        for (dst, &id) in staging.as_mut_slice().chunks_exact_mut(8).zip(ids) {
+            dst.copy_from_slice(&i64::from(id).to_le_bytes());
+        }
+        let mut dev = take(&self.device, stop, "an ids device buffer")?;
+        dev.copy_from_host_async(staging.as_ref(), &self.stream)?;
+        let copied = self.stream.record_event(None).map_err(|e| anyhow::anyhow!("recording an event: {e:?}"))?;
+        gpu::wait_event(&gpu::torch_stream(&self.ctx), &copied)?;
+        let ids = DeviceTensor::new(dev, &[ids.len() as i64], Kind::Int64, self.ordinal)?;
+        Ok(UploadedIds { ids, _staging: staging, copied, read: None, ctx: Arc::clone(&self.ctx) })
+    }
+}
+
+/// GPU time spent in forwards, from timing events around each: the loop
+/// no longer waits for the GPU, so its own clock cannot tell.
+#[derive(Default)]
+pub struct GpuBusy {
+    pending: VecDeque<(CudaEvent, CudaEvent)>,
+}
+
+fn timing_event(ctx: &Arc<CudaContext>) -> anyhow::Result<CudaEvent> {
+    gpu::torch_stream(ctx)
+        .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(|e| anyhow::anyhow!("recording a timing event: {e:?}"))
+}
+
+impl GpuBusy {
+    /// Marks the start of a forward on torch's stream.
+    pub fn start(ctx: &Arc<CudaContext>) -> anyhow::Result<CudaEvent> {
+        timing_event(ctx)
+    }
+
+    /// Marks its end.
+    pub fn finish(&mut self, ctx: &Arc<CudaContext>, start: CudaEvent) -> anyhow::Result<()> {
+        self.pending.push_back((start, timing_event(ctx)?));
+        Ok(())
+    }
+
+    /// GPU time of the forwards finished since the last call. Pending
+    /// entries are bounded by the batches in flight (the upload pools).
+    pub fn collect(&mut self) -> Duration {
+        let mut total = Duration::ZERO;
+        while self.pending.front().is_some_and(|(_, end)| end.is_complete()) {
+            let (start, end) = self.pending.pop_front().expect("checked");
+            if let Ok(ms) = start.elapsed_ms(&end) {
+                total += Duration::from_secs_f64(f64::from(ms) / 1e3);
+            }
+        }
+        total
+    }
+}
