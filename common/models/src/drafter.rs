@@ -10,7 +10,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::ModelError;
 use crate::blocks::BlockLayout;
-use crate::layers::{Linear, Mlp, RmsNorm, Rope, apply_rope, repeat_kv};
+use crate::layers::{Linear, Mlp, RmsNorm, Rope, apply_rope};
 use crate::target_config::TargetConfig;
 
 /// Shape of a drafter; the width follows the target.
@@ -371,17 +371,9 @@ impl DrafterLayer {
             Tensor::cat(&[ctx_part, blk_part.view([n * g, cb, kv, d])], 1).transpose(1, 2)
         };
         let (k, v) = (keys(&kc, &kb), keys(&vc, &vb));
-        let n_rep = nh / kv;
-        let o = Tensor::scaled_dot_product_attention(
-            &q,
-            &repeat_kv(&k, n_rep),
-            &repeat_kv(&v, n_rep),
-            Some(mask),
-            0.0,
-            false,
-            None,
-            false,
-        );
+        // Grouped-query attention in the kernel (enable_gqa): the kv heads
+        // are not copied num_heads / num_kv_heads times first.
+        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, true);
         let o = a.o_proj.forward(&o.transpose(1, 2).reshape([n, q_len, nh * d]));
         let x = x + o;
         &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))

@@ -396,7 +396,6 @@ impl DecoderLayer {
         mark("input norm");
         let (q, k, v) = self.self_attn.qkv(&h, cos, sin, c); // [T, heads, d]
         mark("qkv + qk-norm + rope");
-        let n_rep = c.num_heads / c.num_kv_heads;
         let (qs, ks, vs) = (q.split_with_sizes(lens, 0), k.split_with_sizes(lens, 0), v.split_with_sizes(lens, 0));
         let outs: Vec<Tensor> = qs
             .iter()
@@ -404,9 +403,11 @@ impl DecoderLayer {
             .zip(&vs)
             .map(|((q, k), v)| {
                 let q = q.transpose(0, 1).unsqueeze(0);
-                let k = repeat_kv(&k.transpose(0, 1).unsqueeze(0), n_rep);
-                let v = repeat_kv(&v.transpose(0, 1).unsqueeze(0), n_rep);
-                let o = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+                let k = k.transpose(0, 1).unsqueeze(0);
+                let v = v.transpose(0, 1).unsqueeze(0);
+                // Grouped-query attention inside the (flash) kernel: no copy
+                // of the kv heads per query head.
+                let o = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, true);
                 o.squeeze_dim(0).transpose(0, 1).reshape([-1, c.num_heads * c.head_dim])
             })
             .collect();

@@ -268,6 +268,7 @@ impl Trainer {
         let m = layout.rows.len() as i64;
         let chunk = (self.settings.loss_chunk_blocks * (layout.block_size - 1)) as i64;
         let mut correct_parts = Vec::new();
+        let mut loss_parts = Vec::new();
         let mut start = 0;
         while start < m {
             let len = chunk.min(m - start);
@@ -277,13 +278,16 @@ impl Trainer {
             let w = weights.narrow(0, start, len);
             let ce = logits.cross_entropy_loss::<Tensor>(&lab, None, tch::Reduction::None, -100, 0.0);
             let part = (&ce * &w).sum(Kind::Float);
-            tally.loss_sum += part.double_value(&[]);
+            // Read back once per micro-batch: a read here would stall the
+            // GPU queue at every chunk.
+            loss_parts.push(part.detach());
             (part / total_weight).backward();
             correct_parts.push(logits.argmax(-1, false).eq_tensor(&lab));
             start += len;
         }
         let grad = detached.grad();
         (&rows * &grad).sum(Kind::Float).backward();
+        tally.loss_sum += Tensor::stack(&loss_parts, 0).sum(Kind::Double).double_value(&[]);
 
         // Metrics over supervised slots (weight > 0), per block of B-1 rows.
         let bm1 = (layout.block_size - 1) as i64;
