@@ -6,18 +6,9 @@
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
+. scripts/device/before-after.sh
 for build in old bin; do
-  echo "== .device/$build: drafter step, 512 anchors, 12 distinct batches"
-  timeout 200 .device/$build/dflash-drafter bench-step --shape qwen3-8b --device 0 --anchors 512 --chunks 64 \
-    --batch-tokens 12288 --batches 12 --max-blocks 2048 --steps 12 --warmup 2 \
-    --json "$OUT/step-$build.json" 2>&1 | grep -v INFO | tail -1
-  echo "== .device/$build: drafter step, 512 anchors, 4 warm batches"
-  timeout 200 .device/$build/dflash-drafter bench-step --shape qwen3-8b --device 0 --anchors 512 --chunks 64 \
-    --batch-tokens 12288 --batches 4 --max-blocks 2048 --steps 12 --warmup 8 \
-    --json "$OUT/warm-$build.json" 2>&1 | grep -v INFO | tail -1
+  drafter_step $build 512 64 $build
+  drafter_step $build 512 64 warm-$build 4 8
 done
-for build in old bin; do
-  echo "== .device/$build: capture"
-  timeout 150 .device/$build/dflash-target bench-capture --shape qwen3-8b --device 0 --layers 5 \
-    --batches 20 --warmup 3 --json "$OUT/capture-$build.json" 2>&1 | grep -v INFO | tail -4
-done
+for build in old bin; do capture $build 5; done

@@ -9,18 +9,11 @@
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
+. scripts/device/before-after.sh
 nproc
 for round in 1 2; do
-  for build in old bin; do
-    echo "== round $round, .device/$build: capture"
-    timeout 150 .device/$build/dflash-target bench-capture --shape qwen3-8b --device 0 --layers 5 \
-      --batches 20 --warmup 3 --json "$OUT/capture-$build-$round.json" 2>&1 | grep -v INFO | tail -4
-  done
+  for build in old bin; do capture $build $round; done
 done
 for round in 1 2; do
-  for build in old bin; do
-    echo "== round $round, .device/$build: transport, pinned landing"
-    timeout 120 .device/$build/dflash-drafter bench-transport --device 0 --streams 1,2,4 \
-      --json "$OUT/transport-$build-$round.json" 2>&1 | grep -v INFO | tail -4
-  done
+  for build in old bin; do transport $build $round; done
 done

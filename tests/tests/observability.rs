@@ -87,9 +87,13 @@ fn one_trace_per_batch_spans_the_services_and_metrics_are_served() {
     );
 
     let ws = Workspace::synthetic(300, 4);
+    // Long enough (about 200 steps over several epochs) that the metrics
+    // pages are polled while work is in flight: one epoch of this dataset
+    // trains in well under a second on an idle machine, and the roles exit
+    // when the run completes.
     let config = ws.config(
         "traced",
-        &format!("[run]\nmax_steps = 30\n[telemetry]\notlp_endpoint = \"http://127.0.0.1:{port}\"\n"),
+        &format!("[run]\nepochs = 10\nmax_steps = 200\n[telemetry]\notlp_endpoint = \"http://127.0.0.1:{port}\"\n"),
     );
     let extra = ["--metrics", "--progress-every-s", "1"];
     let mut up = dflash_tests::up(&ws, &config, &extra, &[("OTEL_BSP_SCHEDULE_DELAY", "500")]);
