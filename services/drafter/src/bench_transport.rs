@@ -15,7 +15,7 @@ use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use crate::receiver::{DrafterService, Expected, LandingPool};
+use crate::receiver::{DrafterService, Expected, Landing};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchTransportArgs {
@@ -34,9 +34,9 @@ pub struct BenchTransportArgs {
     /// Comma-separated numbers of parallel streams (connections) to measure.
     #[arg(long, default_value = "1,2,4")]
     pub streams: String,
-    /// Receive as a drafter on this device: "cpu" (payloads assemble in
-    /// heap memory) or a GPU index (pooled pinned landing buffers, the GPU
-    /// drafter's path).
+    /// Receive as a drafter on this device: "cpu" (pooled host buffers, the
+    /// CPU drafter's path) or a GPU index (pooled pinned landing buffers,
+    /// the GPU drafter's path).
     #[arg(long, default_value = "cpu")]
     pub device: String,
     #[arg(long)]
@@ -75,7 +75,7 @@ fn batch(id: u64, payload: &Bytes, hidden: u32) -> anyhow::Result<HostBatch> {
 /// drafter receiver; returns GB/s of payload acknowledged.
 async fn grpc(
     a: &BenchTransportArgs,
-    landing: Option<LandingPool>,
+    landing: Landing,
     payload: Bytes,
     hidden: u32,
     batches: usize,
@@ -238,17 +238,17 @@ pub fn run(a: &BenchTransportArgs) -> anyhow::Result<()> {
         .collect::<std::result::Result<_, _>>()
         .map_err(|_| anyhow::anyhow!("--streams: comma-separated integers"))?;
     let most = counts.iter().copied().max().unwrap_or(1);
+    // As the drafter sizes it: every stream's credits plus room.
+    let count = most * a.credits as usize + 4;
     let landing = match a.device.as_str() {
-        "cpu" => None,
+        "cpu" => Landing::host(count),
         i => {
             let ordinal: usize = i.parse().map_err(|_| anyhow::anyhow!("--device: cpu or a GPU index"))?;
             let ctx = dflash_models::gpu::context(ordinal)?;
-            // As the drafter sizes it: every stream's credits plus room.
-            let count = most * a.credits as usize + 4;
-            Some(dflash_models::gpu::pinned_pool(&ctx, count, bytes)?)
+            Landing::Pinned(dflash_models::gpu::pinned_pool(&ctx, count, bytes)?)
         }
     };
-    println!("landing: {}", if landing.is_some() { "pooled pinned buffers" } else { "heap memory" });
+    println!("landing: {landing}");
     let rows = rt.block_on(async {
         // Warm both paths once, then measure.
         grpc(a, landing.clone(), payload.clone(), hidden, 2, 1).await?;
@@ -272,7 +272,7 @@ pub fn run(a: &BenchTransportArgs) -> anyhow::Result<()> {
             "batches": batches,
             "chunk_mib": a.chunk_mib,
             "credits_per_stream": a.credits,
-            "landing": if landing.is_some() { "pinned" } else { "heap" },
+            "landing": landing.to_string(),
             "rows": rows,
         });
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;

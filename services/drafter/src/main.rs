@@ -28,7 +28,7 @@ use tch::Kind;
 use tonic_health::ServingStatus;
 
 use crate::prefetch::Prefetcher;
-use crate::receiver::{DrafterService, Expected};
+use crate::receiver::{DrafterService, Expected, Landing};
 use crate::train_loop::{ReplicaStep, TrainLoop, follow};
 
 #[derive(Parser, Debug)]
@@ -255,14 +255,18 @@ async fn start(
     // Targets ship their compute dtype: bf16 on GPUs unless f32 is forced.
     let elem = if !c.devices.target.is_cpu() && c.model.dtype != "f32" { 2 } else { 4 };
     let max_payload = c.pipeline.token_budget as u64 * k * hidden as u64 * elem;
+    // Payloads live in: the HS queue, prefetch, the train step, and the
+    // batches being received; the extra room keeps receiving while the
+    // queue is full.
+    let n = c.pipeline.hs_queue_depth as usize + 4;
     let landing = match device {
         tch::Device::Cuda(i) => {
             let ctx = dflash_models::gpu::context(i).kind(ErrorKind::Device)?;
-            let n = c.pipeline.hs_queue_depth as usize + 4;
-            Some(dflash_models::gpu::pinned_pool(&ctx, n, max_payload as usize).kind(ErrorKind::Device)?)
+            Landing::Pinned(dflash_models::gpu::pinned_pool(&ctx, n, max_payload as usize).kind(ErrorKind::Device)?)
         }
-        _ => None,
+        _ => Landing::host(n),
     };
+    tracing::info!("{n} {landing} for received payloads of up to {} MiB", max_payload >> 20);
     let service = DrafterService {
         landing,
         run_id: session.run_id.clone(),

@@ -32,6 +32,33 @@ pub struct Expected {
 /// Pinned landing buffers for received payloads (GPU drafters).
 pub type LandingPool = dflash_models::gpu::Pool<dflash_models::gpu::PinnedMem>;
 
+/// Where received payloads land: pooled buffers either way, so a batch's
+/// memory is reused rather than allocated (and page-faulted in) anew, and
+/// the number of payloads alive is bounded by the pool.
+#[derive(Clone)]
+pub enum Landing {
+    /// Pinned buffers of a fixed size (GPU drafters: fast host-to-device copies).
+    Pinned(LandingPool),
+    /// Plain host buffers that keep the capacity they grew to (CPU drafters).
+    Host(dflash_models::gpu::Pool<Vec<u8>>),
+}
+
+impl Landing {
+    /// `count` host buffers, empty until their first batch.
+    pub fn host(count: usize) -> Self {
+        Landing::Host(dflash_models::gpu::Pool::new((0..count).map(|_| Vec::new()).collect()))
+    }
+}
+
+impl std::fmt::Display for Landing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Landing::Pinned(_) => "pooled pinned buffers",
+            Landing::Host(_) => "pooled host buffers",
+        })
+    }
+}
+
 /// A payload assembling in a pooled pinned buffer.
 struct PinnedPayload {
     buf: dflash_models::gpu::PinnedBuf,
@@ -52,9 +79,32 @@ impl dflash_wire::PayloadBuffer for PinnedPayload {
     }
 }
 
+/// A payload assembling in a pooled host buffer; the buffer returns to its
+/// pool when the last reference to the finished payload is dropped.
+struct HostPayload(dflash_models::gpu::Pooled<Vec<u8>>);
+
+impl AsRef<[u8]> for HostPayload {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl dflash_wire::PayloadBuffer for HostPayload {
+    fn extend(&mut self, data: &[u8]) {
+        // Within the capacity reserved at the header: no reallocation.
+        self.0.extend_from_slice(data);
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn freeze(self: Box<Self>) -> bytes::Bytes {
+        bytes::Bytes::from_owner(*self)
+    }
+}
+
 pub struct DrafterService {
-    /// Pinned landing buffers (None on CPU: payloads assemble in plain memory).
-    pub landing: Option<LandingPool>,
+    /// Where payloads land (pinned buffers on GPU drafters, host buffers on CPU).
+    pub landing: Landing,
     pub run_id: String,
     pub instance_id: String,
     pub credits: u32,
@@ -141,6 +191,22 @@ impl Drafter for DrafterService {
     }
 }
 
+/// A free buffer of `pool`, waiting while all are in use; an error once the
+/// role stops.
+fn take_until_stop<T>(
+    pool: &dflash_models::gpu::Pool<T>,
+    stop: &Stop,
+) -> Result<dflash_models::gpu::Pooled<T>, WireError> {
+    loop {
+        if let Some(m) = pool.take(Duration::from_millis(100)) {
+            return Ok(m);
+        }
+        if stop.is_stopped() {
+            return Err(WireError::Protocol("drafter stopping".into()));
+        }
+    }
+}
+
 /// Messages decoded but not yet landed, per stream: with 4 MiB chunks,
 /// 16 MiB of decoded chunks wait at most while the lander copies one.
 const LANDING_DEPTH: usize = 4;
@@ -207,7 +273,7 @@ async fn receive(
 struct Lander {
     target: String,
     assembler: Assembler,
-    landing: Option<LandingPool>,
+    landing: Landing,
     /// A corrupt batch whose remaining messages are skipped until its end.
     discarding: Option<u64>,
     expected: Expected,
@@ -253,8 +319,7 @@ impl Lander {
             self.receiving = Some((h.batch_id, dflash_telemetry::batch_span("receive", &h.trace_context, h.batch_id)));
         }
         let result = match m {
-            Msg::Header(h) if self.landing.is_some() => self.begin_pinned(h),
-            Msg::Header(h) => self.assembler.push_header(h),
+            Msg::Header(h) => self.begin_pooled(h),
             Msg::Chunk(c) => self.assembler.push_chunk(c),
             Msg::End(e) => self.assembler.push_end(e),
             Msg::Hello(_) => Err(WireError::Protocol("hello in the middle of a stream".into())),
@@ -284,27 +349,34 @@ impl Lander {
         }
     }
 
-    /// Starts a batch in a pinned landing buffer, waiting (bounded by the
+    /// Starts a batch in a pooled landing buffer, waiting (bounded by the
     /// pool, cancelled by stop) for one to be free: backpressure.
-    fn begin_pinned(&mut self, h: pb::BatchHeader) -> Result<Assembled, WireError> {
+    fn begin_pooled(&mut self, h: pb::BatchHeader) -> Result<Assembled, WireError> {
         let meta = self.assembler.check_header(h)?;
-        let pool = self.landing.clone().expect("checked by the caller");
         let bytes = meta.payload_bytes();
-        let mem = loop {
-            if let Some(m) = pool.take(Duration::from_millis(100)) {
-                break m;
+        let buf: Box<dyn dflash_wire::PayloadBuffer> = match &self.landing {
+            Landing::Pinned(pool) => {
+                let mem = take_until_stop(pool, &self.stop)?;
+                let limit = mem.capacity();
+                let buf = dflash_models::gpu::PinnedBuf::new(mem, bytes).map_err(|_| WireError::TooLarge {
+                    batch_id: meta.batch_id,
+                    bytes,
+                    limit,
+                })?;
+                Box::new(PinnedPayload { buf, filled: 0 })
             }
-            if self.stop.is_stopped() {
-                return Err(WireError::Protocol("drafter stopping".into()));
+            Landing::Host(pool) => {
+                let mut buf = take_until_stop(pool, &self.stop)?;
+                buf.clear();
+                if buf.capacity() < bytes {
+                    // Grow without copying the old contents (the header
+                    // check bounds `bytes` by the largest payload).
+                    *buf = Vec::with_capacity(bytes);
+                }
+                Box::new(HostPayload(buf))
             }
         };
-        let limit = mem.capacity();
-        let buf = dflash_models::gpu::PinnedBuf::new(mem, bytes).map_err(|_| WireError::TooLarge {
-            batch_id: meta.batch_id,
-            bytes,
-            limit,
-        })?;
-        self.assembler.begin(meta, Box::new(PinnedPayload { buf, filled: 0 }));
+        self.assembler.begin(meta, buf);
         Ok(Assembled::Pending)
     }
 
