@@ -27,6 +27,11 @@ pub struct CapturedBatch {
     /// (after postprocessing has waited for the forward).
     #[allow(dead_code, reason = "held for ownership, never read")]
     pub ids: Option<UploadedIds>,
+    /// On CUDA: the batch's `forward` span, open until the batch is dropped
+    /// after postprocessing has waited for the GPU, so the span covers the
+    /// forward's GPU time and not only its launch.
+    #[allow(dead_code, reason = "held open, never read")]
+    pub forward_span: Option<tracing::Span>,
 }
 
 /// What the forward loops of a target did, for the coordinator's supply
@@ -108,7 +113,7 @@ impl ForwardLoop {
             let spent = if self.cuda.is_some() { gpu_busy.collect() } else { t0.elapsed() };
             drop(entered);
             work.trace = dflash_telemetry::context_of(&span);
-            drop(span);
+            let forward_span = self.cuda.is_some().then_some(span);
             busy += spent;
             let m = dflash_telemetry::metrics();
             m.tokens.with_label_values(&["captured"]).inc_by(work.input_ids.len() as u64);
@@ -130,7 +135,7 @@ impl ForwardLoop {
                     100.0 * busy.as_secs_f64() / wall
                 );
             }
-            if !sink.push(CapturedBatch { work, layers, ready, ids }, &stop)? {
+            if !sink.push(CapturedBatch { work, layers, ready, ids, forward_span }, &stop)? {
                 break;
             }
         }
