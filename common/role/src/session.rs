@@ -163,9 +163,14 @@ impl Session {
     pub async fn announce_devices(&self, devices: Vec<String>) -> anyhow::Result<()> {
         let mut req = self.request.clone();
         req.devices = devices;
-        with_timeout(self.rpc_timeout, self.client().register(req))
-            .await
-            .map_err(|s| anyhow::anyhow!("re-registering with devices: {}", s.message()))?;
+        with_timeout(self.rpc_timeout, self.client().register(req)).await.map_err(|s| {
+            if s.code() == tonic::Code::FailedPrecondition {
+                // The run ended while this role was starting: stop for the
+                // run's reason, as its event stream would have said.
+                self.stop.stop(run_over_cause(s.message()));
+            }
+            anyhow::anyhow!("re-registering with devices: {}", s.message())
+        })?;
         Ok(())
     }
 
@@ -404,6 +409,18 @@ impl<T, E: Into<anyhow::Error>> KindExt<T> for Result<T, E> {
     }
 }
 
+/// The stop cause for a coordinator's "run R is over (STATE): message"
+/// answer (the state names are the protocol's `RunState` names).
+fn run_over_cause(message: &str) -> StopCause {
+    if message.contains(pb::RunState::Completed.as_str_name()) {
+        StopCause::RunCompleted
+    } else if message.contains(pb::RunState::Cancelled.as_str_name()) {
+        StopCause::RunCancelled(message.to_string())
+    } else {
+        StopCause::RunFailed(message.to_string())
+    }
+}
+
 /// The messages of an error's chain, outermost first, without repeats.
 pub fn chain_of(e: &anyhow::Error) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
@@ -422,3 +439,16 @@ pub fn format_chain(e: &anyhow::Error) -> String {
 
 /// Shared, cheap-to-read set of batch ids (for heartbeats).
 pub type HeldBatches = Arc<Mutex<std::collections::BTreeSet<u64>>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_that_ended_during_startup_stops_the_role_for_the_runs_reason() {
+        let failed = "run r1 is over (RUN_STATE_FAILED): target t0 [data]: bad sample";
+        assert_eq!(run_over_cause(failed).to_string(), format!("run failed: {failed}"));
+        assert!(matches!(run_over_cause("run r1 is over (RUN_STATE_COMPLETED): done"), StopCause::RunCompleted));
+        assert!(matches!(run_over_cause("run r1 is over (RUN_STATE_CANCELLED): ^C"), StopCause::RunCancelled(_)));
+    }
+}
