@@ -75,6 +75,20 @@ impl<T> Pool<T> {
         free.pop().map(|item| Pooled { item: Some(item), pool: Arc::clone(&self.inner) })
     }
 
+    /// A free item, waiting as long as it takes unless `stopped()` turns
+    /// true (checked every 100 ms): None then. The one place the roles wait
+    /// for a pooled buffer, so every such wait is cancellable.
+    pub fn take_until(&self, stopped: impl Fn() -> bool) -> Option<Pooled<T>> {
+        loop {
+            if let Some(item) = self.take(Duration::from_millis(100)) {
+                return Some(item);
+            }
+            if stopped() {
+                return None;
+            }
+        }
+    }
+
     pub fn free_count(&self) -> usize {
         self.inner.free.lock().expect("pool lock").len()
     }

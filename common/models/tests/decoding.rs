@@ -17,6 +17,16 @@ fn target() -> (tempfile::TempDir, TargetModel) {
     (dir, t)
 }
 
+/// A freshly initialised drafter (seeded) reading target layers 0 and 2.
+fn drafter(t: &TargetModel, seed: i64, layers: i64, block: i64) -> Drafter {
+    tch::manual_seed(seed);
+    Drafter::new(DrafterConfig::for_target(&t.config, layers, block, 3, vec![0, 2]), Device::Cpu, Kind::Float)
+}
+
+fn settings(t: &TargetModel, max_new_tokens: usize) -> SpecSettings<'_> {
+    SpecSettings { embed: t.embed_tokens(), lm_head: t.lm_head().unwrap(), max_new_tokens, stop_ids: &[] }
+}
+
 #[test]
 fn batched_greedy_equals_one_by_one() {
     let (_d, t) = target();
@@ -33,14 +43,10 @@ fn batched_greedy_equals_one_by_one() {
 fn speculative_decoding_reproduces_greedy_decoding() {
     let (_d, t) = target();
     for (seed, block) in [(1i64, 4i64), (2, 8)] {
-        tch::manual_seed(seed);
-        let dc = DrafterConfig::for_target(&t.config, 1, block, 3, vec![0, 2]);
-        let drafter = Drafter::new(dc, Device::Cpu, Kind::Float);
+        let drafter = drafter(&t, seed, 1, block);
         let prompt: Vec<u32> = (30..50).collect();
         let want = greedy_generate(&t, std::slice::from_ref(&prompt), 40, &[]);
-        let s =
-            SpecSettings { embed: t.embed_tokens(), lm_head: t.lm_head().unwrap(), max_new_tokens: 40, stop_ids: &[] };
-        let got = speculative_generate(&t, &drafter, &prompt, &s);
+        let got = speculative_generate(&t, &drafter, &prompt, &settings(&t, 40));
         assert_eq!(got.tokens, want[0], "block {block}");
         assert!(got.tau() >= 1.0 && got.tau() <= block as f64);
         assert_eq!(1 + got.per_step.iter().sum::<u32>() as usize, got.tokens.len());
@@ -55,13 +61,9 @@ fn decoding_proposes_what_the_training_layout_predicts_at_the_same_anchors() {
     // must be the same tokens.
     let (_d, t) = target();
     for (seed, block) in [(3i64, 4i64), (4, 8)] {
-        tch::manual_seed(seed);
-        let dc = DrafterConfig::for_target(&t.config, 2, block, 3, vec![0, 2]);
-        let drafter = Drafter::new(dc, Device::Cpu, Kind::Float);
+        let drafter = drafter(&t, seed, 2, block);
         let prompt: Vec<u32> = (60..75).collect();
-        let s =
-            SpecSettings { embed: t.embed_tokens(), lm_head: t.lm_head().unwrap(), max_new_tokens: 48, stop_ids: &[] };
-        let got = speculative_generate(&t, &drafter, &prompt, &s);
+        let got = speculative_generate(&t, &drafter, &prompt, &settings(&t, 48));
         assert!(got.steps.len() >= 6, "{} steps", got.steps.len());
         let seq: Vec<u32> = prompt.iter().chain(&got.tokens).copied().collect();
         let mask: Vec<u8> = (0..seq.len()).map(|i| u8::from(i >= prompt.len())).collect();

@@ -54,14 +54,10 @@ impl Prefetcher {
         let mut landing = None;
         let on_device = match &self.gpu {
             Some(g) => {
-                let mut buf = loop {
-                    if let Some(d) = g.buffers.take(Duration::from_millis(100)) {
-                        break d;
-                    }
-                    if self.stop.is_stopped() {
-                        anyhow::bail!("stopped while waiting for a device buffer");
-                    }
-                };
+                let mut buf = g
+                    .buffers
+                    .take_until(|| self.stop.is_stopped())
+                    .ok_or_else(|| anyhow::anyhow!("stopped while waiting for a device buffer"))?;
                 buf.copy_from_host_async(&b.payload, &g.stream)?;
                 // The pinned payload may be reused only after the copy.
                 gpu::sync(&g.stream)?;

@@ -191,20 +191,8 @@ impl Drafter for DrafterService {
     }
 }
 
-/// A free buffer of `pool`, waiting while all are in use; an error once the
-/// role stops.
-fn take_until_stop<T>(
-    pool: &dflash_models::gpu::Pool<T>,
-    stop: &Stop,
-) -> Result<dflash_models::gpu::Pooled<T>, WireError> {
-    loop {
-        if let Some(m) = pool.take(Duration::from_millis(100)) {
-            return Ok(m);
-        }
-        if stop.is_stopped() {
-            return Err(WireError::Protocol("drafter stopping".into()));
-        }
-    }
+fn stopping() -> WireError {
+    WireError::Protocol("drafter stopping".into())
 }
 
 /// Messages decoded but not yet landed, per stream: with 4 MiB chunks,
@@ -356,7 +344,7 @@ impl Lander {
         let bytes = meta.payload_bytes();
         let buf: Box<dyn dflash_wire::PayloadBuffer> = match &self.landing {
             Landing::Pinned(pool) => {
-                let mem = take_until_stop(pool, &self.stop)?;
+                let mem = pool.take_until(|| self.stop.is_stopped()).ok_or_else(stopping)?;
                 let limit = mem.capacity();
                 let buf = dflash_models::gpu::PinnedBuf::new(mem, bytes).map_err(|_| WireError::TooLarge {
                     batch_id: meta.batch_id,
@@ -366,7 +354,7 @@ impl Lander {
                 Box::new(PinnedPayload { buf, filled: 0 })
             }
             Landing::Host(pool) => {
-                let mut buf = take_until_stop(pool, &self.stop)?;
+                let mut buf = pool.take_until(|| self.stop.is_stopped()).ok_or_else(stopping)?;
                 buf.clear();
                 if buf.capacity() < bytes {
                     // Grow without copying the old contents (the header

@@ -118,9 +118,7 @@ fn cuda_feed(
     count: usize,
 ) -> anyhow::Result<Option<CudaFeed>> {
     match (cuda, device) {
-        (Some(ctx), Device::Cuda(i)) => {
-            Ok(Some(CudaFeed { ctx: ctx.clone(), upload: crate::upload::IdsUploader::new(ctx, i, max_tokens, count)? }))
-        }
+        (Some(ctx), Device::Cuda(i)) => Ok(Some(CudaFeed::new(ctx, i, max_tokens, count)?)),
         _ => Ok(None),
     }
 }

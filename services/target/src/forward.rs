@@ -72,6 +72,18 @@ pub struct CudaFeed {
     pub upload: IdsUploader,
 }
 
+impl CudaFeed {
+    /// Uploads for batches of up to `max_tokens`, `in_flight` at a time.
+    pub fn new(
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+        ordinal: usize,
+        max_tokens: usize,
+        in_flight: usize,
+    ) -> anyhow::Result<Self> {
+        Ok(Self { ctx: ctx.clone(), upload: IdsUploader::new(ctx, ordinal, max_tokens, in_flight)? })
+    }
+}
+
 impl ForwardLoop {
     /// Runs until the input closes or the role stops.
     pub fn run(self, input: flume::Receiver<WorkItem>, sink: PostprocessSink, stop: Stop) -> anyhow::Result<()> {

@@ -207,9 +207,10 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
             (Some(ctx), Device::Cuda(i)) => {
                 // Ids are held by: the loop, the postprocess queue, the worker.
                 let count = depth + 3;
-                let upload = upload::IdsUploader::new(&ctx, *i as usize, c.pipeline.token_budget as usize, count)
-                    .kind(ErrorKind::Device)?;
-                Some(forward::CudaFeed { ctx, upload })
+                Some(
+                    forward::CudaFeed::new(&ctx, *i as usize, c.pipeline.token_budget as usize, count)
+                        .kind(ErrorKind::Device)?,
+                )
             }
             _ => None,
         };

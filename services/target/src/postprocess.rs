@@ -69,14 +69,10 @@ impl Postprocessor {
         let t = c.layers[0].size()[0] as usize;
         let row = c.layers[0].size()[1] as usize * c.layers[0].kind().elt_size_in_bytes();
         let bytes = t * row * c.layers.len();
-        let mem = loop {
-            if let Some(m) = g.pool.take(Duration::from_millis(100)) {
-                break m;
-            }
-            if self.stop.is_stopped() {
-                anyhow::bail!("stopped while waiting for a pinned buffer");
-            }
-        };
+        let mem = g
+            .pool
+            .take_until(|| self.stop.is_stopped())
+            .ok_or_else(|| anyhow::anyhow!("stopped while waiting for a pinned buffer"))?;
         let mut buf = gpu::PinnedBuf::new(mem, bytes)?;
         match self.layout {
             Layout::Packed => {

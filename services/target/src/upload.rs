@@ -60,14 +60,7 @@ impl Drop for UploadedIds {
 }
 
 fn take<T>(pool: &Pool<T>, stop: &Stop, what: &str) -> anyhow::Result<gpu::Pooled<T>> {
-    loop {
-        if let Some(m) = pool.take(Duration::from_millis(100)) {
-            return Ok(m);
-        }
-        if stop.is_stopped() {
-            anyhow::bail!("stopped while waiting for {what}");
-        }
-    }
+    pool.take_until(|| stop.is_stopped()).ok_or_else(|| anyhow::anyhow!("stopped while waiting for {what}"))
 }
 
 impl IdsUploader {
