@@ -6,6 +6,7 @@
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-changed=csrc/sdp.cpp");
+    println!("cargo:rerun-if-changed=csrc/adamw.cpp");
     let Ok(dir) = std::env::var("LIBTORCH") else {
         panic!("LIBTORCH is not set: run scripts/setup-libtorch.sh (the Makefile does)");
     };
@@ -13,6 +14,7 @@ fn main() {
     cc::Build::new()
         .cpp(true)
         .file("csrc/sdp.cpp")
+        .file("csrc/adamw.cpp")
         .include(format!("{dir}/include"))
         .include(format!("{dir}/include/torch/csrc/api/include"))
         .flag("-std=c++17")

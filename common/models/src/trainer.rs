@@ -261,32 +261,48 @@ impl Trainer {
         let labels = Tensor::from_slice(&layout.labels).to_device(device);
         let weights = Tensor::from_slice(&layout.weights).to_device(device);
 
-        // Chunked logits: gradients flow into a detached copy of the rows
-        // chunk by chunk, so only one chunk of [rows x vocab] logits lives
-        // at a time; then one backward through the drafter.
-        let detached = rows.detach().set_requires_grad(true);
+        // Chunked logits with the cross-entropy gradient written by hand:
+        // d(sum w*CE)/d(logits) = w * (softmax - onehot). The softmax reads the
+        // model-dtype logits and writes fp32 probabilities in one kernel; the
+        // one-hot is subtracted in fp32 and the result rounded once to the
+        // model dtype for the LM head's backward matmul, the same numerics as
+        // an fp32 cross-entropy through autograd without its fp32 copy of the
+        // logits, its dense one-hot gradient and its conversions (each a full
+        // pass over rows x vocab). Only one chunk of logits lives at a time.
         let m = layout.rows.len() as i64;
         let chunk = (self.settings.loss_chunk_blocks * (layout.block_size - 1)) as i64;
+        // The probabilities' kind: fp32, or f64 for an f64 drafter (tests).
+        let acc = if kind == Kind::Double { Kind::Double } else { Kind::Float };
+        let scale = weights.to_kind(acc) / total_weight; // [M]: each row's share of the loss
+        let grad = Tensor::empty([m, h], (kind, device));
         let mut correct_parts = Vec::new();
         let mut loss_parts = Vec::new();
+        let no_grad = tch::no_grad_guard();
         let mut start = 0;
         while start < m {
             let len = chunk.min(m - start);
-            let x = detached.narrow(0, start, len);
-            let logits = x.linear(&self.lm_head, None::<Tensor>).to_kind(Kind::Float);
-            let lab = labels.narrow(0, start, len);
+            let x = rows.narrow(0, start, len);
+            let logits = x.linear(&self.lm_head, None::<Tensor>);
+            let lab = labels.narrow(0, start, len).unsqueeze(1);
             let w = weights.narrow(0, start, len);
-            let ce = logits.cross_entropy_loss::<Tensor>(&lab, None, tch::Reduction::None, -100, 0.0);
-            let part = (&ce * &w).sum(Kind::Float);
-            // Read back once per micro-batch: a read here would stall the
-            // GPU queue at every chunk.
-            loss_parts.push(part.detach());
-            (part / total_weight).backward();
-            correct_parts.push(logits.argmax(-1, false).eq_tensor(&lab));
+            correct_parts.push(logits.argmax(-1, false).eq_tensor(&lab.squeeze_dim(1)));
+            let mut probs = logits.softmax(-1, acc);
+            drop(logits);
+            // CE = -log p[label]; p is clamped at the smallest normal float,
+            // so a confidently wrong slot reports a loss of at most ~87 where
+            // a log-sum-exp would report more (its gradient is exact either way).
+            let p_label = probs.gather(1, &lab, false).squeeze_dim(1);
+            let ce = p_label.to_kind(Kind::Double).clamp_min(f64::from(f32::MIN_POSITIVE)).log().neg();
+            loss_parts.push((&ce * w.to_kind(Kind::Double)).sum(Kind::Double));
+            let _ = probs.scatter_add_(1, &lab, &Tensor::full([len, 1], -1.0, (acc, device)));
+            let g = probs.to_kind(kind).matmul(&self.lm_head) * scale.narrow(0, start, len).unsqueeze(1).to_kind(kind);
+            grad.narrow(0, start, len).copy_(&g);
             start += len;
         }
-        let grad = detached.grad();
+        drop(no_grad);
         (&rows * &grad).sum(Kind::Float).backward();
+        // Read back once per micro-batch: a read per chunk would stall the
+        // GPU queue.
         tally.loss_sum += Tensor::stack(&loss_parts, 0).sum(Kind::Double).double_value(&[]);
 
         // Metrics over supervised slots (weight > 0), per block of B-1 rows.
@@ -305,5 +321,81 @@ impl Trainer {
         let blocks = layout.real_blocks as f64;
         tally.accept_sum += accepted + blocks;
         tally.blocks += blocks;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DrafterConfig;
+    use crate::optim::{AdamWSettings, LrSchedule};
+    use crate::synthetic::synthetic_target_config;
+    use tch::Device;
+
+    /// The hand-written cross-entropy gradient against libtorch's autograd
+    /// through `cross_entropy_loss`, in f64: loss and every parameter's
+    /// gradient of one micro-batch.
+    #[test]
+    fn hand_written_cross_entropy_matches_autograd() {
+        let tc = synthetic_target_config(2);
+        tch::manual_seed(7);
+        let dc = DrafterConfig::for_target(&tc, 1, 4, 3, vec![0, 1]);
+        let drafter = Drafter::new(dc, Device::Cpu, Kind::Double);
+        let opts = (Kind::Double, Device::Cpu);
+        let embed = Tensor::randn([tc.vocab_size, tc.hidden_size], opts);
+        let head = Tensor::randn([tc.vocab_size, tc.hidden_size], opts) * 0.3;
+        let settings = TrainSettings {
+            blocks: BlockSettings { block_size: 4, mask_token_id: 3, gamma: 4.0, anchors_per_sequence: 5 },
+            schedule: LrSchedule::new(1e-3, 10, 0.0, 0.0),
+            adamw: AdamWSettings { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
+            grad_clip: 0.0,
+            max_blocks_per_micro_batch: 100,
+            loss_chunk_blocks: 2, // several loss chunks, the last one partial
+            attention_chunk_blocks: 100,
+            context_pad_multiple: 1,
+            seed: 1,
+        };
+        let trainer = Trainer::new(drafter, embed, head, settings);
+        let ids: Vec<u32> = (0..19).map(|i| 10 + (i * 13) % 150).collect();
+        let mut mask = vec![1u8; 19];
+        mask[..3].fill(0);
+        mask[11] = 0;
+        let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors: vec![3, 5, 8, 12, 16] }];
+        let layout = BlockLayout::new(&seqs, &trainer.settings.blocks, 100);
+        let features = Tensor::randn([19, 2 * tc.hidden_size], opts);
+        let total = layout.total_weight() * 1.5; // as if other micro-batches shared the step
+        let grads = |t: &Trainer| -> Vec<Tensor> {
+            t.drafter.named_parameters().into_iter().map(|(_, p)| p.grad().copy()).collect()
+        };
+
+        let mut tally = Tally { correct: vec![0.0; 3], counted: vec![0.0; 3], ..Tally::default() };
+        for (_, p) in trainer.drafter.named_parameters() {
+            let _ = p.grad().zero_();
+        }
+        trainer.micro_batch(&features, &[(0, 19)], &layout, total, &mut tally);
+        let (loss, got) = (tally.loss_sum / total, grads(&trainer));
+
+        for (_, p) in trainer.drafter.named_parameters() {
+            let _ = p.grad().zero_();
+        }
+        let hidden = trainer.drafter.forward_layout(&features.unsqueeze(0), trainer.embed(), &layout);
+        let rows = hidden.view([-1, tc.hidden_size]).index_select(0, &Tensor::from_slice(&layout.rows));
+        let logits = rows.linear(trainer.lm_head(), None::<Tensor>);
+        let ce = logits.cross_entropy_loss::<Tensor>(
+            &Tensor::from_slice(&layout.labels),
+            None,
+            tch::Reduction::None,
+            -100,
+            0.0,
+        );
+        let want_loss = (ce * Tensor::from_slice(&layout.weights).to_kind(Kind::Double)).sum(Kind::Double) / total;
+        want_loss.backward();
+        assert!((loss - want_loss.double_value(&[])).abs() < 1e-12, "loss {loss} vs {}", want_loss.double_value(&[]));
+        for ((name, _), (g, w)) in trainer.drafter.named_parameters().iter().zip(got.iter().zip(grads(&trainer))) {
+            let err = (g - &w).abs().max().double_value(&[]);
+            let size = w.abs().max().double_value(&[]);
+            assert!(size > 0.0, "{name}: no gradient");
+            assert!(err < 1e-10 * size.max(1.0), "{name}: gradient differs by {err} (size {size})");
+        }
     }
 }
