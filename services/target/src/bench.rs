@@ -66,6 +66,10 @@ pub struct BenchArgs {
 struct ModeResult {
     mode: String,
     step_ms: f64,
+    /// GPU time of one forward from timing events around it (the
+    /// pipelined modes on CUDA): against `step_ms`, whether postprocessing
+    /// slows the forward's kernels or leaves gaps between forwards.
+    forward_gpu_ms: Option<f64>,
     tokens_per_s: f64,
     mfu: f64,
     vs_off: f64,
@@ -171,6 +175,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         let flops = capture_flops(&config, last + 1, &lens);
         let tokens: usize = timed.iter().sum();
         let stop = Stop::new();
+        let mut forward_gpu_ms = None;
         let elapsed = match mode {
             "off" => {
                 // The forward loop's input path (ids uploaded ahead on CUDA,
@@ -233,8 +238,9 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     workers.push(std::thread::spawn(move || postprocess::worker(post, cap_rx, host_tx, s)));
                     PostprocessSink::Queue(cap_tx)
                 };
+                let stats = std::sync::Arc::new(crate::forward::ForwardStats::new(1));
                 let fl = ForwardLoop {
-                    stats: std::sync::Arc::new(crate::forward::ForwardStats::new(1)),
+                    stats: stats.clone(),
                     model,
                     layer_ids: layer_ids.clone(),
                     label: "bench".into(),
@@ -271,6 +277,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     w.join().map_err(|_| anyhow::anyhow!("postprocess panicked"))??;
                 }
                 anyhow::ensure!(received == a.warmup + a.batches, "the pipeline delivered {received} batches");
+                let timed = stats.timed_forwards.load(std::sync::atomic::Ordering::Relaxed);
+                if cuda.is_some() && timed > 0 {
+                    let busy = stats.busy_ns.load(std::sync::atomic::Ordering::Relaxed) as f64;
+                    forward_gpu_ms = Some(busy / 1e6 / timed as f64);
+                }
                 el
             }
             other => anyhow::bail!("unknown mode {other} (off, async, sync)"),
@@ -283,6 +294,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         results.push(ModeResult {
             mode: mode.to_string(),
             step_ms,
+            forward_gpu_ms,
             tokens_per_s: tokens as f64 / secs,
             mfu: flops / secs / peak,
             vs_off: step_ms / off_ms,
@@ -344,12 +356,14 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             bytes as f64 / pageable / 1e9
         );
     }
-    println!("{:<8} {:>10} {:>12} {:>7} {:>8}", "mode", "step ms", "tokens/s", "MFU", "vs off");
+    println!("{:<8} {:>10} {:>12} {:>12} {:>7} {:>8}", "mode", "step ms", "fwd GPU ms", "tokens/s", "MFU", "vs off");
     for r in &results {
+        let gpu_ms = r.forward_gpu_ms.map_or("-".to_string(), |ms| format!("{ms:.1}"));
         println!(
-            "{:<8} {:>10.1} {:>12.0} {:>6.1}% {:>8.3}",
+            "{:<8} {:>10.1} {:>12} {:>12.0} {:>6.1}% {:>8.3}",
             r.mode,
             r.step_ms,
+            gpu_ms,
             r.tokens_per_s,
             100.0 * r.mfu,
             r.vs_off

@@ -39,13 +39,22 @@ pub struct CapturedBatch {
 pub struct ForwardStats {
     pub tokens: std::sync::atomic::AtomicU64,
     pub busy_ns: std::sync::atomic::AtomicU64,
+    /// Forwards whose GPU time `busy_ns` holds (on CUDA the last few are
+    /// still pending when a run ends).
+    pub timed_forwards: std::sync::atomic::AtomicU64,
     pub started: Instant,
     pub loops: usize,
 }
 
 impl ForwardStats {
     pub fn new(loops: usize) -> Self {
-        Self { tokens: Default::default(), busy_ns: Default::default(), started: Instant::now(), loops: loops.max(1) }
+        Self {
+            tokens: Default::default(),
+            busy_ns: Default::default(),
+            timed_forwards: Default::default(),
+            started: Instant::now(),
+            loops: loops.max(1),
+        }
     }
 
     /// (tokens produced, fraction of the loops' wall time spent computing).
@@ -122,7 +131,7 @@ impl ForwardLoop {
                 }
             };
             // On CUDA the loop runs ahead of the GPU: busy time is the GPU's.
-            let spent = if self.cuda.is_some() { gpu_busy.collect() } else { t0.elapsed() };
+            let (spent, timed) = if self.cuda.is_some() { gpu_busy.collect() } else { (t0.elapsed(), 1) };
             drop(entered);
             work.trace = dflash_telemetry::context_of(&span);
             let forward_span = self.cuda.is_some().then_some(span);
@@ -138,6 +147,7 @@ impl ForwardLoop {
             tokens += work.input_ids.len() as u64;
             self.stats.tokens.fetch_add(work.input_ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
             self.stats.busy_ns.fetch_add(spent.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+            self.stats.timed_forwards.fetch_add(timed, std::sync::atomic::Ordering::Relaxed);
             if batches.is_multiple_of(50) {
                 let wall = started.elapsed().as_secs_f64();
                 tracing::info!(

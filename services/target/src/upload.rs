@@ -124,16 +124,18 @@ impl GpuBusy {
         Ok(())
     }
 
-    /// GPU time of the forwards finished since the last call. Pending
-    /// entries are bounded by the batches in flight (the upload pools).
-    pub fn collect(&mut self) -> Duration {
-        let mut total = Duration::ZERO;
+    /// GPU time of the forwards finished since the last call, and how
+    /// many they were. Pending entries are bounded by the batches in flight
+    /// (the upload pools).
+    pub fn collect(&mut self) -> (Duration, u64) {
+        let (mut total, mut forwards) = (Duration::ZERO, 0);
         while self.pending.front().is_some_and(|(_, end)| end.is_complete()) {
             let (start, end) = self.pending.pop_front().expect("checked");
             if let Ok(ms) = start.elapsed_ms(&end) {
                 total += Duration::from_secs_f64(f64::from(ms) / 1e3);
+                forwards += 1;
             }
         }
-        total
+        (total, forwards)
     }
 }
