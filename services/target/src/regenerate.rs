@@ -34,6 +34,14 @@ pub struct RegenArgs {
     /// Prompts decoded together.
     #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
+    /// Cap on a batch's padded tokens (prompts x (longest prompt + new
+    /// tokens)): the attention mask and scores grow with the square of the
+    /// longest prompt, so long prompts decode in smaller batches.
+    #[arg(long, default_value_t = 32_768)]
+    pub max_batch_tokens: usize,
+    /// Prompts longer than this are skipped (and counted in the log).
+    #[arg(long, default_value_t = 4096)]
+    pub max_prompt_tokens: usize,
     /// Device: "cpu" or a GPU index.
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -86,23 +94,34 @@ pub fn regenerate(a: &RegenArgs) -> anyhow::Result<()> {
     let tok = ChatTokenizer::from_dir(&a.model)?;
     let target = TargetModel::load(&a.model, device, kind, LoadScope::Full)?;
     let prompts = read_prompts(&a.input, &tok, a.offset, a.limit)?;
+    let too_long = prompts.iter().filter(|p| p.ids.len() > a.max_prompt_tokens).count();
+    if too_long > 0 {
+        tracing::warn!(
+            "skipping {too_long} of {} prompts longer than {} tokens (--max-prompt-tokens)",
+            prompts.len(),
+            a.max_prompt_tokens
+        );
+    }
     // Decode similar lengths together (less padding); write in input order.
-    let mut order: Vec<usize> = (0..prompts.len()).collect();
+    let mut order: Vec<usize> = (0..prompts.len()).filter(|&i| prompts[i].ids.len() <= a.max_prompt_tokens).collect();
     order.sort_by_key(|&i| prompts[i].ids.len());
+    let lens: Vec<usize> = order.iter().map(|&i| prompts[i].ids.len()).collect();
     let mut answers: Vec<Option<String>> = vec![None; prompts.len()];
     let started = Instant::now();
     let mut generated = 0usize;
-    for (n, chunk) in order.chunks(a.batch_size.max(1)).enumerate() {
+    let mut done = 0usize;
+    for range in plan_batches(&lens, a.batch_size, a.max_batch_tokens, a.max_new_tokens) {
+        let chunk = &order[range];
         let batch: Vec<Vec<u32>> = chunk.iter().map(|&i| prompts[i].ids.clone()).collect();
         let outs = greedy_generate(&target, &batch, a.max_new_tokens, &tok.stop_ids);
         for (&i, ids) in chunk.iter().zip(outs) {
             generated += ids.len();
             answers[i] = Some(tok.decode(&ids)?.trim().to_string());
         }
-        let done = ((n + 1) * a.batch_size).min(prompts.len());
+        done += chunk.len();
         tracing::info!(
             "regenerated {done}/{} prompts, {:.0} new tokens/s",
-            prompts.len(),
+            order.len(),
             generated as f64 / started.elapsed().as_secs_f64()
         );
     }
@@ -136,4 +155,49 @@ pub fn regenerate(a: &RegenArgs) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// Consecutive batches over prompts sorted by length (`lens`, ascending):
+/// at most `batch_size` prompts and `max_tokens` padded tokens (prompts x
+/// (longest + `new_tokens`)) each; a prompt too long for the token cap
+/// alone still gets a batch of its own.
+fn plan_batches(
+    lens: &[usize],
+    batch_size: usize,
+    max_tokens: usize,
+    new_tokens: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < lens.len() {
+        let mut end = start + 1;
+        while end < lens.len()
+            && end - start < batch_size.max(1)
+            && (end + 1 - start) * (lens[end] + new_tokens) <= max_tokens
+        {
+            end += 1;
+        }
+        out.push(start..end);
+        start = end;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan_batches;
+
+    #[test]
+    fn batches_cap_prompts_and_padded_tokens() {
+        // Short prompts fill batches of 3; long ones pair up; the longest goes alone.
+        let lens = [10, 10, 12, 14, 20, 400, 450, 3000];
+        let b = plan_batches(&lens, 3, 1200, 96);
+        assert_eq!(b, vec![0..3, 3..5, 5..7, 7..8]);
+        for r in &b {
+            let padded = r.len() * (lens[r.end - 1] + 96);
+            assert!(r.len() == 1 || padded <= 1200, "{r:?}: {padded} padded tokens");
+        }
+        assert_eq!(b.iter().map(|r| r.len()).sum::<usize>(), lens.len());
+        assert!(plan_batches(&[], 4, 100, 1).is_empty());
+    }
 }
