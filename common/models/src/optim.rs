@@ -82,6 +82,9 @@ pub struct AdamW {
     /// What the next step divides the gradients by (global-norm clipping;
     /// 1 when the norm is within bounds).
     grad_divisor: f64,
+    /// `grad_divisor` as the kernel reads it: a one-element fp32 tensor on
+    /// the parameters' device, refilled each step (no host-to-device copy).
+    grad_divisor_t: Tensor,
 }
 
 impl AdamW {
@@ -102,7 +105,8 @@ impl AdamW {
             .collect::<Vec<Slot>>();
         let device = slots.first().map_or(tch::Device::Cpu, |s| s.master.device());
         let step_count = Tensor::zeros([1], (Kind::Float, device));
-        Self { slots, settings, step: 0, step_count, grad_divisor: 1.0 }
+        let grad_divisor_t = Tensor::ones([1], (Kind::Float, device));
+        Self { slots, settings, step: 0, step_count, grad_divisor: 1.0, grad_divisor_t }
     }
 
     pub fn zero_grad(&mut self) {
@@ -156,16 +160,18 @@ impl AdamW {
         let _guard = tch::no_grad_guard();
         self.step += 1;
         let AdamWSettings { beta1, beta2, eps, weight_decay } = self.settings;
-        let live: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].param.grad().defined()).collect();
+        // The kernel takes one dtype per list: gradients as fp32, like the masters.
+        let (live, mut grads): (Vec<usize>, Vec<Tensor>) = (0..self.slots.len())
+            .filter_map(|i| {
+                let g = self.slots[i].param.grad();
+                g.defined().then(|| (i, g.to_kind(Kind::Float)))
+            })
+            .unzip();
         if live.is_empty() {
             return;
         }
-        // The kernel takes one dtype per list: gradients as fp32, like the masters.
-        let mut grads: Vec<Tensor> = live.iter().map(|&i| self.slots[i].param.grad().to_kind(Kind::Float)).collect();
         let _ = self.step_count.fill_(self.step as f64);
-        let device = self.step_count.device();
-        let mut divisor =
-            (self.grad_divisor != 1.0).then(|| Tensor::from_slice(&[self.grad_divisor as f32]).to_device(device));
+        let _ = self.grad_divisor_t.fill_(self.grad_divisor);
         self.grad_divisor = 1.0;
         let mut masters = Vec::with_capacity(live.len());
         let mut avgs = Vec::with_capacity(live.len());
@@ -179,7 +185,7 @@ impl AdamW {
         let mut gs: Vec<*mut std::ffi::c_void> = grads.iter_mut().map(|g| g.as_mut_ptr().cast()).collect();
         let mut err = [0u8; 512];
         // SAFETY: every pointer is a live at::Tensor owned by this optimizer
-        // (or by `grads`/`divisor`, alive until after the call); the lists
+        // (or by `grads`, alive until after the call); the lists
         // have `live.len()` entries each; `err` has the length passed.
         let rc = unsafe {
             dflash_fused_adamw(
@@ -194,7 +200,7 @@ impl AdamW {
                 beta2,
                 weight_decay,
                 eps,
-                divisor.as_mut().map_or(std::ptr::null_mut(), |d| d.as_mut_ptr().cast()),
+                self.grad_divisor_t.as_mut_ptr().cast(),
                 err.as_mut_ptr().cast(),
                 err.len() as i32,
             )

@@ -274,7 +274,7 @@ impl Trainer {
         // The probabilities' kind: fp32, or f64 for an f64 drafter (tests).
         let acc = if kind == Kind::Double { Kind::Double } else { Kind::Float };
         let scale = weights.to_kind(acc) / total_weight; // [M]: each row's share of the loss
-        let grad = Tensor::empty([m, h], (kind, device));
+        let mut grad = Tensor::empty([m, h], (kind, device));
         let mut correct_parts = Vec::new();
         let mut loss_parts = Vec::new();
         let no_grad = tch::no_grad_guard();
@@ -295,10 +295,10 @@ impl Trainer {
             let ce = p_label.to_kind(Kind::Double).clamp_min(f64::from(f32::MIN_POSITIVE)).log().neg();
             loss_parts.push((&ce * w.to_kind(Kind::Double)).sum(Kind::Double));
             let _ = probs.scatter_add_(1, &lab, &Tensor::full([len, 1], -1.0, (acc, device)));
-            let g = probs.to_kind(kind).matmul(&self.lm_head) * scale.narrow(0, start, len).unsqueeze(1).to_kind(kind);
-            grad.narrow(0, start, len).copy_(&g);
+            let _ = probs.to_kind(kind).matmul_out(&grad.narrow(0, start, len), &self.lm_head);
             start += len;
         }
+        let _ = grad.g_mul_(&scale.unsqueeze(1).to_kind(kind));
         drop(no_grad);
         (&rows * &grad).sum(Kind::Float).backward();
         // Read back once per micro-batch: a read per chunk would stall the
