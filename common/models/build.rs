@@ -7,6 +7,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-changed=csrc/sdp.cpp");
     println!("cargo:rerun-if-changed=csrc/adamw.cpp");
+    println!("cargo:rerun-if-changed=csrc/split_attention.cpp");
     let Ok(dir) = std::env::var("LIBTORCH") else {
         panic!("LIBTORCH is not set: run scripts/setup-libtorch.sh (the Makefile does)");
     };
@@ -15,6 +16,7 @@ fn main() {
         .cpp(true)
         .file("csrc/sdp.cpp")
         .file("csrc/adamw.cpp")
+        .file("csrc/split_attention.cpp")
         .include(format!("{dir}/include"))
         .include(format!("{dir}/include/torch/csrc/api/include"))
         .flag("-std=c++17")

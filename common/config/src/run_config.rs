@@ -152,9 +152,10 @@ pub struct TrainingSection {
     pub max_blocks_per_micro_batch: u32,
     /// Blocks per chunk of the logits/cross-entropy computation.
     pub loss_chunk_blocks: u32,
-    /// Blocks whose queries share one attention call, with the context and
-    /// their own slots as keys (exact; fewer masked-out keys than one dense
-    /// mask over all blocks).
+    /// Blocks grouped for the block attention. On CUDA (split attention):
+    /// blocks sharing one context-prefix flash call. On CPU (chunked mask):
+    /// blocks whose queries share one masked attention call, with the
+    /// context and their own slots as keys. Exact either way.
     pub attention_chunk_blocks: u32,
     /// Context length of a micro-batch rounded up to a multiple of this
     /// (the padding is masked): fewer distinct attention shapes, so the

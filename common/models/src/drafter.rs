@@ -11,6 +11,7 @@ use tch::{Device, Kind, Tensor};
 use crate::ModelError;
 use crate::blocks::BlockLayout;
 use crate::layers::{Linear, Mlp, RmsNorm, Rope, apply_rope};
+use crate::split_attention::{self, SplitIndex, SplitPlan};
 use crate::target_config::TargetConfig;
 
 /// Shape of a drafter; the width follows the target.
@@ -102,6 +103,9 @@ pub struct Drafter {
     layers: Vec<DrafterLayer>,
     norm: RmsNorm,
     rope: Rope,
+    /// Whether training layouts may use the split (mask-free) attention
+    /// where the device supports it.
+    split_attention: bool,
 }
 
 /// Inputs of one drafter forward over `n` sequences, padded to `S` context
@@ -113,9 +117,18 @@ pub struct DrafterInput<'a> {
     pub block_embeds: &'a Tensor,
     /// RoPE positions of the block slots `[n, Q]` (anchor + slot).
     pub block_positions: &'a Tensor,
+    /// Which keys each block slot sees.
+    pub attention: BlockAttention<'a>,
+}
+
+/// How the block slots' attention is computed.
+pub enum BlockAttention<'a> {
     /// Boolean attention mask `[n * G, 1, Q/G, S + Q/G]` (true: may attend)
     /// for G chunks of block slots; see [`crate::blocks::BlockLayout::attention_mask`].
-    pub mask: &'a Tensor,
+    Masked(&'a Tensor),
+    /// The DFlash mask's keys exactly, without a mask (CUDA, bf16/f16); see
+    /// [`crate::split_attention`].
+    Split(&'a SplitIndex),
 }
 
 fn lin(p: &nn::Path, name: &str, out: i64, inp: i64) -> Linear {
@@ -166,7 +179,7 @@ impl Drafter {
             vs.set_kind(kind);
         }
         let rope = Rope::new(hd, c.rope_theta, device);
-        Self { config, vs, fc, hidden_norm, layers, norm, rope }
+        Self { config, vs, fc, hidden_norm, layers, norm, rope, split_attention: true }
     }
 
     /// Initialises the decoder layers from the target's top layers (drafter
@@ -301,17 +314,40 @@ impl Drafter {
     /// Forward over the blocks of `layout`, their tokens embedded with the
     /// target's `embed`; `features` is `[n, S, k*H]`, S the layout's
     /// context length. The training step and the acceptance check share it.
+    /// On CUDA in bf16/f16 the blocks attend by [`crate::split_attention`]
+    /// (unless turned off); elsewhere by the chunked mask.
     pub fn forward_layout(&self, features: &Tensor, embed: &Tensor, layout: &BlockLayout) -> Tensor {
         let dev = self.device();
         let (n, q_len) = (layout.n as i64, (layout.blocks * layout.block_size) as i64);
         let ids = Tensor::from_slice(&layout.block_ids).view([n, q_len]).to_device(dev);
         let positions = Tensor::from_slice(&layout.block_positions).view([n, q_len]).to_device(dev);
-        self.forward(&DrafterInput {
-            features,
-            block_embeds: &Tensor::embedding(embed, &ids, -1, false, false),
-            block_positions: &positions,
-            mask: &layout.attention_mask(dev),
-        })
+        let block_embeds = Tensor::embedding(embed, &ids, -1, false, false);
+        let input =
+            |attention| DrafterInput { features, block_embeds: &block_embeds, block_positions: &positions, attention };
+        match self.split_plan(layout) {
+            Some(plan) => self.forward(&input(BlockAttention::Split(&plan.to_device(dev)))),
+            None => self.forward(&input(BlockAttention::Masked(&layout.attention_mask(dev)))),
+        }
+    }
+
+    /// The split attention's plan for `layout`, when this drafter uses it.
+    fn split_plan(&self, layout: &BlockLayout) -> Option<SplitPlan> {
+        if !self.split_attention || !split_attention::supported(self.device(), self.kind()) {
+            return None;
+        }
+        Some(SplitPlan::new(layout))
+    }
+
+    /// Turns the split (mask-free) block attention on or off (on by default;
+    /// it only ever applies on CUDA in bf16/f16). Off, every device uses the
+    /// chunked mask: for comparisons.
+    pub fn set_split_attention(&mut self, on: bool) {
+        self.split_attention = on;
+    }
+
+    /// Whether [`Drafter::forward_layout`] attends by the split attention here.
+    pub fn uses_split_attention(&self) -> bool {
+        self.split_attention && split_attention::supported(self.device(), self.kind())
     }
 
     /// Like [`Drafter::forward`] with the fused context `[n, S, H]` given.
@@ -329,7 +365,7 @@ impl Drafter {
         };
         let mut x = input.block_embeds.to_kind(kind);
         for layer in &self.layers {
-            x = layer.forward(&x, ctx, &rope, input.mask, &self.config);
+            x = layer.forward(&x, ctx, &rope, &input.attention, &self.config);
         }
         self.norm.forward(&x)
     }
@@ -343,18 +379,14 @@ struct RopeTables {
 }
 
 impl DrafterLayer {
-    fn forward(&self, x: &Tensor, ctx: &Tensor, rope: &RopeTables, mask: &Tensor, c: &DrafterConfig) -> Tensor {
+    fn forward(&self, x: &Tensor, ctx: &Tensor, rope: &RopeTables, attn: &BlockAttention, c: &DrafterConfig) -> Tensor {
         let a = &self.self_attn;
         let (n, q_len, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
         let (nh, kv, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        // G chunks of CB query slots each: keys of a chunk are the whole
-        // context followed by the chunk's own slots.
-        let g = mask.size()[0] / n;
-        let cb = q_len / g;
         let xn = self.input_layernorm.forward(x);
         // Queries come from the block only.
         let q = a.q_norm.forward(&a.q_proj.forward(&xn).view([n, q_len, nh, d]));
-        let q = apply_rope(&q, &rope.blk_cos, &rope.blk_sin).view([n * g, cb, nh, d]).transpose(1, 2);
+        let q = apply_rope(&q, &rope.blk_cos, &rope.blk_sin);
         // Keys/values: the context and the block through the SAME projections.
         let kc = a.k_norm.forward(&a.k_proj.forward(ctx).view([n, s, kv, d]));
         let kc = apply_rope(&kc, &rope.ctx_cos, &rope.ctx_sin);
@@ -362,20 +394,43 @@ impl DrafterLayer {
         let kb = apply_rope(&kb, &rope.blk_cos, &rope.blk_sin);
         let vc = a.v_proj.forward(ctx).view([n, s, kv, d]);
         let vb = a.v_proj.forward(&xn).view([n, q_len, kv, d]);
-        let keys = |ctx_part: &Tensor, blk_part: &Tensor| {
-            let ctx_part = if g == 1 {
-                ctx_part.shallow_clone()
-            } else {
-                ctx_part.unsqueeze(1).expand([n, g, s, kv, d], false).reshape([n * g, s, kv, d])
-            };
-            Tensor::cat(&[ctx_part, blk_part.view([n * g, cb, kv, d])], 1).transpose(1, 2)
+        let o = match attn {
+            BlockAttention::Masked(mask) => {
+                // G chunks of CB query slots each: keys of a chunk are the
+                // whole context followed by the chunk's own slots.
+                let g = mask.size()[0] / n;
+                let cb = q_len / g;
+                let q = q.view([n * g, cb, nh, d]).transpose(1, 2);
+                let keys = |ctx_part: &Tensor, blk_part: &Tensor| {
+                    let ctx_part = if g == 1 {
+                        ctx_part.shallow_clone()
+                    } else {
+                        ctx_part.unsqueeze(1).expand([n, g, s, kv, d], false).reshape([n * g, s, kv, d])
+                    };
+                    Tensor::cat(&[ctx_part, blk_part.view([n * g, cb, kv, d])], 1).transpose(1, 2)
+                };
+                let (k, v) = (keys(&kc, &kb), keys(&vc, &vb));
+                // Grouped-query attention in the kernel (enable_gqa): the kv
+                // heads are not copied num_heads / num_kv_heads times first.
+                let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(*mask), 0.0, false, None, true);
+                o.transpose(1, 2).reshape([n, q_len, nh * d])
+            }
+            BlockAttention::Split(index) => {
+                let flat = |t: &Tensor, rows: i64, heads: i64| t.reshape([rows, heads, d]);
+                let o = split_attention::split_attention(
+                    &flat(&q, n * q_len, nh),
+                    &flat(&kc, n * s, kv),
+                    &flat(&vc, n * s, kv),
+                    &flat(&kb, n * q_len, kv),
+                    &flat(&vb, n * q_len, kv),
+                    index,
+                    1.0 / (d as f64).sqrt(),
+                )
+                .unwrap_or_else(|e| panic!("drafter attention: {e}"));
+                o.view([n, q_len, nh * d])
+            }
         };
-        let (k, v) = (keys(&kc, &kb), keys(&vc, &vb));
-        // Grouped-query attention in the kernel (enable_gqa): the kv heads
-        // are not copied num_heads / num_kv_heads times first.
-        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, true);
-        let o = a.o_proj.forward(&o.transpose(1, 2).reshape([n, q_len, nh * d]));
-        let x = x + o;
+        let x = x + a.o_proj.forward(&o);
         &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
     }
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
 
-use crate::drafter::{Drafter, DrafterInput};
+use crate::drafter::{BlockAttention, Drafter, DrafterInput};
 use crate::target::TargetModel;
 
 /// Greedy continuations of `prompts` (token ids), generated together with
@@ -154,7 +154,7 @@ pub fn speculative_generate(target: &TargetModel, drafter: &Drafter, prompt: &[u
             features: &context,
             block_embeds: &embeds,
             block_positions: &positions,
-            mask: &mask,
+            attention: BlockAttention::Masked(&mask),
         });
         let proposal = h.narrow(1, 1, bsz - 1).linear(s.lm_head, None::<Tensor>).argmax(-1, false).view([-1]);
         let proposal = Vec::<i64>::try_from(&proposal.to_device(Device::Cpu)).expect("1-D");

@@ -15,6 +15,7 @@ mod kv_cache;
 pub mod layers;
 pub mod optim;
 pub mod perf;
+pub mod split_attention;
 pub mod synthetic;
 pub mod target;
 pub mod target_config;
@@ -23,7 +24,7 @@ pub mod weights;
 
 use std::path::{Path, PathBuf};
 
-pub use drafter::{Drafter, DrafterConfig, DrafterInput};
+pub use drafter::{BlockAttention, Drafter, DrafterConfig, DrafterInput};
 pub use kv_cache::KvCache;
 pub use target::{LoadScope, TargetModel, load_embeddings};
 pub use target_config::{Family, TargetConfig};

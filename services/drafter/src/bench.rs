@@ -33,6 +33,11 @@ pub struct BenchStepArgs {
     /// Comma-separated blocks per attention call (a large value = one dense mask).
     #[arg(long, default_value = "100000,64,32")]
     pub chunks: String,
+    /// Comma-separated block attentions: split (two mask-free flash calls
+    /// merged by log-sum-exp; CUDA only, the default there) and masked (the
+    /// chunked mask).
+    #[arg(long, default_value = "split,masked")]
+    pub attention: String,
     /// Tokens per batch (packed sequences).
     #[arg(long, default_value_t = 11_000)]
     pub batch_tokens: usize,
@@ -66,6 +71,7 @@ pub struct BenchStepArgs {
 
 #[derive(Serialize)]
 struct Row {
+    attention: String,
     anchors: usize,
     chunk_blocks: usize,
     step_ms: f64,
@@ -163,10 +169,17 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
     let embed = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
     let head = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
     let mut rows = Vec::new();
-    for anchors in a.anchors.split(',').map(|x| x.trim().parse::<usize>()) {
-        let anchors = anchors.context("--anchors: comma-separated integers")?;
-        for chunk in a.chunks.split(',').map(|x| x.trim().parse::<usize>()) {
-            let chunk = chunk.context("--chunks: comma-separated integers")?;
+    let mut modes = Vec::new();
+    for m in a.attention.split(',').map(str::trim) {
+        match m {
+            "split" if !device.is_cuda() => println!("bench-step: split attention needs CUDA; skipped on {device:?}"),
+            "split" => modes.push(true),
+            "masked" => modes.push(false),
+            other => anyhow::bail!("--attention: {other:?} is neither split nor masked"),
+        }
+    }
+    for (split, anchors, chunk) in attention_grid(&modes, &a.anchors, &a.chunks)? {
+        {
             let settings = TrainSettings {
                 blocks: BlockSettings {
                     block_size: a.block as usize,
@@ -184,7 +197,8 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
                 seed: 0,
             };
             tch::manual_seed(0);
-            let drafter = Drafter::new(config.clone(), device, kind);
+            let mut drafter = Drafter::new(config.clone(), device, kind);
+            drafter.set_split_attention(split);
             let mut trainer = Trainer::new(drafter, embed.shallow_clone(), head.shallow_clone(), settings);
             let mut t0 = Instant::now();
             let (mut flops, mut step_seqs, mut step_tokens) = (0.0, 0usize, 0usize);
@@ -207,6 +221,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             let secs = t0.elapsed().as_secs_f64();
             let mem = if device.is_cuda() { device_memory_used_gib() } else { 0.0 };
             rows.push(Row {
+                attention: if split { "split" } else { "masked" }.into(),
                 anchors,
                 chunk_blocks: chunk,
                 step_ms: secs * 1e3 / a.steps as f64,
@@ -218,13 +233,14 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "{:>8} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}",
-        "anchors", "chunk", "step ms", "samples/s", "tokens/s", "MFU", "mem GiB"
+        "{:>9} {:>8} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}",
+        "attention", "anchors", "chunk", "step ms", "samples/s", "tokens/s", "MFU", "mem GiB"
     );
     for r in &rows {
         let chunk = if r.chunk_blocks >= r.anchors { "dense".to_string() } else { r.chunk_blocks.to_string() };
         println!(
-            "{:>8} {:>7} {:>10.1} {:>10.2} {:>10.0} {:>6.1}% {:>9.1}",
+            "{:>9} {:>8} {:>7} {:>10.1} {:>10.2} {:>10.0} {:>6.1}% {:>9.1}",
+            r.attention,
             r.anchors,
             chunk,
             r.step_ms,
@@ -249,6 +265,23 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }
     Ok(())
+}
+
+/// Every (split, anchors, chunk) combination of the arguments, in order.
+fn attention_grid(modes: &[bool], anchors: &str, chunks: &str) -> anyhow::Result<Vec<(bool, usize, usize)>> {
+    let list = |s: &str, what: &str| -> anyhow::Result<Vec<usize>> {
+        s.split(',')
+            .map(|x| x.trim().parse::<usize>().with_context(|| format!("{what}: comma-separated integers")))
+            .collect()
+    };
+    let (anchors, chunks) = (list(anchors, "--anchors")?, list(chunks, "--chunks")?);
+    let mut grid = Vec::new();
+    for &m in modes {
+        for &a in &anchors {
+            grid.extend(chunks.iter().map(|&c| (m, a, c)));
+        }
+    }
+    Ok(grid)
 }
 
 /// Device memory in use according to the driver. libtorch's caching

@@ -187,6 +187,14 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
         target.hidden_size
     );
     let t = &c.training;
+    if drafter.uses_split_attention() {
+        tracing::info!(
+            "block attention: split (two mask-free flash calls merged by log-sum-exp), context prefixes shared by groups of {} blocks",
+            t.attention_chunk_blocks
+        );
+    } else {
+        tracing::info!("block attention: chunked mask, {} blocks per attention call", t.attention_chunk_blocks);
+    }
     let settings = TrainSettings {
         blocks: BlockSettings {
             block_size: c.drafter.block_size as usize,
