@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
 
 for pad in ${PADS:-1 128}; do
   echo "== drafter alone (GPU 1), 12 distinct batches, context multiple $pad"
-  timeout 200 $B/dflash-drafter bench-step --shape qwen3-8b --device 1 --anchors 512 --chunks 64 --context-multiple $pad \
+  timeout 200 $B/dflash-drafter bench-step --shape qwen3-8b --device 1 --attention split --anchors 512 --chunks 16 --context-multiple $pad \
     --batch-tokens 12288 --batches 12 --max-blocks 2048 --steps 12 --warmup 2 --json "$OUT/step-$pad.json" 2>&1 | grep -v INFO | tail -1
 done
 
