@@ -17,7 +17,7 @@ step() { # <attention> <anchors> <chunks> <tag> [batches] [warmup]
     --anchors "$2" --chunks "$3" --context-multiple 128 --batch-tokens 12288 --batches "${5:-12}" \
     --max-blocks 2048 --steps 12 --warmup "${6:-2}" --json "$OUT/step-$4.json" 2>&1 | grep -v INFO | tail -5
 }
-step split 512 16,32 split-512
+step ${SPLIT_512:-split} 512 ${GROUPS_512:-16,32} split-512
 step masked 512 64 masked-512
 step split 512 16 split-512-warm 4 8
 step masked 512 64 masked-512-warm 4 8
