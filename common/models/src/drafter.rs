@@ -324,18 +324,11 @@ impl Drafter {
         let block_embeds = Tensor::embedding(embed, &ids, -1, false, false);
         let input =
             |attention| DrafterInput { features, block_embeds: &block_embeds, block_positions: &positions, attention };
-        match self.split_plan(layout) {
-            Some(plan) => self.forward(&input(BlockAttention::Split(&plan.to_device(dev)))),
-            None => self.forward(&input(BlockAttention::Masked(&layout.attention_mask(dev)))),
+        if self.uses_split_attention() {
+            self.forward(&input(BlockAttention::Split(&SplitPlan::new(layout).to_device(dev))))
+        } else {
+            self.forward(&input(BlockAttention::Masked(&layout.attention_mask(dev))))
         }
-    }
-
-    /// The split attention's plan for `layout`, when this drafter uses it.
-    fn split_plan(&self, layout: &BlockLayout) -> Option<SplitPlan> {
-        if !self.split_attention || !split_attention::supported(self.device(), self.kind()) {
-            return None;
-        }
-        Some(SplitPlan::new(layout))
     }
 
     /// Turns the split (mask-free) block attention on or off (on by default;
