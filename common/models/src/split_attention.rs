@@ -8,8 +8,9 @@
 //! `[p, a_j)` followed by the block's own slots. Together they cover exactly
 //! the keys the DFlash mask allows, so nothing masked is computed, where the
 //! masked kernel computes every key of the context and of the chunk's blocks.
-//! This file builds the index plan on the host; the test checks that the plan
-//! reproduces the masked attention.
+//! This file builds the index plan on the host; one test checks on the CPU
+//! that the plan reproduces the masked attention, another (CUDA, ignored
+//! elsewhere) checks the kernels' output and gradients against it.
 
 use tch::{Device, Kind, Tensor};
 
@@ -86,6 +87,7 @@ impl SplitPlan {
                 prefix.key_rows.extend((0..p).map(|t| (i * s + t) as i64));
                 push_seq(&mut prefix, group * b, p);
                 for j in blocks {
+                    // A padding block (no anchor) attends to its own slots only.
                     let a = if layout.valid[j] == 1 { layout.anchors[j] as usize } else { p };
                     let own = ctx_rows + i * q_len + (j - i * nb) * b;
                     band.key_rows.extend((p..a).map(|t| (i * s + t) as i64));
