@@ -314,7 +314,7 @@ impl Drafter {
     /// Forward over the blocks of `layout`, their tokens embedded with the
     /// target's `embed`; `features` is `[n, S, k*H]`, S the layout's
     /// context length. The training step and the acceptance check share it.
-    /// On CUDA in bf16/f16 the blocks attend by [`crate::split_attention`]
+    /// On CUDA in bf16/f16 (flash head sizes) the blocks attend by [`crate::split_attention`]
     /// (unless turned off); elsewhere by the chunked mask.
     pub fn forward_layout(&self, features: &Tensor, embed: &Tensor, layout: &BlockLayout) -> Tensor {
         let dev = self.device();
@@ -332,15 +332,15 @@ impl Drafter {
     }
 
     /// Turns the split (mask-free) block attention on or off (on by default;
-    /// it only ever applies on CUDA in bf16/f16). Off, every device uses the
-    /// chunked mask: for comparisons.
+    /// it only ever applies where [`split_attention::supported`] says so).
+    /// Off, every device uses the chunked mask: for comparisons.
     pub fn set_split_attention(&mut self, on: bool) {
         self.split_attention = on;
     }
 
     /// Whether [`Drafter::forward_layout`] attends by the split attention here.
     pub fn uses_split_attention(&self) -> bool {
-        self.split_attention && split_attention::supported(self.device(), self.kind())
+        self.split_attention && split_attention::supported(self.device(), self.kind(), self.config.head_dim)
     }
 
     /// Like [`Drafter::forward`] with the fused context `[n, S, H]` given.

@@ -188,9 +188,12 @@ pub fn split_attention(
     Ok(unsafe { Tensor::from_ptr(out.cast()) })
 }
 
-/// Whether `device` and `kind` can run [`split_attention`].
-pub fn supported(device: Device, kind: Kind) -> bool {
-    device.is_cuda() && matches!(kind, Kind::BFloat16 | Kind::Half)
+/// Whether [`split_attention`] runs heads of `head_dim` on `device` in
+/// `kind`: libtorch's flash kernels take CUDA tensors in bf16/f16 with a head
+/// size that is a multiple of 8, up to 256 (Ampere or newer GPUs, as bf16
+/// training needs anyway).
+pub fn supported(device: Device, kind: Kind, head_dim: i64) -> bool {
+    device.is_cuda() && matches!(kind, Kind::BFloat16 | Kind::Half) && head_dim % 8 == 0 && head_dim <= 256
 }
 
 #[cfg(test)]
@@ -222,6 +225,15 @@ mod tests {
             lses.push(l);
         }
         (Tensor::cat(&outs, 0), Tensor::cat(&lses, 0))
+    }
+
+    #[test]
+    fn only_cuda_half_precision_and_flash_head_sizes_use_the_split() {
+        let gpu = Device::Cuda(0);
+        assert!(supported(gpu, Kind::BFloat16, 128) && supported(gpu, Kind::Half, 64));
+        assert!(!supported(Device::Cpu, Kind::BFloat16, 128));
+        assert!(!supported(gpu, Kind::Float, 128));
+        assert!(!supported(gpu, Kind::BFloat16, 100) && !supported(gpu, Kind::BFloat16, 512));
     }
 
     #[test]
