@@ -32,17 +32,8 @@ for name, p in (("A", pa), ("B", pb)):
         for cand, t in (("[H,T]", c[1].reshape(f[1].shape)), ("[T,H]", c[1].reshape(f[1].shape[1], -1).t())):
             print(f"   lse as {cand}: max diff {(t - f[1]).abs().max().item():.3g}")
 
-    def timed(fn, reps=10):
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1) / reps
+    def timed(fn):
+        return g["elapsed_ms"](fn, reps=10)
 
     dof = fold(do)
     ff = lambda: torch.ops.aten._flash_attention_forward(q, k, v, p["cu_q"], p["cu_k"], p["max_q"], p["max_k"], 0.0, False, False, scale=SCALE)  # noqa: E731

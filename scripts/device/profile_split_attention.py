@@ -158,7 +158,8 @@ do = torch.randn(T, NH, D, device=dev, dtype=bf)
 raw = [t.detach() for t in (q, kc, vc, kb, vb)]
 
 
-def timed(name, fn, reps=5):
+def elapsed_ms(fn, reps=5):
+    """GPU milliseconds per call of `fn`, after two warm-up calls."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -168,7 +169,11 @@ def timed(name, fn, reps=5):
         fn()
     e1.record()
     torch.cuda.synchronize()
-    print(f"{name:<44} {e0.elapsed_time(e1) / reps:8.2f} ms (forward + backward, one layer)")
+    return e0.elapsed_time(e1) / reps
+
+
+def timed(name, fn, reps=5):
+    print(f"{name:<44} {elapsed_ms(fn, reps):8.2f} ms (forward + backward, one layer)")
 
 
 torch.backends.cuda.enable_cudnn_sdp(True)
