@@ -4,7 +4,7 @@
 //! synchronous. Prints a table and writes JSON.
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use dflash_models::perf::{matmul_peak, sync_device};
@@ -70,6 +70,25 @@ struct ModeResult {
     /// pipelined modes on CUDA): against `step_ms`, whether postprocessing
     /// slows the forward's kernels or leaves gaps between forwards.
     forward_gpu_ms: Option<f64>,
+    /// GPU idle between forwards, per forward: the next forward not queued
+    /// yet, or queued and waiting for its ids; and the longest gap (ms).
+    idle_unqueued_ms: Option<f64>,
+    idle_ids_ms: Option<f64>,
+    max_gap_ms: Option<f64>,
+    /// GPU time of the timed window from events on torch's stream (ms per
+    /// batch; `off` on CUDA): against `step_ms`, whether the host clock and
+    /// the GPU's agree.
+    gpu_window_ms: Option<f64>,
+    /// Pipelined modes on CUDA: each forward's (idle before it, GPU time),
+    /// and when the consumer received each timed batch (ms after the first).
+    timeline_ms: Vec<(f64, f64)>,
+    received_ms: Vec<f64>,
+    /// The timed batches' GPU time per batch from the timeline (forward
+    /// plus idle before it; pipelined modes on CUDA).
+    gpu_step_ms: Option<f64>,
+    /// How much later than its forward's GPU time the untimed last batch
+    /// arrived after the one before it (the end-of-run delay).
+    last_batch_extra_ms: Option<f64>,
     tokens_per_s: f64,
     mfu: f64,
     vs_off: f64,
@@ -176,6 +195,10 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         let tokens: usize = timed.iter().sum();
         let stop = Stop::new();
         let mut forward_gpu_ms = None;
+        let mut idle: Option<(f64, f64, f64)> = None;
+        let mut gpu_window_ms = None;
+        let mut timeline_ms = Vec::new();
+        let mut received_ms = Vec::new();
         let elapsed = match mode {
             "off" => {
                 // The forward loop's input path (ids uploaded ahead on CUDA,
@@ -183,17 +206,24 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                 let upload = cuda_feed(&cuda, device, a.batch_tokens, 2)?;
                 let mut previous = None;
                 let mut t0 = Instant::now();
+                let mut gpu_t0 = None;
+                let mut off_events = Vec::new();
                 for (i, w) in batches.iter().enumerate() {
                     if i == a.warmup {
                         drop(previous.take());
                         sync_device(device);
                         t0 = Instant::now();
+                        if let Some(ctx) = &cuda {
+                            gpu_t0 = Some(crate::upload::GpuBusy::mark(ctx)?);
+                        }
                     }
                     let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
                     match &upload {
                         Some(feed) => {
                             let mut ids = feed.upload.upload(&w.input_ids, &stop)?;
+                            let start = crate::upload::GpuBusy::mark(&feed.ctx)?;
                             let _ = model.capture_packed(ids.tensor(), &lens, &layer_ids);
+                            off_events.push((start, crate::upload::GpuBusy::mark(&feed.ctx)?));
                             ids.release_after_torch_work()?;
                             // Waits for the forward before this one.
                             previous = Some(ids);
@@ -206,6 +236,13 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     }
                 }
                 drop(previous);
+                if let (Some(ctx), Some(start)) = (&cuda, &gpu_t0) {
+                    let end = crate::upload::GpuBusy::mark(ctx)?;
+                    sync_device(device);
+                    gpu_window_ms = start.elapsed_ms(&end).ok().map(|ms| f64::from(ms) / a.batches as f64);
+                    timeline_ms =
+                        off_events.iter().map(|(s, e)| (0.0, s.elapsed_ms(e).map_or(f64::NAN, f64::from))).collect();
+                }
                 sync_device(device);
                 t0.elapsed()
             }
@@ -248,8 +285,15 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                 };
                 let s = stop.clone();
                 let fwd = std::thread::spawn(move || fl.run(work_rx, sink, s));
+                // One untimed batch after the timed ones: the last batch of a
+                // run reaches the consumer 100-250 ms late (measured on an
+                // H200, GPU timelines showing no idle time before it, cause
+                // not established), an end-of-run effect that the running
+                // service never meets; `last_batch_extra_ms` reports it.
+                let mut trailing = batches[0].clone();
+                trailing.batch_id = batches.len() as u64;
                 let feeder = std::thread::spawn(move || {
-                    for w in batches {
+                    for w in batches.into_iter().chain(std::iter::once(trailing)) {
                         if work_tx.send(w).is_err() {
                             break;
                         }
@@ -259,7 +303,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                 // pinned buffers) as fast as they come.
                 let mut t0 = Instant::now();
                 let mut received = 0;
-                for i in 0..a.warmup + a.batches {
+                let mut el = Duration::ZERO;
+                for i in 0..=a.warmup + a.batches {
                     if host_rx.recv().is_err() {
                         break;
                     }
@@ -267,8 +312,13 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     if i + 1 == a.warmup {
                         t0 = Instant::now();
                     }
+                    if i + 1 >= a.warmup {
+                        received_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                    }
+                    if i + 1 == a.warmup + a.batches {
+                        el = t0.elapsed();
+                    }
                 }
-                let el = t0.elapsed();
                 stop.stop(dflash_role::StopCause::RunCompleted);
                 drop(host_rx);
                 let _ = feeder.join();
@@ -276,11 +326,19 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                 for w in workers {
                     w.join().map_err(|_| anyhow::anyhow!("postprocess panicked"))??;
                 }
-                anyhow::ensure!(received == a.warmup + a.batches, "the pipeline delivered {received} batches");
+                anyhow::ensure!(received == a.warmup + a.batches + 1, "the pipeline delivered {received} batches");
                 let timed = stats.timed_forwards.load(std::sync::atomic::Ordering::Relaxed);
                 if cuda.is_some() && timed > 0 {
                     let busy = stats.busy_ns.load(std::sync::atomic::Ordering::Relaxed) as f64;
                     forward_gpu_ms = Some(busy / 1e6 / timed as f64);
+                    let ms =
+                        |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6;
+                    timeline_ms = stats.timeline.lock().map(|t| t.clone()).unwrap_or_default();
+                    idle = Some((
+                        ms(&stats.idle_unqueued_ns) / timed as f64,
+                        ms(&stats.idle_ids_ns) / timed as f64,
+                        ms(&stats.max_gap_ns),
+                    ));
                 }
                 el
             }
@@ -291,10 +349,24 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         if mode == "off" {
             off_ms = step_ms;
         }
+        let timed_forwards = timeline_ms.get(a.warmup..a.warmup + a.batches).filter(|_| mode != "off");
+        let gpu_step_ms = timed_forwards.map(|t| t.iter().map(|(g, b)| g + b).sum::<f64>() / a.batches as f64);
+        let last_batch_extra_ms = match (timeline_ms.get(a.warmup + a.batches), &received_ms[..]) {
+            (Some((gap, busy)), [.., before, last]) if mode != "off" => Some(last - before - gap - busy),
+            _ => None,
+        };
         results.push(ModeResult {
             mode: mode.to_string(),
             step_ms,
             forward_gpu_ms,
+            idle_unqueued_ms: idle.map(|i| i.0),
+            idle_ids_ms: idle.map(|i| i.1),
+            max_gap_ms: idle.map(|i| i.2),
+            gpu_window_ms,
+            timeline_ms,
+            received_ms,
+            gpu_step_ms,
+            last_batch_extra_ms,
             tokens_per_s: tokens as f64 / secs,
             mfu: flops / secs / peak,
             vs_off: step_ms / off_ms,
@@ -356,17 +428,31 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             bytes as f64 / pageable / 1e9
         );
     }
-    println!("{:<8} {:>10} {:>12} {:>12} {:>7} {:>8}", "mode", "step ms", "fwd GPU ms", "tokens/s", "MFU", "vs off");
+    println!(
+        "{:<8} {:>10} {:>12} {:>12} {:>22} {:>12} {:>7} {:>8}",
+        "mode", "step ms", "GPU step ms", "fwd GPU ms", "idle unqueued/ids/max", "tokens/s", "MFU", "vs off"
+    );
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |ms| format!("{ms:.1}"));
     for r in &results {
-        let gpu_ms = r.forward_gpu_ms.map_or("-".to_string(), |ms| format!("{ms:.1}"));
+        let idle = format!("{}/{}/{}", opt(r.idle_unqueued_ms), opt(r.idle_ids_ms), opt(r.max_gap_ms));
+        let fwd_ms = opt(r.forward_gpu_ms.or(r.gpu_window_ms));
         println!(
-            "{:<8} {:>10.1} {:>12} {:>12.0} {:>6.1}% {:>8.3}",
+            "{:<8} {:>10.1} {:>12} {:>12} {:>22} {:>12.0} {:>6.1}% {:>8.3}",
             r.mode,
             r.step_ms,
-            gpu_ms,
+            opt(r.gpu_step_ms.or(r.gpu_window_ms)),
+            fwd_ms,
+            idle,
             r.tokens_per_s,
             100.0 * r.mfu,
             r.vs_off
+        );
+    }
+    for r in results.iter().filter(|r| r.last_batch_extra_ms.is_some()) {
+        println!(
+            "{}: the untimed last batch arrived {:.1} ms after the one before it beyond its GPU time (end of run)",
+            r.mode,
+            r.last_batch_extra_ms.unwrap_or_default()
         );
     }
     if let Some(p) = &a.json {

@@ -9,7 +9,7 @@ use dflash_role::Stop;
 use tch::{Kind, Tensor};
 
 use crate::postprocess::PostprocessSink;
-use crate::upload::{GpuBusy, IdsUploader, UploadedIds};
+use crate::upload::{GpuBusy, GpuTimes, IdsUploader, UploadedIds};
 use crate::work::WorkItem;
 
 /// A batch whose features exist (or are being computed) on the device: the
@@ -34,6 +34,9 @@ pub struct CapturedBatch {
     pub forward_span: Option<tracing::Span>,
 }
 
+/// Forwards whose timing `ForwardStats::timeline` keeps.
+pub const TIMELINE_CAP: usize = 1024;
+
 /// What the forward loops of a target did, for the coordinator's supply
 /// and demand view.
 pub struct ForwardStats {
@@ -42,6 +45,15 @@ pub struct ForwardStats {
     /// Forwards whose GPU time `busy_ns` holds (on CUDA the last few are
     /// still pending when a run ends).
     pub timed_forwards: std::sync::atomic::AtomicU64,
+    /// On CUDA: GPU time idle between forwards because the next one was
+    /// not queued yet, and with it queued but waiting for its ids upload;
+    /// the longest single gap.
+    pub idle_unqueued_ns: std::sync::atomic::AtomicU64,
+    pub idle_ids_ns: std::sync::atomic::AtomicU64,
+    pub max_gap_ns: std::sync::atomic::AtomicU64,
+    /// On CUDA: the first forwards' (idle before, GPU time) in ms, for
+    /// benchmarks (bounded: `TIMELINE_CAP` entries).
+    pub timeline: std::sync::Mutex<Vec<(f64, f64)>>,
     pub started: Instant,
     pub loops: usize,
 }
@@ -52,9 +64,26 @@ impl ForwardStats {
             tokens: Default::default(),
             busy_ns: Default::default(),
             timed_forwards: Default::default(),
+            idle_unqueued_ns: Default::default(),
+            idle_ids_ns: Default::default(),
+            max_gap_ns: Default::default(),
+            timeline: Default::default(),
             started: Instant::now(),
             loops: loops.max(1),
         }
+    }
+
+    /// Adds what `GpuBusy::collect` found (CUDA).
+    fn record_gpu(&self, g: &GpuTimes) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.busy_ns.fetch_add(g.busy.as_nanos() as u64, Relaxed);
+        self.timed_forwards.fetch_add(g.forwards, Relaxed);
+        self.idle_unqueued_ns.fetch_add(g.idle_unqueued.as_nanos() as u64, Relaxed);
+        self.idle_ids_ns.fetch_add(g.idle_ids.as_nanos() as u64, Relaxed);
+        self.max_gap_ns.fetch_max(g.max_gap.as_nanos() as u64, Relaxed);
+        let mut log = self.timeline.lock().expect("timeline lock");
+        let room = TIMELINE_CAP.saturating_sub(log.len());
+        log.extend(g.timeline.iter().take(room));
     }
 
     /// (tokens produced, fraction of the loops' wall time spent computing).
@@ -114,13 +143,14 @@ impl ForwardLoop {
             let lens: Vec<i64> = work.seq_lengths.iter().map(|&l| l as i64).collect();
             let (layers, ready, ids) = match &self.cuda {
                 Some(feed) => {
+                    let queued = GpuBusy::mark(&feed.ctx)?;
                     let mut ids = feed.upload.upload(&work.input_ids, &stop)?;
-                    let start = GpuBusy::start(&feed.ctx)?;
+                    let start = GpuBusy::mark(&feed.ctx)?;
                     let layers = self.model.capture_packed(ids.tensor(), &lens, &self.layer_ids);
                     // Kernel launches are asynchronous: record where the
                     // forward ends and move on; postprocessing waits on the
                     // event.
-                    gpu_busy.finish(&feed.ctx, start)?;
+                    gpu_busy.finish(&feed.ctx, queued, start)?;
                     ids.release_after_torch_work()?;
                     (layers, Some(dflash_models::gpu::record_torch_event(&feed.ctx)?), Some(ids))
                 }
@@ -131,7 +161,13 @@ impl ForwardLoop {
                 }
             };
             // On CUDA the loop runs ahead of the GPU: busy time is the GPU's.
-            let (spent, timed) = if self.cuda.is_some() { gpu_busy.collect() } else { (t0.elapsed(), 1) };
+            let (spent, timed) = if self.cuda.is_some() {
+                let g = gpu_busy.collect();
+                self.stats.record_gpu(&g);
+                (g.busy, g.forwards)
+            } else {
+                (t0.elapsed(), 1)
+            };
             drop(entered);
             work.trace = dflash_telemetry::context_of(&span);
             let forward_span = self.cuda.is_some().then_some(span);
@@ -146,8 +182,10 @@ impl ForwardLoop {
             batches += 1;
             tokens += work.input_ids.len() as u64;
             self.stats.tokens.fetch_add(work.input_ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            self.stats.busy_ns.fetch_add(spent.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-            self.stats.timed_forwards.fetch_add(timed, std::sync::atomic::Ordering::Relaxed);
+            if self.cuda.is_none() {
+                self.stats.busy_ns.fetch_add(spent.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                self.stats.timed_forwards.fetch_add(timed, std::sync::atomic::Ordering::Relaxed);
+            }
             if batches.is_multiple_of(50) {
                 let wall = started.elapsed().as_secs_f64();
                 tracing::info!(
@@ -160,6 +198,10 @@ impl ForwardLoop {
             if !sink.push(CapturedBatch { work, layers, ready, ids, forward_span }, &stop)? {
                 break;
             }
+        }
+        // The last forwards end after the loop has: count them too.
+        if self.cuda.is_some() {
+            self.stats.record_gpu(&gpu_busy.drain(Duration::from_secs(5)));
         }
         Ok(())
     }

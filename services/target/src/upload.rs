@@ -99,11 +99,41 @@ impl IdsUploader {
     }
 }
 
-/// GPU time spent in forwards, from timing events around each: the loop
-/// no longer waits for the GPU, so its own clock cannot tell.
+/// GPU time spent in forwards, and GPU time idle between them, from timing
+/// events around each: the loop no longer waits for the GPU, so its own
+/// clock cannot tell.
 #[derive(Default)]
 pub struct GpuBusy {
-    pending: VecDeque<(CudaEvent, CudaEvent)>,
+    pending: VecDeque<ForwardEvents>,
+    last_end: Option<CudaEvent>,
+}
+
+/// Timing events of one forward on torch's stream.
+pub struct ForwardEvents {
+    /// Recorded before the forward's inputs were queued: completes when the
+    /// previous forward does, or when recorded if the loop came late.
+    queued: CudaEvent,
+    /// After torch's stream has waited for the ids upload.
+    start: CudaEvent,
+    end: CudaEvent,
+}
+
+/// What `GpuBusy::collect` found for the forwards finished since the last
+/// call.
+#[derive(Debug, Default, Clone)]
+pub struct GpuTimes {
+    /// GPU time inside the forwards.
+    pub busy: Duration,
+    pub forwards: u64,
+    /// GPU idle because the next forward was not queued yet (the loop was
+    /// late: waiting for work, buffers or the postprocess queue).
+    pub idle_unqueued: Duration,
+    /// GPU idle with the next forward queued, waiting for its ids upload.
+    pub idle_ids: Duration,
+    /// The longest single gap between two forwards.
+    pub max_gap: Duration,
+    /// Each forward's (idle before it, GPU time) in ms, in order.
+    pub timeline: Vec<(f64, f64)>,
 }
 
 fn timing_event(ctx: &Arc<CudaContext>) -> anyhow::Result<CudaEvent> {
@@ -112,30 +142,54 @@ fn timing_event(ctx: &Arc<CudaContext>) -> anyhow::Result<CudaEvent> {
         .map_err(|e| anyhow::anyhow!("recording a timing event: {e:?}"))
 }
 
+fn between(a: &CudaEvent, b: &CudaEvent) -> Duration {
+    a.elapsed_ms(b).map_or(Duration::ZERO, |ms| Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+}
+
 impl GpuBusy {
-    /// Marks the start of a forward on torch's stream.
-    pub fn start(ctx: &Arc<CudaContext>) -> anyhow::Result<CudaEvent> {
+    /// Marks a point on torch's stream (before and after a forward's
+    /// inputs are queued).
+    pub fn mark(ctx: &Arc<CudaContext>) -> anyhow::Result<CudaEvent> {
         timing_event(ctx)
     }
 
-    /// Marks its end.
-    pub fn finish(&mut self, ctx: &Arc<CudaContext>, start: CudaEvent) -> anyhow::Result<()> {
-        self.pending.push_back((start, timing_event(ctx)?));
+    /// Marks the end of a forward queued between `queued` and `start`.
+    pub fn finish(&mut self, ctx: &Arc<CudaContext>, queued: CudaEvent, start: CudaEvent) -> anyhow::Result<()> {
+        self.pending.push_back(ForwardEvents { queued, start, end: timing_event(ctx)? });
         Ok(())
     }
 
-    /// GPU time of the forwards finished since the last call, and how
-    /// many they were. Pending entries are bounded by the batches in flight
-    /// (the upload pools).
-    pub fn collect(&mut self) -> (Duration, u64) {
-        let (mut total, mut forwards) = (Duration::ZERO, 0);
-        while self.pending.front().is_some_and(|(_, end)| end.is_complete()) {
-            let (start, end) = self.pending.pop_front().expect("checked");
-            if let Ok(ms) = start.elapsed_ms(&end) {
-                total += Duration::from_secs_f64(f64::from(ms) / 1e3);
-                forwards += 1;
-            }
+    /// Times of the forwards still pending, waiting up to `limit` for the
+    /// last of them (the loop has ended; they would go uncounted).
+    pub fn drain(&mut self, limit: Duration) -> GpuTimes {
+        let deadline = std::time::Instant::now() + limit;
+        while self.pending.back().is_some_and(|f| !f.end.is_complete()) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
         }
-        (total, forwards)
+        self.collect()
+    }
+
+    /// Times of the forwards finished since the last call. Pending entries
+    /// are bounded by the batches in flight (the upload pools).
+    pub fn collect(&mut self) -> GpuTimes {
+        let mut t = GpuTimes::default();
+        while self.pending.front().is_some_and(|f| f.end.is_complete()) {
+            let f = self.pending.pop_front().expect("checked");
+            let busy = between(&f.start, &f.end);
+            t.busy += busy;
+            t.forwards += 1;
+            let mut gap = Duration::ZERO;
+            if let Some(prev) = &self.last_end {
+                let unqueued = between(prev, &f.queued);
+                let ids = between(&f.queued, &f.start);
+                t.idle_unqueued += unqueued;
+                t.idle_ids += ids;
+                gap = unqueued + ids;
+                t.max_gap = t.max_gap.max(gap);
+            }
+            t.timeline.push((gap.as_secs_f64() * 1e3, busy.as_secs_f64() * 1e3));
+            self.last_end = Some(f.end);
+        }
+        t
     }
 }
