@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use std::sync::LazyLock;
 
 use prometheus::{
-    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 /// Every metric a role may export; each role sets the ones that apply.
@@ -26,6 +26,10 @@ pub struct Metrics {
     pub inflight_batches: IntGaugeVec,
     /// Fraction of wall time a loop waited for input (`forward`, `train`).
     pub idle_fraction: GaugeVec,
+    /// Target GPUs: seconds idle between forwards, by reason: `unqueued`
+    /// (the next forward was not launched yet: no work, or the postprocess
+    /// queue full) or `ids` (launched, waiting for its ids upload).
+    pub gpu_idle_seconds: CounterVec,
     pub step_seconds: Histogram,
     pub loss: Gauge,
     pub accuracy: Gauge,
@@ -79,6 +83,13 @@ impl Metrics {
             idle_fraction: reg(
                 &r,
                 GaugeVec::new(Opts::new("idle_fraction", "Fraction of wall time a loop waited for input"), &["loop"]),
+            ),
+            gpu_idle_seconds: reg(
+                &r,
+                CounterVec::new(
+                    Opts::new("gpu_idle_seconds_total", "Target GPU time idle between forwards"),
+                    &["reason"],
+                ),
             ),
             step_seconds,
             loss: reg(&r, Gauge::new("loss", "Training loss of the last step")),

@@ -81,6 +81,9 @@ impl ForwardStats {
         self.idle_unqueued_ns.fetch_add(g.idle_unqueued.as_nanos() as u64, Relaxed);
         self.idle_ids_ns.fetch_add(g.idle_ids.as_nanos() as u64, Relaxed);
         self.max_gap_ns.fetch_max(g.max_gap.as_nanos() as u64, Relaxed);
+        let idle = &dflash_telemetry::metrics().gpu_idle_seconds;
+        idle.with_label_values(&["unqueued"]).inc_by(g.idle_unqueued.as_secs_f64());
+        idle.with_label_values(&["ids"]).inc_by(g.idle_ids.as_secs_f64());
         let mut log = self.timeline.lock().expect("timeline lock");
         let room = TIMELINE_CAP.saturating_sub(log.len());
         log.extend(g.timeline.iter().take(room));

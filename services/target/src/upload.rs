@@ -193,3 +193,41 @@ impl GpuBusy {
         t
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two forwards on torch's stream with the host 50 ms late for the
+    /// second: the gap shows as `unqueued`; a fourth queued while the
+    /// third runs shows none.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_busy_tells_a_late_launch_from_back_to_back_forwards() {
+        let device = dflash_models::cuda::tch_device(Some(0)).expect("a CUDA device");
+        let ctx = gpu::context(0).expect("CUDA context");
+        let a = Tensor::randn([4096, 4096], (Kind::Float, device));
+        let forward = |busy: &mut GpuBusy| {
+            let queued = GpuBusy::mark(&ctx).expect("event");
+            let start = GpuBusy::mark(&ctx).expect("event");
+            for _ in 0..20 {
+                let _ = a.matmul(&a);
+            }
+            busy.finish(&ctx, queued, start).expect("event");
+        };
+        let mut busy = GpuBusy::default();
+        forward(&mut busy);
+        tch::Cuda::synchronize(0);
+        std::thread::sleep(Duration::from_millis(50));
+        forward(&mut busy); // launched 50 ms after the GPU ran dry
+        let t = busy.drain(Duration::from_secs(10));
+        assert_eq!(t.forwards, 2);
+        assert!(t.idle_unqueued >= Duration::from_millis(45), "{t:?}");
+        assert!(t.busy > Duration::ZERO);
+        forward(&mut busy);
+        forward(&mut busy); // queued behind the one before
+        let t = busy.drain(Duration::from_secs(10));
+        assert_eq!(t.forwards, 2);
+        assert!(t.timeline[1].0 < 0.5, "the back-to-back forward's gap: {t:?}");
+    }
+}
