@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on an H200: the capture benchmark (off / async / sync) three
-# times, its pipelined modes timed over the steady state (an untimed batch
-# after the timed ones) and from the GPU timeline. Results in $OUT.
+# times, its pipelined modes timed by when each batch arrives (the clock read
+# before dropping each payload) and from the GPU timeline. Results in $OUT.
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh

@@ -86,9 +86,6 @@ struct ModeResult {
     /// The timed batches' GPU time per batch from the timeline (forward
     /// plus idle before it; pipelined modes on CUDA).
     gpu_step_ms: Option<f64>,
-    /// How much later than its forward's GPU time the untimed last batch
-    /// arrived after the one before it (the end-of-run delay).
-    last_batch_extra_ms: Option<f64>,
     tokens_per_s: f64,
     mfu: f64,
     vs_off: f64,
@@ -285,15 +282,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                 };
                 let s = stop.clone();
                 let fwd = std::thread::spawn(move || fl.run(work_rx, sink, s));
-                // One untimed batch after the timed ones: the last batch of a
-                // run reaches the consumer 100-250 ms late (measured on an
-                // H200, GPU timelines showing no idle time before it, cause
-                // not established), an end-of-run effect that the running
-                // service never meets; `last_batch_extra_ms` reports it.
-                let mut trailing = batches[0].clone();
-                trailing.batch_id = batches.len() as u64;
                 let feeder = std::thread::spawn(move || {
-                    for w in batches.into_iter().chain(std::iter::once(trailing)) {
+                    for w in batches {
                         if work_tx.send(w).is_err() {
                             break;
                         }
@@ -303,22 +293,24 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                 // pinned buffers) as fast as they come.
                 let mut t0 = Instant::now();
                 let mut received = 0;
-                let mut el = Duration::ZERO;
-                for i in 0..=a.warmup + a.batches {
-                    if host_rx.recv().is_err() {
+                for i in 0..a.warmup + a.batches {
+                    let Ok(batch) = host_rx.recv() else {
                         break;
-                    }
+                    };
+                    // Read the clock before dropping the payload: the last
+                    // one's drop frees the pinned pool (the pipeline has
+                    // ended), which takes 0.2-0.3 s on an H200 host.
+                    let now = Instant::now();
                     received += 1;
                     if i + 1 == a.warmup {
-                        t0 = Instant::now();
+                        t0 = now;
                     }
                     if i + 1 >= a.warmup {
-                        received_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                        received_ms.push((now - t0).as_secs_f64() * 1e3);
                     }
-                    if i + 1 == a.warmup + a.batches {
-                        el = t0.elapsed();
-                    }
+                    drop(batch);
                 }
+                let el = Duration::from_secs_f64(received_ms.last().copied().unwrap_or_default() / 1e3);
                 stop.stop(dflash_role::StopCause::RunCompleted);
                 drop(host_rx);
                 let _ = feeder.join();
@@ -326,7 +318,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                 for w in workers {
                     w.join().map_err(|_| anyhow::anyhow!("postprocess panicked"))??;
                 }
-                anyhow::ensure!(received == a.warmup + a.batches + 1, "the pipeline delivered {received} batches");
+                anyhow::ensure!(received == a.warmup + a.batches, "the pipeline delivered {received} batches");
                 let timed = stats.timed_forwards.load(std::sync::atomic::Ordering::Relaxed);
                 if cuda.is_some() && timed > 0 {
                     let busy = stats.busy_ns.load(std::sync::atomic::Ordering::Relaxed) as f64;
@@ -351,10 +343,6 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         }
         let timed_forwards = timeline_ms.get(a.warmup..a.warmup + a.batches).filter(|_| mode != "off");
         let gpu_step_ms = timed_forwards.map(|t| t.iter().map(|(g, b)| g + b).sum::<f64>() / a.batches as f64);
-        let last_batch_extra_ms = match (timeline_ms.get(a.warmup + a.batches), &received_ms[..]) {
-            (Some((gap, busy)), [.., before, last]) if mode != "off" => Some(last - before - gap - busy),
-            _ => None,
-        };
         results.push(ModeResult {
             mode: mode.to_string(),
             step_ms,
@@ -366,7 +354,6 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             timeline_ms,
             received_ms,
             gpu_step_ms,
-            last_batch_extra_ms,
             tokens_per_s: tokens as f64 / secs,
             mfu: flops / secs / peak,
             vs_off: step_ms / off_ms,
@@ -446,13 +433,6 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             r.tokens_per_s,
             100.0 * r.mfu,
             r.vs_off
-        );
-    }
-    for r in results.iter().filter(|r| r.last_batch_extra_ms.is_some()) {
-        println!(
-            "{}: the untimed last batch arrived {:.1} ms after the one before it beyond its GPU time (end of run)",
-            r.mode,
-            r.last_batch_extra_ms.unwrap_or_default()
         );
     }
     if let Some(p) = &a.json {

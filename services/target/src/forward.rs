@@ -198,6 +198,7 @@ impl ForwardLoop {
                     100.0 * busy.as_secs_f64() / wall
                 );
             }
+            tracing::debug!(batch = work.batch_id, "forward queued");
             if !sink.push(CapturedBatch { work, layers, ready, ids, forward_span }, &stop)? {
                 break;
             }

@@ -69,10 +69,12 @@ impl Postprocessor {
         let t = c.layers[0].size()[0] as usize;
         let row = c.layers[0].size()[1] as usize * c.layers[0].kind().elt_size_in_bytes();
         let bytes = t * row * c.layers.len();
+        let t0 = std::time::Instant::now();
         let mem = g
             .pool
             .take_until(|| self.stop.is_stopped())
             .ok_or_else(|| anyhow::anyhow!("stopped while waiting for a pinned buffer"))?;
+        let took = t0.elapsed();
         let mut buf = gpu::PinnedBuf::new(mem, bytes)?;
         match self.layout {
             Layout::Packed => {
@@ -92,6 +94,13 @@ impl Postprocessor {
                 gpu::sync(&g.stream)?;
             }
         }
+        tracing::debug!(
+            batch = c.work.batch_id,
+            "postprocess: pinned buffer after {:.1} ms, forward done and {} MB copied after {:.1} ms more",
+            took.as_secs_f64() * 1e3,
+            bytes >> 20,
+            (t0.elapsed() - took).as_secs_f64() * 1e3
+        );
         Ok(Bytes::from_owner(buf))
     }
 
