@@ -8,11 +8,10 @@ import sys
 import torch
 
 
-# Reuse the plan and shapes without running that script's benchmarks.
-src = open("scripts/device/profile_split_attention.py").read().split("torch.backends.cuda.enable_cudnn_sdp(True)")[0]
-g = {}
-exec(compile(src, "profile_split_attention", "exec"), g)
-plan, fold_plan, fold, raw, do, SCALE, T = g["plan"], g["fold_plan"], g["fold"], g["raw"], g["do"], g["SCALE"], g["T"]
+# The plan and shapes of profile_split_attention.py (importing it runs none of its benchmarks).
+from gpu_timing import elapsed_ms  # noqa: E402
+from profile_split_attention import SCALE, T, do, fold, fold_plan, plan, raw  # noqa: E402,F401
+
 pa, pb = fold_plan(plan(16))
 q = fold(raw[0])
 k_all = torch.cat([raw[1], raw[3]])
@@ -33,7 +32,7 @@ for name, p in (("A", pa), ("B", pb)):
             print(f"   lse as {cand}: max diff {(t - f[1]).abs().max().item():.3g}")
 
     def timed(fn):
-        return g["elapsed_ms"](fn, reps=10)
+        return elapsed_ms(fn, reps=10)
 
     dof = fold(do)
     ff = lambda: torch.ops.aten._flash_attention_forward(q, k, v, p["cu_q"], p["cu_k"], p["max_q"], p["max_k"], 0.0, False, False, scale=SCALE)  # noqa: E731

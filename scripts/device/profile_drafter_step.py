@@ -138,17 +138,9 @@ torch.cuda.synchronize()
 print(f"micro-batch of {n} sequences {LENS} (S={S}), {ANCHORS} anchors, chunk {CHUNK}: "
       f"{ev0.elapsed_time(ev1) / 3:.1f} ms per micro-batch (forward + backward, no optimizer)")
 
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from gpu_timing import kernel_times  # noqa: E402
 
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    step()
-    torch.cuda.synchronize()
-kernels = {}
-for e in prof.events():
-    if e.device_type == torch.autograd.DeviceType.CUDA:
-        kernels.setdefault(e.name, [0.0, 0])
-        kernels[e.name][0] += e.time_range.elapsed_us()
-        kernels[e.name][1] += 1
+kernels = kernel_times(step)
 
 
 def kind(name):

@@ -10,7 +10,8 @@ of the per-block part. Prints times per phase and the top kernels.
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+
+from gpu_timing import elapsed_ms, kernel_times
 
 torch.manual_seed(0)
 dev, bf = "cuda", torch.bfloat16
@@ -158,69 +159,52 @@ do = torch.randn(T, NH, D, device=dev, dtype=bf)
 raw = [t.detach() for t in (q, kc, vc, kb, vb)]
 
 
-def elapsed_ms(fn, reps=5):
-    """GPU milliseconds per call of `fn`, after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        fn()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / reps
-
-
 def timed(name, fn, reps=5):
     print(f"{name:<44} {elapsed_ms(fn, reps):8.2f} ms (forward + backward, one layer)")
 
 
-torch.backends.cuda.enable_cudnn_sdp(True)
-print(f"one micro-batch: {n} sequences {LENS}, S={S}, {A} anchors, block {B}; {NH}/{KV} heads, head_dim {D}")
-for chunk in (64, 32):
-    st = masked_setup(chunk)
-    timed(f"masked cuDNN, chunk {chunk}", lambda: masked(q, kc, vc, kb, vb, do, st))
-for group in (8, 16, 32, 64):
-    parts = plan(group)
-    print(f"  group {group}: prefix keys {parts[0]['rows'].numel():,}, band keys {parts[1]['rows'].numel():,}")
-    timed(f"split, group {group}", lambda: split(*raw, do, parts))
-    fparts = fold_plan(parts)
-    timed(f"split folded, group {group}", lambda: split_folded(*raw, do, fparts))
-    if group == 16:
-        a, b = split(*raw, do, parts), split_folded(*raw, do, fparts)
-        print("  folded vs unfolded, max |diff| of out, dq, dk, dv:",
-              [f"{(x.float() - y.float()).abs().max().item():.3g}" for x, y in zip(a, b)])
+def main():
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    print(f"one micro-batch: {n} sequences {LENS}, S={S}, {A} anchors, block {B}; {NH}/{KV} heads, head_dim {D}")
+    for chunk in (64, 32):
+        st = masked_setup(chunk)
+        timed(f"masked cuDNN, chunk {chunk}", lambda: masked(q, kc, vc, kb, vb, do, st))
+    for group in (8, 16, 32, 64):
+        parts = plan(group)
+        print(f"  group {group}: prefix keys {parts[0]['rows'].numel():,}, band keys {parts[1]['rows'].numel():,}")
+        timed(f"split, group {group}", lambda: split(*raw, do, parts))
+        fparts = fold_plan(parts)
+        timed(f"split folded, group {group}", lambda: split_folded(*raw, do, fparts))
+        if group == 16:
+            a, b = split(*raw, do, parts), split_folded(*raw, do, fparts)
+            print("  folded vs unfolded, max |diff| of out, dq, dk, dv:",
+                  [f"{(x.float() - y.float()).abs().max().item():.3g}" for x, y in zip(a, b)])
 
-# Phases of the split at group 16.
-parts = plan(16)
-pa, pb = parts
-k_all = torch.cat([raw[1], raw[3]])
-v_all = torch.cat([raw[2], raw[4]])
-fa, fb = fwd(raw[0], k_all, v_all, pa), fwd(raw[0], k_all, v_all, pb)
-print("lse shapes:", tuple(fa[1].shape), tuple(fb[1].shape))
-m = torch.logaddexp(fa[1], fb[1])
-out = fa[0]
-timed("  part A forward (gather + flash)", lambda: fwd(raw[0], k_all, v_all, pa))
-timed("  part B forward (gather + flash)", lambda: fwd(raw[0], k_all, v_all, pb))
-timed("  part A backward (gather + flash)", lambda: bwd(do, raw[0], k_all, v_all, out, m, pa, fa[2], fa[3]))
-timed("  part B backward (gather + flash)", lambda: bwd(do, raw[0], k_all, v_all, out, m, pb, fb[2], fb[3]))
-ka = k_all.index_select(0, pa["rows"])
-timed("  part A gather of k", lambda: k_all.index_select(0, pa["rows"]))
-gk = torch.randn(ka.shape, device=dev, dtype=bf)
-timed("  part A index_add of dk (fp32)",
-      lambda: torch.zeros(k_all.shape, device=dev, dtype=torch.float32).index_add_(0, pa["rows"], gk.float()))
+    # Phases of the split at group 16.
+    parts = plan(16)
+    pa, pb = parts
+    k_all = torch.cat([raw[1], raw[3]])
+    v_all = torch.cat([raw[2], raw[4]])
+    fa, fb = fwd(raw[0], k_all, v_all, pa), fwd(raw[0], k_all, v_all, pb)
+    print("lse shapes:", tuple(fa[1].shape), tuple(fb[1].shape))
+    m = torch.logaddexp(fa[1], fb[1])
+    out = fa[0]
+    timed("  part A forward (gather + flash)", lambda: fwd(raw[0], k_all, v_all, pa))
+    timed("  part B forward (gather + flash)", lambda: fwd(raw[0], k_all, v_all, pb))
+    timed("  part A backward (gather + flash)", lambda: bwd(do, raw[0], k_all, v_all, out, m, pa, fa[2], fa[3]))
+    timed("  part B backward (gather + flash)", lambda: bwd(do, raw[0], k_all, v_all, out, m, pb, fb[2], fb[3]))
+    ka = k_all.index_select(0, pa["rows"])
+    timed("  part A gather of k", lambda: k_all.index_select(0, pa["rows"]))
+    gk = torch.randn(ka.shape, device=dev, dtype=bf)
+    timed("  part A index_add of dk (fp32)",
+          lambda: torch.zeros(k_all.shape, device=dev, dtype=torch.float32).index_add_(0, pa["rows"], gk.float()))
 
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    split_folded(*raw, do, fold_plan(parts))
-    torch.cuda.synchronize()
-kernels = {}
-for e in prof.events():
-    if e.device_type == torch.autograd.DeviceType.CUDA:
-        kernels.setdefault(e.name, [0.0, 0])
-        kernels[e.name][0] += e.time_range.elapsed_us()
-        kernels[e.name][1] += 1
-total = sum(v[0] for v in kernels.values())
-print(f"split folded, group 16: GPU kernel time {total / 1e3:.2f} ms; top kernels:")
-for name, (t, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:14]:
-    print(f"  {t / 1e3:7.2f} ms x{c:<3} {name[:100]}")
+    kernels = kernel_times(lambda: split_folded(*raw, do, fold_plan(parts)))
+    total = sum(v[0] for v in kernels.values())
+    print(f"split folded, group 16: GPU kernel time {total / 1e3:.2f} ms; top kernels:")
+    for name, (t, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"  {t / 1e3:7.2f} ms x{c:<3} {name[:100]}")
+
+
+if __name__ == "__main__":
+    main()
