@@ -6,9 +6,13 @@
 //! ([`WireError::is_retryable`]).
 
 mod batch;
+mod inbound;
+mod outbound;
 mod stream;
 
 pub use batch::{BatchMeta, DType, HostBatch, Layout};
+pub use inbound::{ChunkParts, Inbound, InboundError, InboundFrames};
+pub use outbound::{Pieces, grpc_pieces};
 pub use stream::{Assembled, Assembler, PayloadBuffer, batch_messages};
 
 /// What can be wrong with a batch on the wire.
@@ -87,6 +91,42 @@ mod tests {
 
     fn messages_of(b: &HostBatch, chunk: usize) -> Vec<dflash_proto::TargetMessage> {
         batch_messages(b, chunk).collect()
+    }
+
+    #[test]
+    fn a_batch_survives_the_byte_stream_in_frames_of_any_size() {
+        // Target side: gRPC framing with zero-copy payloads; drafter side:
+        // frames cut into messages, chunks assembled from their frames.
+        let b = batch(1000, 2, 96);
+        let stream: Vec<u8> = messages_of(&b, 300_000)
+            .into_iter()
+            .flat_map(|m| {
+                let (head, payload) = grpc_pieces(m).split();
+                [head.to_vec(), payload.map(|p| p.to_vec()).unwrap_or_default()].concat()
+            })
+            .collect();
+        for frame in [7, 4096, 65_536, 1 << 20] {
+            let (mut frames, mut asm, mut got) = (InboundFrames::new(1 << 20), Assembler::new(1 << 20), None);
+            for f in stream.chunks(frame) {
+                frames.push(Bytes::copy_from_slice(f));
+                while let Some(m) = frames.next_message().unwrap() {
+                    let r = match m {
+                        Inbound::Chunk(c) => asm.push_parts(c.batch_id, c.index, &c.parts),
+                        Inbound::Message(m) => match m.msg.unwrap() {
+                            Msg::Header(h) => asm.push_header(h),
+                            Msg::End(e) => asm.push_end(e),
+                            other => panic!("unexpected {other:?}"),
+                        },
+                    };
+                    if let Assembled::Batch(done) = r.unwrap() {
+                        got = Some(done);
+                    }
+                }
+            }
+            frames.finish().unwrap();
+            let got = got.expect("the batch was assembled");
+            assert_eq!((got.payload, got.meta.batch_id), (b.payload.clone(), b.meta.batch_id), "frames of {frame}");
+        }
     }
 
     #[test]

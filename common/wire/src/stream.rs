@@ -181,25 +181,28 @@ impl Assembler {
     }
 
     pub fn push_chunk(&mut self, chunk: pb::BatchChunk) -> Result<Assembled, WireError> {
-        let p = self.expect(chunk.batch_id, "chunk")?;
-        if chunk.index != p.next_index {
+        self.push_parts(chunk.batch_id, chunk.index, std::slice::from_ref(&chunk.data))
+    }
+
+    /// Feeds a chunk whose data is the concatenation of `parts` (the frames
+    /// it arrived in, see [`crate::InboundFrames`]).
+    pub fn push_parts(&mut self, batch_id: u64, index: u32, parts: &[Bytes]) -> Result<Assembled, WireError> {
+        let p = self.expect(batch_id, "chunk")?;
+        if index != p.next_index {
             return Err(WireError::Corrupt {
-                batch_id: chunk.batch_id,
-                what: format!("chunk {} arrived where chunk {} was due", chunk.index, p.next_index),
+                batch_id,
+                what: format!("chunk {index} arrived where chunk {} was due", p.next_index),
             });
         }
         let expected = p.meta.payload_bytes();
-        if p.buf.len() + chunk.data.len() > expected {
+        let len: usize = parts.iter().map(Bytes::len).sum();
+        if p.buf.len() + len > expected {
             return Err(WireError::Corrupt {
-                batch_id: chunk.batch_id,
-                what: format!(
-                    "chunks exceed the announced {expected} bytes (have {}, chunk {})",
-                    p.buf.len(),
-                    chunk.data.len()
-                ),
+                batch_id,
+                what: format!("chunks exceed the announced {expected} bytes (have {}, chunk {len})", p.buf.len()),
             });
         }
-        for piece in chunk.data.chunks(LANDING_STEP) {
+        for piece in parts.iter().flat_map(|part| part.chunks(LANDING_STEP)) {
             p.buf.extend(piece);
             p.crc = crc32c::crc32c_append(p.crc, piece);
         }
