@@ -4,6 +4,10 @@
 /// refused with a clear error at registration or stream start.
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// The hidden-state RPC's HTTP path (package, service, method of `drafter.proto`),
+/// for the data plane that serves and calls it below tonic's codec.
+pub const STREAM_HIDDEN_STATES_PATH: &str = "/dflash.v1.Drafter/StreamHiddenStates";
+
 #[allow(clippy::all, missing_docs)]
 pub mod v1 {
     tonic::include_proto!("dflash.v1");

@@ -2,7 +2,9 @@
 //! the run config, heartbeat, watch run events, report errors, serve
 //! grpc.health.v1, and stop for one recorded cause.
 
+pub mod data_stream;
 mod health;
+pub mod memory;
 pub mod security;
 mod session;
 mod stages;

@@ -7,8 +7,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dflash_proto as pb;
-use dflash_proto::drafter_client::DrafterClient;
-use dflash_proto::drafter_server::DrafterServer;
 use dflash_role::{Stop, transport};
 use dflash_wire::{BatchMeta, DType, HostBatch, Layout, batch_messages};
 use serde::Serialize;
@@ -100,11 +98,7 @@ async fn grpc(
     let server_stop = stop.clone();
     let server = tokio::spawn(
         transport::data_server()
-            .add_service(
-                DrafterServer::new(service)
-                    .max_decoding_message_size(transport::MAX_MESSAGE_BYTES)
-                    .max_encoding_message_size(transport::MAX_MESSAGE_BYTES),
-            )
+            .add_service(crate::data_plane::DataPlane::new(service))
             .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
                 server_stop.stopped().await
             }),
@@ -117,9 +111,6 @@ async fn grpc(
         let url = format!("http://{addr}");
         tasks.push(tokio::spawn(async move {
             let channel = transport::data_endpoint(&url)?.connect().await?;
-            let mut client = DrafterClient::new(channel)
-                .max_decoding_message_size(transport::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(transport::MAX_MESSAGE_BYTES);
             let (tx, rx) = mpsc::channel(16);
             tx.send(pb::TargetMessage {
                 msg: Some(pb::target_message::Msg::Hello(pb::StreamHello {
@@ -129,8 +120,13 @@ async fn grpc(
                 })),
             })
             .await?;
-            let mut acks =
-                client.stream_hidden_states(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+            let mut acks = dflash_role::data_stream::open_hidden_state_stream(
+                channel,
+                Ok::<tonic::Request<()>, tonic::Status>,
+                rx,
+            )
+            .await?
+            .into_inner();
             let _welcome = acks.message().await?;
             let (mut in_flight, mut acked) = (0u32, 0usize);
             for i in 0..share {

@@ -4,6 +4,7 @@
 
 mod bench;
 mod bench_transport;
+mod data_plane;
 mod eval;
 mod prefetch;
 mod receiver;
@@ -21,7 +22,6 @@ use dflash_models::blocks::BlockSettings;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::{Drafter, DrafterConfig, TrainSettings, Trainer};
 use dflash_proto as pb;
-use dflash_proto::drafter_server::DrafterServer;
 use dflash_role::{Announce, KindExt, RoleArgs, Session, Stages, Stop, StopCause, format_chain};
 use dflash_telemetry::ErrorKind;
 use tch::Kind;
@@ -72,6 +72,7 @@ struct ServeArgs {
 }
 
 fn main() {
+    dflash_role::memory::keep_freed_memory_mapped();
     dflash_telemetry::init("dflash-drafter");
     let cli = Cli::parse();
     let code = match cli.command {
@@ -288,7 +289,7 @@ async fn start(
     };
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::Serving).await;
-    health.set_serving::<DrafterServer<DrafterService>>().await;
+    health.set_serving::<data_plane::DataPlane>().await;
     if let Some(addr) = health_listen {
         stages.spawn_task("health", dflash_role::serve_health(addr, health_service.clone(), stop.clone()));
     }
@@ -298,9 +299,7 @@ async fn start(
         .server(dflash_role::transport::data_server())?
         .add_service(health_service)
         .add_service(tonic::service::interceptor::InterceptedService::new(
-            DrafterServer::new(service)
-                .max_decoding_message_size(dflash_role::transport::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(dflash_role::transport::MAX_MESSAGE_BYTES),
+            data_plane::DataPlane::new(service),
             session.security.server_auth(),
         ))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {

@@ -1,19 +1,18 @@
-//! The Drafter gRPC service: accepts hidden-state streams from any number
-//! of targets, verifies each batch (CRC, shapes, dtype), queues it in the
-//! bounded HS queue and acknowledges it.
+//! The Drafter service: accepts hidden-state streams from any number of
+//! targets, verifies each batch (CRC, shapes, dtype), queues it in the
+//! bounded HS queue and acknowledges it. [`crate::data_plane`] serves it
+//! over gRPC.
 
-use std::pin::Pin;
 use std::time::Duration;
 
 use dflash_proto as pb;
-use dflash_proto::drafter_server::Drafter;
 use dflash_proto::target_message::Msg;
 use dflash_role::Stop;
-use dflash_wire::{Assembled, Assembler, HostBatch, WireError};
-use futures::Stream;
+use dflash_wire::{Assembled, Assembler, ChunkParts, HostBatch, Inbound, WireError};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::Status;
+
+use crate::data_plane::{AckSender, InboundStream};
 
 /// A verified batch waiting in the HS queue.
 pub struct ReceivedBatch {
@@ -115,8 +114,6 @@ pub struct DrafterService {
     pub hello_timeout: Duration,
 }
 
-type AckStream = Pin<Box<dyn Stream<Item = Result<pb::DrafterMessage, Status>> + Send>>;
-
 fn ack(batch_id: u64, status: pb::AckStatus, reason: String) -> Result<pb::DrafterMessage, Status> {
     Ok(pb::DrafterMessage {
         msg: Some(pb::drafter_message::Msg::Ack(pb::BatchAck { batch_id, status: status as i32, reason })),
@@ -135,17 +132,16 @@ impl Expected {
     }
 }
 
-#[tonic::async_trait]
-impl Drafter for DrafterService {
-    type StreamHiddenStatesStream = AckStream;
-
-    async fn stream_hidden_states(
+impl DrafterService {
+    /// Starts one target's stream: checks its hello, then receives on a
+    /// task of its own; returns the acknowledgements to send back, the
+    /// welcome first. An error refuses the stream.
+    pub async fn open_stream(
         &self,
-        req: Request<Streaming<pb::TargetMessage>>,
-    ) -> Result<Response<AckStream>, Status> {
-        let mut incoming = req.into_inner();
-        let hello = match tokio::time::timeout(self.hello_timeout, incoming.message()).await {
-            Ok(Ok(Some(pb::TargetMessage { msg: Some(Msg::Hello(h)) }))) => h,
+        mut incoming: InboundStream,
+    ) -> Result<mpsc::Receiver<Result<pb::DrafterMessage, Status>>, Status> {
+        let hello = match tokio::time::timeout(self.hello_timeout, incoming.next()).await {
+            Ok(Ok(Some(Inbound::Message(pb::TargetMessage { msg: Some(Msg::Hello(h)) })))) => h,
             Ok(Ok(_)) => return Err(Status::invalid_argument("the first message of a stream must be a hello")),
             Ok(Err(s)) => return Err(s),
             Err(_) => return Err(Status::deadline_exceeded("no hello within the RPC timeout")),
@@ -187,7 +183,7 @@ impl Drafter for DrafterService {
             receiving: None,
         };
         tokio::spawn(receive(target, incoming, lander, tx, self.stop.clone()));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(rx)
     }
 }
 
@@ -199,18 +195,11 @@ fn stopping() -> WireError {
 /// 16 MiB of decoded chunks wait at most while the lander copies one.
 const LANDING_DEPTH: usize = 4;
 
-/// Reads one target's stream: tonic decodes messages on this task while a
-/// thread of the stream's own (the [`Lander`]) copies the previous ones
-/// into their payload buffers and checks them. Decoding copies every byte
-/// once and landing once more; on two cores instead of one, the stream
-/// runs at the speed of the slower copy rather than of both together.
-async fn receive(
-    target: String,
-    mut incoming: Streaming<pb::TargetMessage>,
-    lander: Lander,
-    acks: mpsc::Sender<Result<pb::DrafterMessage, Status>>,
-    stop: Stop,
-) {
+/// Reads one target's stream: this task cuts the HTTP/2 frames into
+/// messages while a thread of the stream's own (the [`Lander`]) copies the
+/// previous chunks into their payload buffers and checks them, so reading
+/// the socket and landing run on two cores.
+async fn receive(target: String, mut incoming: InboundStream, lander: Lander, acks: AckSender, stop: Stop) {
     let (tx, rx) = flume::bounded(LANDING_DEPTH);
     let (done_tx, mut done) = tokio::sync::oneshot::channel::<()>();
     let spawned = std::thread::Builder::new().name(format!("land-{target}")).spawn(move || {
@@ -224,7 +213,7 @@ async fn receive(
     }
     loop {
         let msg = tokio::select! {
-            m = incoming.message() => m,
+            m = incoming.next() => m,
             _ = stop.stopped() => return,
             // The lander ended the stream (a closed queue, a dropped ack
             // stream): stop reading.
@@ -255,6 +244,14 @@ async fn receive(
     }
 }
 
+/// One message of a batch, whichever way it was decoded.
+enum Part {
+    Hello,
+    Header(pb::BatchHeader),
+    Chunk(ChunkParts),
+    End(pb::BatchEnd),
+}
+
 /// Lands one stream's messages: reassembly into payload buffers, CRC,
 /// checks, the HS queue and the acks. Runs on its own thread; every wait
 /// is bounded and gives up when the role stops.
@@ -267,14 +264,14 @@ struct Lander {
     expected: Expected,
     queue: flume::Sender<ReceivedBatch>,
     stop: Stop,
-    acks: mpsc::Sender<Result<pb::DrafterMessage, Status>>,
+    acks: AckSender,
     /// The receive span of the batch being assembled.
     receiving: Option<(u64, tracing::Span)>,
 }
 
 impl Lander {
     /// Until the reader closes the channel or a message ends the stream.
-    fn run(mut self, messages: flume::Receiver<pb::TargetMessage>) {
+    fn run(mut self, messages: flume::Receiver<Inbound>) {
         while let Ok(m) = messages.recv() {
             if !self.handle(m) {
                 return;
@@ -283,17 +280,26 @@ impl Lander {
     }
 
     /// Handles one message; false ends the stream.
-    fn handle(&mut self, msg: pb::TargetMessage) -> bool {
-        let batch_of = |m: &Msg| match m {
-            Msg::Header(h) => Some(h.batch_id),
-            Msg::Chunk(c) => Some(c.batch_id),
-            Msg::End(e) => Some(e.batch_id),
-            Msg::Hello(_) => None,
+    fn handle(&mut self, inbound: Inbound) -> bool {
+        let m = match inbound {
+            Inbound::Chunk(c) => Part::Chunk(c),
+            Inbound::Message(pb::TargetMessage { msg: Some(m) }) => match m {
+                Msg::Header(h) => Part::Header(h),
+                Msg::Chunk(c) => Part::Chunk(ChunkParts { batch_id: c.batch_id, index: c.index, parts: vec![c.data] }),
+                Msg::End(e) => Part::End(e),
+                Msg::Hello(_) => Part::Hello,
+            },
+            Inbound::Message(pb::TargetMessage { msg: None }) => return true,
         };
-        let Some(m) = msg.msg else { return true };
+        let batch_of = |m: &Part| match m {
+            Part::Header(h) => Some(h.batch_id),
+            Part::Chunk(c) => Some(c.batch_id),
+            Part::End(e) => Some(e.batch_id),
+            Part::Hello => None,
+        };
         if let Some(bad) = self.discarding {
             if batch_of(&m) == Some(bad) {
-                if matches!(m, Msg::End(_)) {
+                if matches!(m, Part::End(_)) {
                     self.discarding = None;
                     return self.send(ack(bad, pb::AckStatus::Resend, "corrupt in transit".into()));
                 }
@@ -301,16 +307,16 @@ impl Lander {
             }
             self.discarding = None;
         }
-        let is_end = matches!(m, Msg::End(_));
-        if let Msg::Header(h) = &m {
+        let is_end = matches!(m, Part::End(_));
+        if let Part::Header(h) = &m {
             // Continues the target's send span (its context is in the header).
             self.receiving = Some((h.batch_id, dflash_telemetry::batch_span("receive", &h.trace_context, h.batch_id)));
         }
         let result = match m {
-            Msg::Header(h) => self.begin_pooled(h),
-            Msg::Chunk(c) => self.assembler.push_chunk(c),
-            Msg::End(e) => self.assembler.push_end(e),
-            Msg::Hello(_) => Err(WireError::Protocol("hello in the middle of a stream".into())),
+            Part::Header(h) => self.begin_pooled(h),
+            Part::Chunk(c) => self.assembler.push_parts(c.batch_id, c.index, &c.parts),
+            Part::End(e) => self.assembler.push_end(e),
+            Part::Hello => Err(WireError::Protocol("hello in the middle of a stream".into())),
         };
         match result {
             Ok(Assembled::Pending) => true,

@@ -67,6 +67,7 @@ struct ServeArgs {
 }
 
 fn main() {
+    dflash_role::memory::keep_freed_memory_mapped();
     dflash_telemetry::init("dflash-target");
     let cli = Cli::parse();
     let tool = match cli.command {

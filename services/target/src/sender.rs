@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dflash_proto as pb;
-use dflash_proto::drafter_client::DrafterClient;
 use dflash_proto::drafter_message::Msg;
+use dflash_role::data_stream::open_hidden_state_stream;
 use dflash_role::{HeldBatches, KindExt, Session, transport, with_timeout};
 use dflash_telemetry::ErrorKind;
 use dflash_wire::{HostBatch, batch_messages};
@@ -109,9 +109,6 @@ impl Sender {
             Ok(c) => c,
             Err(e) => return Ok(StreamEnd::Reconnect(format!("connect: {e}"))),
         };
-        let mut client = DrafterClient::with_interceptor(channel, self.session.security.client_auth())
-            .max_decoding_message_size(transport::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(transport::MAX_MESSAGE_BYTES);
         let (tx, rx) = mpsc::channel::<pb::TargetMessage>(16);
         let hello = pb::TargetMessage {
             msg: Some(pb::target_message::Msg::Hello(pb::StreamHello {
@@ -123,7 +120,7 @@ impl Sender {
         tx.send(hello).await.ok();
         let mut responses = match with_timeout(
             self.session.rpc_timeout(),
-            client.stream_hidden_states(tokio_stream::wrappers::ReceiverStream::new(rx)),
+            open_hidden_state_stream(channel, self.session.security.client_auth(), rx),
         )
         .await
         {
