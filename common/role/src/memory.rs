@@ -15,7 +15,10 @@
 //! and pools bound.
 
 /// Applies the settings above, unless the operator set glibc's malloc
-/// tunables (`GLIBC_TUNABLES`) themselves. Call first thing in `main`.
+/// tunables (`GLIBC_TUNABLES`) themselves. The roles call it when they serve
+/// on GPUs, where hidden states move at GB/s; a CPU run moves a few MB/s and
+/// keeps glibc's defaults (on 2 cores the CPU drafter's step measured up to
+/// ~10% slower with this setting, BENCHMARKS.md).
 pub fn keep_freed_memory_mapped() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
@@ -30,7 +33,7 @@ pub fn keep_freed_memory_mapped() {
                 && libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX) == 1
         };
         if !ok {
-            eprintln!("warning: glibc refused the allocator settings (mallopt); freed buffers may be unmapped");
+            tracing::warn!("glibc refused the allocator settings (mallopt); freed buffers may be unmapped");
         }
     }
 }

@@ -72,7 +72,6 @@ struct ServeArgs {
 }
 
 fn main() {
-    dflash_role::memory::keep_freed_memory_mapped();
     dflash_telemetry::init("dflash-drafter");
     let cli = Cli::parse();
     let code = match cli.command {
@@ -235,6 +234,7 @@ async fn start(
     let gpus = c.devices.drafter.cuda_indices();
     if !gpus.is_empty() {
         dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
+        dflash_role::memory::keep_freed_memory_mapped();
     }
     let tdevs: Vec<tch::Device> = devices
         .iter()

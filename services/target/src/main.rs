@@ -67,7 +67,6 @@ struct ServeArgs {
 }
 
 fn main() {
-    dflash_role::memory::keep_freed_memory_mapped();
     dflash_telemetry::init("dflash-target");
     let cli = Cli::parse();
     let tool = match cli.command {
@@ -147,6 +146,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     if !gpus.is_empty() {
         dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
         dflash_models::cuda::set_cudnn_attention(false);
+        dflash_role::memory::keep_freed_memory_mapped();
     }
     let layout = if c.pipeline.split_fc_layers { Layout::Split } else { Layout::Packed };
     let post = Postprocessor {
