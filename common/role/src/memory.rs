@@ -8,7 +8,7 @@
 //! mapping and unmaps it when freed, and trims the heap's free top: each
 //! reuse then costs a page fault and a zeroed page per 4 KiB, and each
 //! unmapping a TLB shootdown on every core that runs the process. On a
-//! 16-core host that cut one hidden-state stream to 1.0-1.4 GB/s
+//! 16-core host that cut one hidden-state stream to 0.85-1.4 GB/s
 //! (BENCHMARKS.md, transport). Serving blocks up to 32 MiB from the heap
 //! and never trimming it keeps freed memory mapped for reuse; what stays
 //! mapped is bounded by the peak in use, which the bounded queues, windows
@@ -17,8 +17,8 @@
 /// Applies the settings above, unless the operator set glibc's malloc
 /// tunables (`GLIBC_TUNABLES`) themselves. The roles call it when they serve
 /// on GPUs, where hidden states move at GB/s; a CPU run moves a few MB/s and
-/// keeps glibc's defaults (on 2 cores the CPU drafter's step measured up to
-/// ~10% slower with this setting, BENCHMARKS.md).
+/// keeps glibc's defaults (on 2 cores the CPU drafter's step measured 2-21%
+/// slower with this setting, BENCHMARKS.md).
 pub fn keep_freed_memory_mapped() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
