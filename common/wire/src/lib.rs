@@ -12,7 +12,7 @@ mod stream;
 
 pub use batch::{BatchMeta, DType, HostBatch, Layout};
 pub use inbound::{ChunkParts, Inbound, InboundError, InboundFrames};
-pub use outbound::{Pieces, grpc_pieces};
+pub use outbound::{Pieces, grpc_message, grpc_pieces};
 pub use stream::{Assembled, Assembler, PayloadBuffer, batch_messages};
 
 /// What can be wrong with a batch on the wire.

@@ -45,15 +45,19 @@ pub fn grpc_pieces(m: pb::TargetMessage) -> Pieces {
             encode_varint(data_len as u64, &mut head);
             Pieces::Two(head.freeze(), c.data)
         }
-        _ => {
-            let len = m.encoded_len();
-            let mut buf = BytesMut::with_capacity(5 + len);
-            buf.put_u8(0);
-            buf.put_u32(len as u32);
-            m.encode(&mut buf).expect("the buffer has room for the message");
-            Pieces::One(buf.freeze())
-        }
+        _ => Pieces::One(grpc_message(&m)),
     }
+}
+
+/// Any message with gRPC's prefix (uncompressed, big-endian length): the
+/// framing of every message but a chunk's payload, in both directions.
+pub fn grpc_message(m: &impl Message) -> Bytes {
+    let len = m.encoded_len();
+    let mut buf = BytesMut::with_capacity(5 + len);
+    buf.put_u8(0);
+    buf.put_u32(len as u32);
+    m.encode(&mut buf).expect("the buffer has room for the message");
+    buf.freeze()
 }
 
 /// One message's bytes on the wire, in order.

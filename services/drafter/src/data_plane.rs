@@ -12,11 +12,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use dflash_proto as pb;
 use dflash_wire::{Inbound, InboundError, InboundFrames};
 use http_body::Frame;
-use prost::Message;
 use tokio::sync::mpsc;
 use tonic::Status;
 use tonic::body::Body;
@@ -136,7 +135,7 @@ impl http_body::Body for AckBody {
             return Poll::Ready(None);
         }
         let frame = match ready!(self.acks.poll_recv(cx)) {
-            Some(Ok(m)) => Frame::data(grpc_message(&m)),
+            Some(Ok(m)) => Frame::data(dflash_wire::grpc_message(&m)),
             Some(Err(status)) => {
                 self.done = true;
                 Frame::trailers(trailers(&status))
@@ -152,16 +151,6 @@ impl http_body::Body for AckBody {
     fn is_end_stream(&self) -> bool {
         self.done
     }
-}
-
-/// `m` with gRPC's prefix (uncompressed, big-endian length).
-fn grpc_message(m: &pb::DrafterMessage) -> Bytes {
-    let len = m.encoded_len();
-    let mut buf = BytesMut::with_capacity(5 + len);
-    buf.put_u8(0);
-    buf.put_u32(len as u32);
-    m.encode(&mut buf).expect("the buffer has room for the message");
-    buf.freeze()
 }
 
 fn trailers(status: &Status) -> http::HeaderMap {
@@ -181,6 +170,7 @@ mod tests {
 
     use dflash_wire::{BatchMeta, DType, HostBatch, Layout, batch_messages, grpc_pieces};
     use pb::target_message::Msg;
+    use prost::Message;
     use tower::ServiceExt;
 
     use super::*;
