@@ -78,8 +78,14 @@ impl fmt::Display for RunConfig {
         writeln!(f, "  Prefetch depth: {}, HS queue: {}", p.prefetch_depth, p.hs_queue_depth)?;
         writeln!(
             f,
-            "  Target postprocess depth: {}, split FC layers: {}",
-            p.target_postprocess_depth, p.split_fc_layers
+            "  Target postprocess depth: {}, split FC layers: {}, target feature cache: {}",
+            p.target_postprocess_depth,
+            p.split_fc_layers,
+            if p.target_feature_cache_mib == 0 {
+                "off".to_string()
+            } else {
+                format!("{} MiB", p.target_feature_cache_mib)
+            }
         )?;
         writeln!(
             f,

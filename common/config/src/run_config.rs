@@ -215,6 +215,11 @@ pub struct PipelineSection {
     /// Parallel streams (connections) from each target to the drafter; the
     /// in-flight limit is split across them.
     pub streams_per_target: u32,
+    /// Memory (MiB, per target device, on that device) for the features of
+    /// sequences already computed, reused when later epochs revisit them
+    /// instead of running the target again (0: off). Pays off when the
+    /// target bounds the run and the dataset's features fit.
+    pub target_feature_cache_mib: u32,
 }
 
 impl Default for PipelineSection {
@@ -229,6 +234,7 @@ impl Default for PipelineSection {
             max_inflight_batches: 4,
             chunk_bytes: 4 << 20,
             streams_per_target: 2,
+            target_feature_cache_mib: 0,
         }
     }
 }

@@ -281,6 +281,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     layer_ids: layer_ids.clone(),
                     label: "bench".into(),
                     cuda: cuda_feed(&cuda, device, a.batch_tokens, 4)?,
+                    cache: crate::feature_cache::FeatureCache::new(0),
                 };
                 let s = stop.clone();
                 let fwd = std::thread::spawn(move || fl.run(work_rx, sink, s));

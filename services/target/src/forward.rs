@@ -8,6 +8,7 @@ use dflash_models::TargetModel;
 use dflash_role::Stop;
 use tch::{Kind, Tensor};
 
+use crate::feature_cache::FeatureCache;
 use crate::postprocess::PostprocessSink;
 use crate::upload::{GpuBusy, GpuTimes, IdsUploader, UploadedIds};
 use crate::work::WorkItem;
@@ -105,6 +106,8 @@ pub struct ForwardLoop {
     pub label: String,
     /// The device's CUDA context and the ids uploader (None on CPU).
     pub cuda: Option<CudaFeed>,
+    /// Features of sequences already computed, reused in later epochs.
+    pub cache: FeatureCache,
 }
 
 /// How a CUDA forward loop gets its inputs onto the device.
@@ -127,8 +130,9 @@ impl CudaFeed {
 
 impl ForwardLoop {
     /// Runs until the input closes or the role stops.
-    pub fn run(self, input: flume::Receiver<WorkItem>, sink: PostprocessSink, stop: Stop) -> anyhow::Result<()> {
+    pub fn run(mut self, input: flume::Receiver<WorkItem>, sink: PostprocessSink, stop: Stop) -> anyhow::Result<()> {
         let mut batches = 0u64;
+        let mut hits = 0u64;
         let mut tokens = 0u64;
         let started = Instant::now();
         let mut busy = Duration::ZERO;
@@ -144,8 +148,12 @@ impl ForwardLoop {
             let entered = span.enter();
             let t0 = Instant::now();
             let lens: Vec<i64> = work.seq_lengths.iter().map(|&l| l as i64).collect();
-            let (layers, ready, ids) = match &self.cuda {
-                Some(feed) => {
+            let cached = self.cache.assemble(&work.sample_ids);
+            let hit = cached.is_some();
+            let (layers, ready, ids) = match (cached, &self.cuda) {
+                (Some(layers), Some(feed)) => (layers, Some(dflash_models::gpu::record_torch_event(&feed.ctx)?), None),
+                (Some(layers), None) => (layers, None, None),
+                (None, Some(feed)) => {
                     let queued = GpuBusy::mark(&feed.ctx)?;
                     let mut ids = feed.upload.upload(&work.input_ids, &stop)?;
                     let start = GpuBusy::mark(&feed.ctx)?;
@@ -157,12 +165,15 @@ impl ForwardLoop {
                     ids.release_after_torch_work()?;
                     (layers, Some(dflash_models::gpu::record_torch_event(&feed.ctx)?), Some(ids))
                 }
-                None => {
+                (None, None) => {
                     let ids: Vec<i64> = work.input_ids.iter().map(|&i| i as i64).collect();
                     let ids = Tensor::from_slice(&ids).to_device(self.model.device);
                     (self.model.capture_packed(&ids, &lens, &self.layer_ids), None, None)
                 }
             };
+            if !hit {
+                self.cache.insert(&work.sample_ids, &work.seq_lengths, &layers);
+            }
             // On CUDA the loop runs ahead of the GPU: busy time is the GPU's.
             let (spent, timed) = if self.cuda.is_some() {
                 let g = gpu_busy.collect();
@@ -178,6 +189,10 @@ impl ForwardLoop {
             let m = dflash_telemetry::metrics();
             m.tokens.with_label_values(&["captured"]).inc_by(work.input_ids.len() as u64);
             m.batches.with_label_values(&["captured"]).inc();
+            if hit {
+                hits += 1;
+                m.batches.with_label_values(&["cache_hit"]).inc();
+            }
             m.idle_fraction
                 .with_label_values(&["forward"])
                 .set(1.0 - busy.as_secs_f64() / started.elapsed().as_secs_f64().max(1e-9));
@@ -191,8 +206,17 @@ impl ForwardLoop {
             }
             if batches.is_multiple_of(50) {
                 let wall = started.elapsed().as_secs_f64();
+                let cache = if self.cache.enabled() {
+                    format!(
+                        ", {hits} from the feature cache ({} sequences, {} MiB)",
+                        self.cache.len(),
+                        self.cache.used_bytes() >> 20
+                    )
+                } else {
+                    String::new()
+                };
                 tracing::info!(
-                    "{}: {batches} batches, {:.0} tokens/s, forward busy {:.0}%",
+                    "{}: {batches} batches, {:.0} tokens/s, forward busy {:.0}%{cache}",
                     self.label,
                     tokens as f64 / wall,
                     100.0 * busy.as_secs_f64() / wall
@@ -218,5 +242,99 @@ pub fn compute_kind(dtype: &str, device: tch::Device) -> Kind {
         "bf16" => Kind::BFloat16,
         _ if device.is_cuda() => Kind::BFloat16,
         _ => Kind::Float,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use dflash_models::{LoadScope, TargetModel};
+    use dflash_role::Stop;
+    use dflash_wire::{HostBatch, Layout};
+
+    use super::*;
+    use crate::postprocess::Postprocessor;
+
+    fn item(batch_id: u64, samples: &[(u64, Vec<u32>)]) -> WorkItem {
+        WorkItem {
+            batch_id,
+            epoch: 0,
+            sample_ids: samples.iter().map(|s| s.0).collect(),
+            seq_lengths: samples.iter().map(|s| s.1.len() as u32).collect(),
+            input_ids: samples.iter().flat_map(|s| s.1.iter().copied()).collect(),
+            loss_mask: samples.iter().flat_map(|s| vec![1u8; s.1.len()]).collect(),
+            trace: Default::default(),
+        }
+    }
+
+    /// Runs a real forward loop over the tiny Llama fixture (CPU) and returns
+    /// the host batches it produced, and how many it took from the cache.
+    fn run_loop(cache_bytes: usize, work: Vec<WorkItem>) -> (Vec<HostBatch>, u64) {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+        let model = TargetModel::load(&dir, tch::Device::Cpu, Kind::Float, LoadScope::CaptureUpTo { last_layer: 1 })
+            .expect("tiny llama loads");
+        let stop = Stop::new();
+        let post = Postprocessor {
+            layout: Layout::Split,
+            noise_std: 0.0,
+            layer_ids: vec![0, 1],
+            target_instance: "test".into(),
+            gpu: None,
+            stop: stop.clone(),
+        };
+        let (work_tx, work_rx) = flume::bounded(work.len());
+        let (host_tx, host_rx) = flume::bounded(work.len());
+        let fl = ForwardLoop {
+            stats: std::sync::Arc::new(ForwardStats::new(1)),
+            model,
+            layer_ids: vec![0, 1],
+            label: "test".into(),
+            cuda: None,
+            cache: FeatureCache::new(cache_bytes),
+        };
+        let before = dflash_telemetry::metrics().batches.with_label_values(&["cache_hit"]).get();
+        for w in work {
+            work_tx.send(w).expect("queue has room");
+        }
+        drop(work_tx);
+        fl.run(work_rx, PostprocessSink::Inline(post, host_tx), stop).expect("loop runs");
+        let hits = dflash_telemetry::metrics().batches.with_label_values(&["cache_hit"]).get() - before;
+        (host_rx.drain().collect(), hits)
+    }
+
+    fn floats(b: &HostBatch) -> Vec<f32> {
+        b.payload.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
+    #[test]
+    fn a_later_epoch_served_from_the_feature_cache_ships_what_a_fresh_forward_would() {
+        let a = (10, vec![5u32, 17, 3, 99, 42, 7]);
+        let b = (11, vec![8u32, 250, 1, 64]);
+        let c = (12, vec![33u32, 2, 19, 5, 6, 200, 77, 12, 9]);
+        // Epoch 1 computes every sequence; epoch 2 packs them differently.
+        let epoch1 = [item(1, &[a.clone(), b.clone()]), item(2, std::slice::from_ref(&c))];
+        let epoch2 = vec![item(3, &[c.clone(), a.clone()]), item(4, std::slice::from_ref(&b))];
+        let all: Vec<WorkItem> = epoch1.iter().chain(&epoch2).cloned().collect();
+        let (cached, hits) = run_loop(1 << 20, all);
+        let (fresh, _) = run_loop(0, epoch2);
+        assert!(hits >= 2, "both epoch-2 batches come from the cache (counted {hits} hits)");
+        assert_eq!(cached.len(), 4);
+        for (got, want) in cached[2..].iter().zip(&fresh) {
+            assert_eq!(got.meta.batch_id, want.meta.batch_id);
+            assert_eq!(got.meta.seq_lengths, want.meta.seq_lengths);
+            // Equal up to float rounding: the CPU matmuls block by the batch's
+            // total length, so a sequence packed with others differs in the
+            // last bits from the same sequence in another batch.
+            let (g, w) = (floats(got), floats(want));
+            assert_eq!(g.len(), w.len());
+            let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let diff = g.iter().zip(&w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                scale > 0.0 && diff <= 1e-5 * scale,
+                "batch {}: max |diff| {diff} (scale {scale})",
+                got.meta.batch_id
+            );
+        }
     }
 }

@@ -4,6 +4,7 @@
 
 mod assets;
 mod bench;
+mod feature_cache;
 mod forward;
 mod postprocess;
 mod prepare;
@@ -26,6 +27,7 @@ use dflash_role::{Announce, HeldBatches, KindExt, RoleArgs, Session, Stages, Sto
 use dflash_telemetry::ErrorKind;
 use dflash_wire::Layout;
 
+use crate::feature_cache::FeatureCache;
 use crate::forward::{ForwardLoop, compute_kind};
 use crate::postprocess::{PostprocessSink, Postprocessor};
 
@@ -221,6 +223,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
             layer_ids: layer_ids.clone(),
             label: format!("target {d}"),
             cuda,
+            cache: FeatureCache::new((c.pipeline.target_feature_cache_mib as usize) << 20),
         };
         let (rx, s) = (work_rx.clone(), stop.clone());
         stages.spawn_thread(&format!("forward-{d}"), move || fl.run(rx, sink, s));
