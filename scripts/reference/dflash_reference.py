@@ -22,8 +22,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
+try:  # sweep.py brings its own reader and pre-tokenized data where these are missing
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+except ImportError:
+    load_file = save_file = Tokenizer = None
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -115,6 +118,7 @@ class Drafter(torch.nn.Module):
             m.qn, m.kn = torch.nn.Parameter(torch.ones(d)), torch.nn.Parameter(torch.ones(d))
             self.layers.append(m)
         self.norm = torch.nn.Parameter(torch.ones(H))
+        self.dropout = 0.0  # residual-branch dropout while training (sweep.py sets it)
         if init == "hf":
             for p in self.modules():
                 if isinstance(p, torch.nn.Linear):
@@ -137,9 +141,10 @@ class Drafter(torch.nn.Module):
             k = torch.cat([kc, kb], 1).repeat_interleave(nh // kv, 2)
             v = torch.cat([m.v(ctx).view(n, S, kv, d), m.v(h).view(n, Q, kv, d)], 1).repeat_interleave(nh // kv, 2)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-            x = x + m.o(o.transpose(1, 2).reshape(n, Q, nh * d))
+            drop = lambda t: F.dropout(t, self.dropout, self.training) if self.dropout else t
+            x = x + drop(m.o(o.transpose(1, 2).reshape(n, Q, nh * d)))
             h = rms_norm(x, m.ln2, eps)
-            x = x + m.down(F.silu(m.gate(h)) * m.up(h))
+            x = x + drop(m.down(F.silu(m.gate(h)) * m.up(h)))
         return rms_norm(x, self.norm, eps)
 
     def state_for_export(self):
