@@ -16,7 +16,8 @@ pub struct Metrics {
     /// Feature tokens by stage: `captured` (target forward), `sent`
     /// (acknowledged by a drafter), `received`, `trained`.
     pub tokens: IntCounterVec,
-    /// Batches by stage: `leased`, `captured`, `sent`, `resent`, `received`,
+    /// Batches by stage: `leased`, `captured` (`cache_hit`: those of them
+    /// the target feature cache served), `sent`, `resent`, `received`,
     /// `trained`, `skipped`, `duplicate`.
     pub batches: IntCounterVec,
     /// Current depth of each bounded queue (`work`, `postprocess`, `send`,
