@@ -26,6 +26,8 @@ fn dflash_up_trains_to_the_end_and_commits_every_batch_once() {
         assert!(log.contains(&block), "{role} did not print the pipeline block:\n{log}");
     }
     assert!(log.contains("run completed"), "{log}");
+    // A finished run closes its hidden-state streams; it does not break them.
+    assert!(!log.contains("broke"), "a stream broke at the end of the run:\n{log}");
 
     // The final checkpoint is in the served layout.
     let latest = std::fs::read_to_string(ws.path("checkpoints/latest")).expect("latest pointer");

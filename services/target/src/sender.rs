@@ -157,7 +157,10 @@ impl Sender {
             let can_send = self.unacked.len() < credits;
             tokio::select! {
                 b = self.input.recv_async(), if can_send => {
-                    let Ok(batch) = b else { return Ok(StreamEnd::Stopped) };
+                    let Ok(batch) = b else {
+                        close_stream(tx, &mut responses).await;
+                        return Ok(StreamEnd::Stopped);
+                    };
                     let ok = send_batch(&tx, &batch, chunk).await;
                     self.unacked.push_back(batch);
                     self.export_gauges();
@@ -174,12 +177,18 @@ impl Sender {
                     Err(s) => return Ok(StreamEnd::Reconnect(s.message().to_string())),
                 },
                 r = self.drafter_endpoint.changed() => {
-                    if r.is_err() { return Ok(StreamEnd::Stopped) }
+                    if r.is_err() {
+                        close_stream(tx, &mut responses).await;
+                        return Ok(StreamEnd::Stopped);
+                    }
                     if self.drafter_endpoint.borrow().as_deref() != Some(endpoint) {
                         return Ok(StreamEnd::Reconnect("drafter endpoint changed".into()));
                     }
                 }
-                _ = stop.stopped() => return Ok(StreamEnd::Stopped),
+                _ = stop.stopped() => {
+                    close_stream(tx, &mut responses).await;
+                    return Ok(StreamEnd::Stopped);
+                }
             }
         }
     }
@@ -270,4 +279,18 @@ async fn report_sent(session: Arc<Session>, mut rx: mpsc::Receiver<(u64, String)
             }
         }
     }
+}
+
+/// How long a stopping target waits for the drafter to end its side of a
+/// stream after ending its own.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// Ends the request stream (END_STREAM after what is queued) and waits, at
+/// most `CLOSE_GRACE`, for the drafter to end the response stream, so that a
+/// finished run closes its streams cleanly instead of resetting them when the
+/// process exits (which the drafter would report as a broken stream).
+async fn close_stream(tx: mpsc::Sender<pb::TargetMessage>, responses: &mut tonic::Streaming<pb::DrafterMessage>) {
+    drop(tx);
+    let drain = async { while let Ok(Some(_)) = responses.message().await {} };
+    let _ = tokio::time::timeout(CLOSE_GRACE, drain).await;
 }
