@@ -153,14 +153,12 @@ impl Sender {
                 return Ok(StreamEnd::Reconnect("stream closed during replay".into()));
             }
         }
+        // Loop exits (`break`) are the role stopping; reconnects return.
         loop {
             let can_send = self.unacked.len() < credits;
             tokio::select! {
                 b = self.input.recv_async(), if can_send => {
-                    let Ok(batch) = b else {
-                        close_stream(tx, &mut responses).await;
-                        return Ok(StreamEnd::Stopped);
-                    };
+                    let Ok(batch) = b else { break };
                     let ok = send_batch(&tx, &batch, chunk).await;
                     self.unacked.push_back(batch);
                     self.export_gauges();
@@ -177,20 +175,16 @@ impl Sender {
                     Err(s) => return Ok(StreamEnd::Reconnect(s.message().to_string())),
                 },
                 r = self.drafter_endpoint.changed() => {
-                    if r.is_err() {
-                        close_stream(tx, &mut responses).await;
-                        return Ok(StreamEnd::Stopped);
-                    }
+                    if r.is_err() { break }
                     if self.drafter_endpoint.borrow().as_deref() != Some(endpoint) {
                         return Ok(StreamEnd::Reconnect("drafter endpoint changed".into()));
                     }
                 }
-                _ = stop.stopped() => {
-                    close_stream(tx, &mut responses).await;
-                    return Ok(StreamEnd::Stopped);
-                }
+                _ = stop.stopped() => break,
             }
         }
+        close_stream(tx, &mut responses).await;
+        Ok(StreamEnd::Stopped)
     }
 
     fn export_gauges(&self) {
