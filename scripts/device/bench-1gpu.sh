@@ -10,7 +10,6 @@ B=.device/bin
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g | head -2;
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-python3 tests/fixtures/golden.py "$OUT/golden.json" 2>&1 | tail -2
 
 echo "== smoke: services on cuda:0 (synthetic target)"
 rm -rf runs

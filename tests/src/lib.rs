@@ -54,18 +54,29 @@ pub struct Workspace {
 impl Workspace {
     /// Writes the synthetic target (`layers` layers) and `samples` conversations.
     pub fn synthetic(samples: usize, layers: u32) -> Self {
+        Self::prepare(samples, &["--layers", &layers.to_string()])
+    }
+
+    /// Like [`Workspace::synthetic`] with a target of a named shape (e.g.
+    /// `tiny-moe`, the synthetic target as a Qwen3 MoE).
+    pub fn synthetic_shape(samples: usize, shape: &str) -> Self {
+        Self::prepare(samples, &["--shape", shape])
+    }
+
+    fn prepare(samples: usize, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let status = Command::new(bin("dflash-target"))
             .args(["prepare-synthetic", "--model-dir"])
             .arg(dir.path().join("model"))
             .arg("--dataset")
             .arg(dir.path().join("data.jsonl"))
-            .args(["--samples", &samples.to_string(), "--layers", &layers.to_string()])
+            .args(["--samples", &samples.to_string()])
+            .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
             .expect("run prepare-synthetic");
-        assert!(status.success(), "prepare-synthetic failed");
+        assert!(status.success(), "prepare-synthetic {args:?} failed");
         Self { dir }
     }
 
@@ -320,7 +331,7 @@ impl Cluster {
 pub fn safetensors_names(path: &Path) -> Vec<String> {
     let bytes = std::fs::read(path).expect("read safetensors");
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse safetensors");
-    let mut names: Vec<String> = st.names().into_iter().cloned().collect();
+    let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
     names.sort();
     names
 }

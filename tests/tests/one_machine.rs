@@ -11,9 +11,22 @@ use dflash_tests::{Workspace, safetensors_names};
 
 #[test]
 fn dflash_up_trains_to_the_end_and_commits_every_batch_once() {
-    let ws = Workspace::synthetic(300, 4);
+    trains_to_the_end(&Workspace::synthetic(300, 4));
+}
+
+#[test]
+fn a_mixture_of_experts_target_trains_to_the_end_too() {
+    let ws = Workspace::synthetic_shape(300, "tiny-moe");
+    let log = trains_to_the_end(&ws);
+    assert!(log.contains("layers of the Qwen3MoeForCausalLM target"), "{log}");
+}
+
+/// `dflash up` on the workspace's target: every role prints its config,
+/// the run completes, the checkpoint is in the served layout and every
+/// batch is trained and committed once. Returns the log.
+fn trains_to_the_end(ws: &Workspace) -> String {
     let config = ws.config("up-split", "");
-    let mut up = dflash_tests::up(&ws, &config, &[], &[]);
+    let mut up = dflash_tests::up(ws, &config, &[], &[]);
     let status = up.expect_exit(Duration::from_secs(180));
     let log = up.log_text();
     assert!(status.success(), "dflash up failed:\n{log}");
@@ -67,6 +80,7 @@ fn dflash_up_trains_to_the_end_and_commits_every_batch_once() {
     for a in &audit {
         assert_eq!((a.state.as_str(), a.trains, a.commits), ("committed", 1, 1), "{a:?}");
     }
+    log
 }
 
 #[test]

@@ -22,10 +22,18 @@ fn assert_exactly_once(ledger: &std::path::Path, batches: usize) {
 
 #[test]
 fn a_killed_drafter_resumes_and_targets_keep_running() {
-    let ws = Workspace::synthetic(600, 3);
+    killed_drafter_resumes(&Workspace::synthetic(600, 3));
+}
+
+#[test]
+fn a_killed_drafter_resumes_with_a_mixture_of_experts_target() {
+    killed_drafter_resumes(&Workspace::synthetic_shape(600, "tiny-moe"));
+}
+
+fn killed_drafter_resumes(ws: &Workspace) {
     let extra =
         "[run]\nmax_steps = 40\n[checkpoint]\ninterval_steps = 8\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512";
-    let cluster = Cluster::new(&ws, ws.config("drafter-restart", extra));
+    let cluster = Cluster::new(ws, ws.config("drafter-restart", extra));
     let mut coord = cluster.coordinator(&[]);
     let mut target = cluster.target("target-0");
     let target_pid = target.pid();

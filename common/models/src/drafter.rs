@@ -52,7 +52,7 @@ impl DrafterConfig {
             num_kv_heads: t.num_kv_heads,
             head_dim: t.head_dim,
             rms_norm_eps: t.rms_norm_eps,
-            rope_theta: t.rope_theta,
+            rope_theta: t.rope.theta,
             vocab_size: t.vocab_size,
             max_position_embeddings: t.max_position_embeddings,
             block_size,
@@ -220,7 +220,13 @@ impl Drafter {
             }
         }
         let kind = self.kind();
-        let w = crate::weights::Weights::load(dir, self.device(), kind, |name| map.contains_key(name))?;
+        let w = crate::weights::Weights::load_quantized(
+            dir,
+            self.device(),
+            kind,
+            |name| map.contains_key(name) || name.strip_suffix("_scale_inv").is_some_and(|w| map.contains_key(w)),
+            t.fp8.as_ref(),
+        )?;
         let vars = self.vs.variables();
         let _guard = tch::no_grad_guard();
         let mut copied = 0;

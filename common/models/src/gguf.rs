@@ -313,11 +313,16 @@ pub fn convert_llama_gguf(gguf_path: &Path, out: &Path) -> Result<TargetConfig, 
         num_kv_heads: n_kv,
         head_dim: hidden / n_head,
         rms_norm_eps: g.f64("llama.attention.layer_norm_rms_epsilon")?,
-        rope_theta: g.f64("llama.rope.freq_base").unwrap_or(10_000.0),
+        rope: crate::rope::RopeConfig::plain(g.f64("llama.rope.freq_base").unwrap_or(10_000.0)),
         vocab_size: tokens.len() as i64,
         tie_word_embeddings: !has_output,
-        attention_bias: false,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        qk_norm: false,
         max_position_embeddings: g.u64("llama.context_length").unwrap_or(4096) as i64,
+        moe: None,
+        fp8: None,
     };
     std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e))?;
     let mut named = Vec::with_capacity(g.tensors.len());

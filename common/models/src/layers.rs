@@ -1,8 +1,11 @@
-//! Building blocks shared by the target and the drafter: RMSNorm, linear
-//! layers, the SwiGLU MLP and rotary position embeddings (Hugging Face
-//! `rotate_half` convention).
+//! Building blocks shared by the targets and the drafter: RMSNorm, linear
+//! layers, the SwiGLU MLP, the targets' attention projections, and
+//! grouped-query key/value repetition. RoPE lives in `rope.rs`, the MoE
+//! block in `moe.rs`.
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
+
+pub use crate::rope::{Rope, apply_rope};
 
 /// RMSNorm over the last dimension with a learned scale.
 #[derive(Debug)]
@@ -45,35 +48,38 @@ impl Mlp {
     }
 }
 
-/// Rotary embedding tables for one head size.
+/// A target layer's attention projections: `q_proj`, `k_proj`, `v_proj`,
+/// `o_proj` (biases as the family has them) and, in Qwen3-style families,
+/// the per-head RMSNorms `q_norm` / `k_norm` applied before RoPE.
 #[derive(Debug)]
-pub struct Rope {
-    inv_freq: Tensor,
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    pub num_heads: i64,
+    pub num_kv_heads: i64,
+    pub head_dim: i64,
 }
 
-impl Rope {
-    pub fn new(head_dim: i64, theta: f64, device: tch::Device) -> Self {
-        let exponents = Tensor::arange_start_step(0, head_dim, 2, (Kind::Float, device)) / head_dim as f64;
-        let inv_freq = Tensor::from(theta).to_device(device).pow(&exponents).reciprocal();
-        Self { inv_freq }
+impl Attention {
+    /// Projections, QK norm and RoPE. `x` `[.., S, H]` gives q `[.., S, nh, d]`
+    /// and k, v `[.., S, kv, d]`; `cos`/`sin` broadcast over heads.
+    pub fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
+        let mut lead = x.size();
+        lead.pop();
+        let shape = |heads: i64| [lead.clone(), vec![heads, self.head_dim]].concat();
+        let mut q = self.q_proj.forward(x).view(shape(self.num_heads).as_slice());
+        let mut k = self.k_proj.forward(x).view(shape(self.num_kv_heads).as_slice());
+        let v = self.v_proj.forward(x).view(shape(self.num_kv_heads).as_slice());
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q);
+            k = kn.forward(&k);
+        }
+        (apply_rope(&q, cos, sin), apply_rope(&k, cos, sin), v)
     }
-
-    /// `(cos, sin)` of shape `positions.shape + [head_dim]`, in `kind`.
-    pub fn cos_sin(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
-        let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
-        let emb = Tensor::cat(&[&freqs, &freqs], -1);
-        (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
-    }
-}
-
-/// Applies rotary embeddings: `x * cos + rotate_half(x) * sin`. `cos`/`sin`
-/// must broadcast against `x` (e.g. x `[.., S, heads, d]`, cos `[.., S, 1, d]`).
-pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
-    let d = *x.size().last().expect("rope input has a head dimension");
-    let x1 = x.narrow(-1, 0, d / 2);
-    let x2 = x.narrow(-1, d / 2, d / 2);
-    let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
-    x * cos + rotated * sin
 }
 
 /// Repeats key/value heads for grouped-query attention: `[B, kv, S, d]` to
@@ -85,23 +91,6 @@ pub fn repeat_kv(x: &Tensor, n_rep: i64) -> Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rope_rotates_pairs_half_a_head_apart() {
-        let rope = Rope::new(4, 10_000.0, tch::Device::Cpu);
-        let pos = Tensor::from_slice(&[0i64, 1]);
-        let (cos, sin) = rope.cos_sin(&pos, Kind::Double);
-        let x = Tensor::from_slice(&[1.0f64, 2.0, 3.0, 4.0]).view([1, 4]).repeat([2, 1]);
-        let y = apply_rope(&x, &cos, &sin);
-        // position 0: identity
-        assert!(y.get(0).allclose(&x.get(0), 1e-6, 1e-6, false));
-        // position 1, first pair (dims 0 and 2) rotated by angle 1 (inv_freq[0] = 1)
-        let (c, s) = (1f64.cos(), 1f64.sin());
-        let want0 = 1.0 * c - 3.0 * s;
-        let want2 = 3.0 * c + 1.0 * s;
-        assert!((y.double_value(&[1, 0]) - want0).abs() < 1e-6, "rope tables are f32");
-        assert!((y.double_value(&[1, 2]) - want2).abs() < 1e-6);
-    }
 
     #[test]
     fn rms_norm_matches_definition() {

@@ -1,33 +1,40 @@
-//! Model code on libtorch (tch): the frozen targets (Llama, Qwen2, Qwen3)
-//! with layer capture, the DFlash drafter and its training step, AdamW,
-//! checkpoints in the served layout, and CUDA loading.
+//! Model code on libtorch (tch): the frozen targets (a zoo of families in
+//! `zoo/`, sharing the layers in `layers.rs`, `rope.rs`, `moe.rs` and
+//! `decoder.rs`) with layer capture, the DFlash drafter and its training
+//! step, AdamW, checkpoints in the served layout, and CUDA loading.
 
 pub mod acceptance;
 pub mod blocks;
 pub mod checkpoint;
 pub mod cuda;
+pub mod decoder;
 pub mod dp;
 pub mod drafter;
 pub mod generate;
 pub mod gguf;
 pub mod gpu;
+pub mod hf_config;
 mod kv_cache;
 pub mod layers;
+pub mod moe;
 pub mod optim;
 pub mod perf;
+pub mod quant;
+pub mod rope;
 pub mod split_attention;
 pub mod synthetic;
 pub mod target;
 pub mod target_config;
 pub mod trainer;
 pub mod weights;
+pub mod zoo;
 
 use std::path::{Path, PathBuf};
 
 pub use drafter::{BlockAttention, Drafter, DrafterConfig, DrafterInput};
 pub use kv_cache::KvCache;
 pub use target::{LoadScope, TargetModel, load_embeddings};
-pub use target_config::{Family, TargetConfig};
+pub use target_config::{Family, MoeConfig, TargetConfig};
 pub use trainer::{DeviceBatch, StepMetrics, StepOutcome, TrainSettings, Trainer};
 
 /// Why a model could not be loaded, run or saved. Variants name the file.

@@ -4,12 +4,12 @@
 
 use std::path::Path;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 
-use crate::ModelError;
-use crate::target::{random_tensors, tensor_shapes};
-use crate::target_config::{Family, TargetConfig};
-use crate::weights::write_safetensors;
+use crate::rope::{RopeConfig, RopeScaling};
+use crate::target_config::{Family, MoeConfig, TargetConfig};
+use crate::weights::{RandomInit, write_safetensors};
+use crate::{ModelError, TargetModel};
 
 /// The shape of the synthetic target (vocabulary of the synthetic tokenizer).
 pub fn synthetic_target_config(num_layers: i64) -> TargetConfig {
@@ -22,46 +22,65 @@ pub fn synthetic_target_config(num_layers: i64) -> TargetConfig {
         num_kv_heads: 2,
         head_dim: 16,
         rms_norm_eps: 1e-5,
-        rope_theta: 10_000.0,
+        rope: RopeConfig::plain(10_000.0),
         vocab_size: (dflash_data::SYNTHETIC_SPECIALS + 256) as i64,
         tie_word_embeddings: true,
-        attention_bias: false,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        qk_norm: false,
         max_position_embeddings: 4096,
+        moe: None,
+        fp8: None,
     }
+}
+
+/// A Qwen3-style dense config (QK norm, no biases).
+fn qwen3(base: TargetConfig) -> TargetConfig {
+    TargetConfig { family: Family::Qwen3, qk_norm: true, ..base }
 }
 
 /// Model shapes for benchmarks and synthetic targets, by name.
 pub fn shape_preset(name: &str) -> Option<TargetConfig> {
+    let tiny = synthetic_target_config(2);
     match name {
         "tiny" => Some(synthetic_target_config(6)),
         // Small fixtures of the other families (reference logits from
         // Hugging Face transformers are pinned in the tests).
-        "tiny-qwen3" => Some(TargetConfig {
-            family: Family::Qwen3,
+        "tiny-qwen3" => Some(qwen3(TargetConfig {
             hidden_size: 32,
             intermediate_size: 64,
-            num_layers: 2,
-            num_heads: 4,
-            num_kv_heads: 2,
             head_dim: 16,
-            rope_theta: 1_000_000.0,
+            rope: RopeConfig::plain(1_000_000.0),
             rms_norm_eps: 1e-6,
             tie_word_embeddings: false,
-            ..synthetic_target_config(2)
-        }),
+            ..tiny
+        })),
         "tiny-qwen2" => Some(TargetConfig {
             family: Family::Qwen2,
             hidden_size: 32,
             intermediate_size: 64,
-            num_layers: 2,
-            num_heads: 4,
-            num_kv_heads: 2,
             head_dim: 8,
-            attention_bias: true,
-            ..synthetic_target_config(2)
+            qkv_bias: true,
+            ..tiny
         }),
-        "qwen3-8b" => Some(TargetConfig {
-            family: Family::Qwen3,
+        // The synthetic target as a Qwen3 MoE: 6 layers, the second dense,
+        // 8 experts of which 2 per token.
+        "tiny-moe" => Some(TargetConfig {
+            family: Family::Qwen3Moe,
+            qk_norm: true,
+            num_layers: 6,
+            moe: Some(MoeConfig {
+                num_experts: 8,
+                top_k: 2,
+                expert_intermediate_size: 32,
+                norm_topk_prob: true,
+                sparse_step: 1,
+                dense_layers: vec![1],
+            }),
+            ..tiny
+        }),
+        "qwen3-8b" => Some(qwen3(TargetConfig {
             hidden_size: 4096,
             intermediate_size: 12288,
             num_layers: 36,
@@ -69,14 +88,61 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
             num_kv_heads: 8,
             head_dim: 128,
             rms_norm_eps: 1e-6,
-            rope_theta: 1_000_000.0,
+            rope: RopeConfig::plain(1_000_000.0),
             vocab_size: 151_936,
             tie_word_embeddings: false,
-            attention_bias: false,
             max_position_embeddings: 40_960,
+            ..tiny
+        })),
+        // Meta-Llama-3.1-8B(-Instruct)'s config.json.
+        "llama3.1-8b" => Some(TargetConfig {
+            hidden_size: 4096,
+            intermediate_size: 14336,
+            num_layers: 32,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-5,
+            rope: RopeConfig {
+                theta: 500_000.0,
+                scaling: RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192.0,
+                },
+            },
+            vocab_size: 128_256,
+            tie_word_embeddings: false,
+            max_position_embeddings: 131_072,
+            ..tiny
+        }),
+        // Qwen3-30B-A3B's (and Qwen3-Coder-30B-A3B's) config.json.
+        "qwen3-30b-a3b" => Some(TargetConfig {
+            family: Family::Qwen3Moe,
+            qk_norm: true,
+            hidden_size: 2048,
+            intermediate_size: 6144,
+            num_layers: 48,
+            num_heads: 32,
+            num_kv_heads: 4,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope: RopeConfig::plain(1_000_000.0),
+            vocab_size: 151_936,
+            tie_word_embeddings: false,
+            max_position_embeddings: 40_960,
+            moe: Some(MoeConfig {
+                num_experts: 128,
+                top_k: 8,
+                expert_intermediate_size: 768,
+                norm_topk_prob: true,
+                sparse_step: 1,
+                dense_layers: vec![],
+            }),
+            ..tiny
         }),
         "smollm2-135m" => Some(TargetConfig {
-            family: Family::Llama,
             hidden_size: 576,
             intermediate_size: 1536,
             num_layers: 30,
@@ -84,15 +150,19 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
             num_kv_heads: 3,
             head_dim: 64,
             rms_norm_eps: 1e-5,
-            rope_theta: 100_000.0,
+            rope: RopeConfig::plain(100_000.0),
             vocab_size: 49_152,
             tie_word_embeddings: true,
-            attention_bias: false,
             max_position_embeddings: 8192,
+            ..tiny
         }),
         _ => None,
     }
 }
+
+/// Names of [`shape_preset`]'s shapes, for messages.
+pub const SHAPE_PRESETS: &[&str] =
+    &["tiny", "tiny-qwen3", "tiny-qwen2", "tiny-moe", "qwen3-8b", "llama3.1-8b", "qwen3-30b-a3b", "smollm2-135m"];
 
 /// Writes config.json, model.safetensors (random weights in `kind`,
 /// generated on `device`) and the synthetic tokenizer files to `dir`.
@@ -124,16 +194,9 @@ pub fn write_random_target_sharded(
 ) -> Result<(), ModelError> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     tch::manual_seed(seed);
-    let shapes = tensor_shapes(config, config.num_layers, true);
-    let tensors = random_tensors(&shapes, device, kind);
     // Random norms and biases (ones/zeros would hide a missing scale).
-    let tensors: Vec<(String, Tensor)> = tensors
-        .into_iter()
-        .map(|(n, t)| {
-            let t = if n.ends_with("norm.weight") || n.ends_with(".bias") { &t + t.rand_like() * 0.2 - 0.1 } else { t };
-            (n, t)
-        })
-        .collect();
+    let mut tensors = TargetModel::random_checkpoint(config, device, kind, RandomInit::Perturbed)?;
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
     if shards <= 1 {
         write_safetensors(&dir.join("model.safetensors"), &tensors)?;
     } else {

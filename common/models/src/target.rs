@@ -1,14 +1,18 @@
-//! The frozen target model (Llama, Qwen2, Qwen3 families): packed
-//! layer capture for training, and cached forward steps for decoding.
+//! The frozen target model, whatever its family (`zoo/`): packed layer
+//! capture for training, and cached forward steps for decoding. This is
+//! the one interface the forward loop, decoding (regenerate, eval) and the
+//! benchmarks use.
 
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::layers::{Linear, Mlp, RmsNorm, Rope, apply_rope, repeat_kv};
-use crate::target_config::{Family, TargetConfig};
-use crate::weights::Weights;
-use crate::{KvCache, ModelError};
+use crate::decoder::DecoderLayer;
+use crate::layers::RmsNorm;
+use crate::rope::Rope;
+use crate::target_config::TargetConfig;
+use crate::weights::{RandomInit, Weights};
+use crate::{KvCache, ModelError, zoo};
 
 /// How much of the target to load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,22 +22,6 @@ pub enum LoadScope {
     CaptureUpTo { last_layer: i64 },
     /// Everything, for decoding and verification.
     Full,
-}
-
-struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
-}
-
-struct DecoderLayer {
-    input_layernorm: RmsNorm,
-    self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
 }
 
 /// A frozen decoder-only target.
@@ -46,16 +34,8 @@ pub struct TargetModel {
     norm: Option<RmsNorm>,
     lm_head: Option<Tensor>,
     rope: Rope,
-}
-
-fn linear(w: &mut Weights, name: &str, out: i64, inp: i64, bias: bool) -> Result<Linear, ModelError> {
-    let weight = w.take(&format!("{name}.weight"), &[out, inp])?;
-    let bias = if bias { Some(w.take(&format!("{name}.bias"), &[out])?) } else { None };
-    Ok(Linear { weight, bias })
-}
-
-fn norm(w: &mut Weights, name: &str, dim: i64, eps: f64) -> Result<RmsNorm, ModelError> {
-    Ok(RmsNorm { weight: w.take(&format!("{name}.weight"), &[dim])?, eps })
+    /// Bytes of the tensors taken (what the model holds on its device).
+    planned_bytes: u64,
 }
 
 /// Layers to hold for a scope.
@@ -77,158 +57,110 @@ fn layer_index(name: &str) -> Option<i64> {
     name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
 }
 
+/// Whether a non-layer tensor is needed for `scope`.
+fn keep_outside_layers(name: &str, scope: LoadScope) -> bool {
+    scope == LoadScope::Full || name.starts_with("model.embed_tokens.")
+}
+
 /// The target's input embedding and LM head (`[vocab, H]` each), without
 /// its layers: what a drafter needs from its target.
 pub fn load_embeddings(dir: &Path, device: Device, kind: Kind) -> Result<(TargetConfig, Tensor, Tensor), ModelError> {
     let c = TargetConfig::from_dir(dir)?;
-    let mut w = Weights::load(dir, device, kind, |n| n == "model.embed_tokens.weight" || n == "lm_head.weight")?;
+    let keep = |n: &str| n.starts_with("model.embed_tokens.") || n.starts_with("lm_head.");
+    let mut w = Weights::load_quantized(dir, device, kind, keep, c.fp8.as_ref())?;
     let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
-    let head = match w.take_optional("lm_head.weight", &[c.vocab_size, c.hidden_size])? {
-        Some(h) => h,
-        None if c.tie_word_embeddings => embed.shallow_clone(),
-        None => return Err(ModelError::MissingTensor { dir: dir.to_path_buf(), name: "lm_head.weight".into() }),
-    };
+    let head = lm_head(&mut w, &c, &embed)?;
     Ok((c, embed, head))
 }
 
-/// Hugging Face tensor names and shapes of a target's first `n_layers`
-/// layers, plus the embedding and (if `full`) the final norm and head.
-pub fn tensor_shapes(c: &TargetConfig, n_layers: i64, full: bool) -> Vec<(String, Vec<i64>)> {
-    let (h, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
-    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h])];
-    for l in 0..n_layers {
-        let p = format!("model.layers.{l}");
-        let mut add = |n: &str, shape: Vec<i64>| v.push((format!("{p}.{n}"), shape));
-        add("input_layernorm.weight", vec![h]);
-        add("post_attention_layernorm.weight", vec![h]);
-        add("self_attn.q_proj.weight", vec![c.num_heads * hd, h]);
-        add("self_attn.k_proj.weight", vec![c.num_kv_heads * hd, h]);
-        add("self_attn.v_proj.weight", vec![c.num_kv_heads * hd, h]);
-        add("self_attn.o_proj.weight", vec![h, c.num_heads * hd]);
-        if c.attention_bias {
-            add("self_attn.q_proj.bias", vec![c.num_heads * hd]);
-            add("self_attn.k_proj.bias", vec![c.num_kv_heads * hd]);
-            add("self_attn.v_proj.bias", vec![c.num_kv_heads * hd]);
-        }
-        if c.family == Family::Qwen3 {
-            add("self_attn.q_norm.weight", vec![hd]);
-            add("self_attn.k_norm.weight", vec![hd]);
-        }
-        add("mlp.gate_proj.weight", vec![i, h]);
-        add("mlp.up_proj.weight", vec![i, h]);
-        add("mlp.down_proj.weight", vec![h, i]);
+/// The LM head: the embedding when the config ties them (a stored head is
+/// then ignored, as transformers ignores it), else `lm_head.weight`.
+fn lm_head(w: &mut Weights, c: &TargetConfig, embed: &Tensor) -> Result<Tensor, ModelError> {
+    if c.tie_word_embeddings {
+        w.discard("lm_head.weight");
+        Ok(embed.shallow_clone())
+    } else {
+        w.take("lm_head.weight", &[c.vocab_size, c.hidden_size])
     }
-    if full {
-        v.push(("model.norm.weight".to_string(), vec![h]));
-        if !c.tie_word_embeddings {
-            v.push(("lm_head.weight".to_string(), vec![c.vocab_size, h]));
-        }
-    }
-    v
-}
-
-/// Random weights of the right shapes: norms 1, biases 0, matrices
-/// N(0, 0.02), as Hugging Face initialises (for benchmarks and tests).
-pub fn random_tensors(shapes: &[(String, Vec<i64>)], device: Device, kind: Kind) -> Vec<(String, Tensor)> {
-    let _guard = tch::no_grad_guard();
-    shapes
-        .iter()
-        .map(|(n, shape)| {
-            let t = if n.ends_with("norm.weight") {
-                Tensor::ones(shape.as_slice(), (kind, device))
-            } else if n.ends_with(".bias") {
-                Tensor::zeros(shape.as_slice(), (kind, device))
-            } else {
-                Tensor::randn(shape.as_slice(), (kind, device)) * 0.02
-            };
-            (n.clone(), t)
-        })
-        .collect()
 }
 
 impl TargetModel {
-    /// Loads a model directory onto `device` in `kind`.
+    /// Loads a model directory onto `device` in `kind`. Every tensor the
+    /// model needs is checked against the files' headers (present, right
+    /// shape and dtype, FP8 scales matching) before any is read.
     pub fn load(dir: &Path, device: Device, kind: Kind, scope: LoadScope) -> Result<Self, ModelError> {
         let c = TargetConfig::from_dir(dir)?;
         let n_layers = layers_for(&c, scope, dir)?;
-        let full = scope == LoadScope::Full;
-        let w = Weights::load(dir, device, kind, |name| match layer_index(name) {
+        let keep = |name: &str| match layer_index(name) {
             Some(i) => i < n_layers,
-            None => full || name == "model.embed_tokens.weight",
-        })?;
-        Self::from_weights(c, w, scope, device, kind, dir)
+            None => keep_outside_layers(name, scope),
+        };
+        let mut headers = Weights::headers(dir, kind, &keep, c.fp8.as_ref())?;
+        Self::from_weights(c.clone(), &mut headers, scope, Device::Cpu, kind, dir)?;
+        let mut w = Weights::load_quantized(dir, device, kind, keep, c.fp8.as_ref())?;
+        Self::from_weights(c, &mut w, scope, device, kind, dir)
+    }
+
+    /// What loading `dir` for `scope` would read, without reading it: the
+    /// config, and the bytes the model takes in `kind` (checked as
+    /// [`TargetModel::load`] checks them).
+    pub fn inspect(dir: &Path, kind: Kind, scope: LoadScope) -> Result<(TargetConfig, u64), ModelError> {
+        let c = TargetConfig::from_dir(dir)?;
+        let n_layers = layers_for(&c, scope, dir)?;
+        let keep = |name: &str| match layer_index(name) {
+            Some(i) => i < n_layers,
+            None => keep_outside_layers(name, scope),
+        };
+        let mut headers = Weights::headers(dir, kind, &keep, c.fp8.as_ref())?;
+        let model = Self::from_weights(c.clone(), &mut headers, scope, Device::Cpu, kind, dir)?;
+        Ok((c, model.planned_bytes))
     }
 
     /// A target of shape `c` with random weights, built on the device (no
     /// files): what the throughput benchmarks run.
     pub fn random(c: TargetConfig, device: Device, kind: Kind, scope: LoadScope) -> Result<Self, ModelError> {
-        let label = Path::new("<random weights>");
-        let n_layers = layers_for(&c, scope, label)?;
-        let tensors = random_tensors(&tensor_shapes(&c, n_layers, scope == LoadScope::Full), device, kind);
-        Self::from_weights(c, Weights::from_tensors(tensors, label), scope, device, kind, label)
+        let mut w = Weights::random(device, kind, RandomInit::HuggingFace);
+        Self::from_weights(c, &mut w, scope, device, kind, Path::new("<random weights>"))
+    }
+
+    /// Random tensors of a whole model of shape `c`, named and shaped as
+    /// its checkpoints are (to write a random target to disk).
+    pub fn random_checkpoint(
+        c: &TargetConfig,
+        device: Device,
+        kind: Kind,
+        init: RandomInit,
+    ) -> Result<Vec<(String, Tensor)>, ModelError> {
+        let mut w = Weights::random_recorded(device, kind, init);
+        Self::from_weights(c.clone(), &mut w, LoadScope::Full, device, kind, Path::new("<random weights>"))?;
+        Ok(w.into_tensors())
     }
 
     fn from_weights(
         c: TargetConfig,
-        mut w: Weights,
+        w: &mut Weights,
         scope: LoadScope,
         device: Device,
         kind: Kind,
         dir: &Path,
     ) -> Result<Self, ModelError> {
         let n_layers = layers_for(&c, scope, dir)?;
-        let full = scope == LoadScope::Full;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let embed_tokens = w.take("model.embed_tokens.weight", &[c.vocab_size, h])?;
-        let mut layers = Vec::with_capacity(n_layers as usize);
-        for i in 0..n_layers {
-            let p = format!("model.layers.{i}");
-            let qk_norm = c.family == Family::Qwen3;
-            layers.push(DecoderLayer {
-                input_layernorm: norm(&mut w, &format!("{p}.input_layernorm"), h, c.rms_norm_eps)?,
-                self_attn: Attention {
-                    q_proj: linear(&mut w, &format!("{p}.self_attn.q_proj"), c.num_heads * hd, h, c.attention_bias)?,
-                    k_proj: linear(&mut w, &format!("{p}.self_attn.k_proj"), c.num_kv_heads * hd, h, c.attention_bias)?,
-                    v_proj: linear(&mut w, &format!("{p}.self_attn.v_proj"), c.num_kv_heads * hd, h, c.attention_bias)?,
-                    o_proj: linear(&mut w, &format!("{p}.self_attn.o_proj"), h, c.num_heads * hd, false)?,
-                    q_norm: if qk_norm {
-                        Some(norm(&mut w, &format!("{p}.self_attn.q_norm"), hd, c.rms_norm_eps)?)
-                    } else {
-                        None
-                    },
-                    k_norm: if qk_norm {
-                        Some(norm(&mut w, &format!("{p}.self_attn.k_norm"), hd, c.rms_norm_eps)?)
-                    } else {
-                        None
-                    },
-                },
-                post_attention_layernorm: norm(&mut w, &format!("{p}.post_attention_layernorm"), h, c.rms_norm_eps)?,
-                mlp: Mlp {
-                    gate_proj: linear(&mut w, &format!("{p}.mlp.gate_proj"), c.intermediate_size, h, false)?,
-                    up_proj: linear(&mut w, &format!("{p}.mlp.up_proj"), c.intermediate_size, h, false)?,
-                    down_proj: linear(&mut w, &format!("{p}.mlp.down_proj"), h, c.intermediate_size, false)?,
-                },
-            });
-        }
-        let (norm_f, lm_head) = if full {
-            let n = norm(&mut w, "model.norm", h, c.rms_norm_eps)?;
-            let head = match w.take_optional("lm_head.weight", &[c.vocab_size, h])? {
-                Some(t) => t,
-                None if c.tie_word_embeddings => embed_tokens.shallow_clone(),
-                None => {
-                    return Err(ModelError::MissingTensor { dir: dir.to_path_buf(), name: "lm_head.weight".into() });
-                }
-            };
-            (Some(n), Some(head))
+        let arch = zoo::architecture(c.family);
+        let embed_tokens = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
+        let layers = (0..n_layers).map(|i| arch.load_layer(w, &c, i)).collect::<Result<Vec<_>, _>>()?;
+        let (norm_f, lm_head) = if scope == LoadScope::Full {
+            let n = zoo::norm(w, "model.norm", c.hidden_size, c.rms_norm_eps)?;
+            (Some(n), Some(lm_head(w, &c, &embed_tokens)?))
         } else {
             (None, None)
         };
         let unused = w.remaining();
-        if !unused.is_empty() {
+        if !unused.is_empty() && !w.is_headers() {
             tracing::warn!("{} tensors of {} were not used, e.g. {}", unused.len(), dir.display(), unused[0]);
         }
-        let rope = Rope::new(hd, c.rope_theta, device);
-        Ok(Self { config: c, device, kind, embed_tokens, layers, norm: norm_f, lm_head, rope })
+        let planned_bytes = w.taken_bytes();
+        let rope = Rope::from_config(&c.rope, c.head_dim, device);
+        Ok(Self { config: c, device, kind, embed_tokens, layers, norm: norm_f, lm_head, rope, planned_bytes })
     }
 
     /// Number of layers held (all of them for [`LoadScope::Full`]).
@@ -263,7 +195,7 @@ impl TargetModel {
         let mut x = self.embed_tokens.embedding_for(input_ids);
         let mut captured = Vec::with_capacity(layer_ids.len());
         for (i, layer) in self.layers.iter().enumerate().take(last as usize + 1) {
-            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, &self.config, &mut |_| {});
+            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, &mut |_| {});
             if layer_ids.contains(&(i as i64)) {
                 captured.push(x.shallow_clone());
             }
@@ -292,7 +224,7 @@ impl TargetModel {
         sync();
         let mut t = std::time::Instant::now();
         for layer in self.layers.iter().take(last_layer as usize + 1) {
-            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, &self.config, &mut |stage| {
+            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, &mut |stage| {
                 sync();
                 let dt = t.elapsed().as_secs_f64();
                 match totals.iter_mut().find(|(s, _)| *s == stage) {
@@ -332,7 +264,7 @@ impl TargetModel {
         let mut x = self.embed_tokens.embedding_for(ids);
         let mut captured = Vec::with_capacity(capture.len());
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_cached(&x, &cos, &sin, &mask, cache, i, &self.config);
+            x = layer.forward_cached(&x, &cos, &sin, &mask, cache, i);
             if capture.contains(&(i as i64)) {
                 captured.push(x.shallow_clone());
             }
@@ -360,96 +292,5 @@ trait EmbeddingFor {
 impl EmbeddingFor for Tensor {
     fn embedding_for(&self, ids: &Tensor) -> Tensor {
         Tensor::embedding(self, ids, -1, false, false)
-    }
-}
-
-impl Attention {
-    /// Projections, QK norm and RoPE. `x` `[.., S, H]` gives q `[.., S, nh, d]`
-    /// and k, v `[.., S, kv, d]`; `cos`/`sin` broadcast over heads.
-    fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, c: &TargetConfig) -> (Tensor, Tensor, Tensor) {
-        let mut lead = x.size();
-        lead.pop();
-        let shape = |heads: i64| [lead.clone(), vec![heads, c.head_dim]].concat();
-        let mut q = self.q_proj.forward(x).view(shape(c.num_heads).as_slice());
-        let mut k = self.k_proj.forward(x).view(shape(c.num_kv_heads).as_slice());
-        let v = self.v_proj.forward(x).view(shape(c.num_kv_heads).as_slice());
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = qn.forward(&q);
-            k = kn.forward(&k);
-        }
-        (apply_rope(&q, cos, sin), apply_rope(&k, cos, sin), v)
-    }
-}
-
-impl DecoderLayer {
-    /// `mark(stage)` is called after each stage (profiling; a no-op otherwise).
-    fn forward_packed(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        lens: &[i64],
-        c: &TargetConfig,
-        mark: &mut dyn FnMut(&'static str),
-    ) -> Tensor {
-        let h = self.input_layernorm.forward(x);
-        mark("input norm");
-        let (q, k, v) = self.self_attn.qkv(&h, cos, sin, c); // [T, heads, d]
-        mark("qkv + qk-norm + rope");
-        let (qs, ks, vs) = (q.split_with_sizes(lens, 0), k.split_with_sizes(lens, 0), v.split_with_sizes(lens, 0));
-        let outs: Vec<Tensor> = qs
-            .iter()
-            .zip(&ks)
-            .zip(&vs)
-            .map(|((q, k), v)| {
-                let q = q.transpose(0, 1).unsqueeze(0);
-                let k = k.transpose(0, 1).unsqueeze(0);
-                let v = v.transpose(0, 1).unsqueeze(0);
-                // Grouped-query attention inside the (flash) kernel: no copy
-                // of the kv heads per query head.
-                let o = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, true);
-                o.squeeze_dim(0).transpose(0, 1).reshape([-1, c.num_heads * c.head_dim])
-            })
-            .collect();
-        let outs = Tensor::cat(&outs, 0);
-        mark("attention");
-        let x = x + self.self_attn.o_proj.forward(&outs);
-        mark("o_proj + residual");
-        let h = self.post_attention_layernorm.forward(&x);
-        mark("post norm");
-        let y = &x + self.mlp.forward(&h);
-        mark("mlp + residual");
-        y
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn forward_cached(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Tensor,
-        cache: &mut KvCache,
-        layer: usize,
-        c: &TargetConfig,
-    ) -> Tensor {
-        let h = self.input_layernorm.forward(x);
-        let (q, k, v) = self.self_attn.qkv(&h, cos, sin, c); // [B, t, heads, d]
-        let (k, v) = cache.append(layer, k.transpose(1, 2), v.transpose(1, 2)); // [B, kv, L+t, d]
-        let n_rep = c.num_heads / c.num_kv_heads;
-        let o = Tensor::scaled_dot_product_attention(
-            &q.transpose(1, 2),
-            &repeat_kv(&k, n_rep),
-            &repeat_kv(&v, n_rep),
-            Some(mask),
-            0.0,
-            false,
-            None,
-            false,
-        );
-        let (b, t) = (x.size()[0], x.size()[1]);
-        let attn = self.self_attn.o_proj.forward(&o.transpose(1, 2).reshape([b, t, c.num_heads * c.head_dim]));
-        let x = x + attn;
-        &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
     }
 }

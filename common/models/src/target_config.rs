@@ -1,59 +1,50 @@
-//! The target's Hugging Face `config.json`, read into one internal config.
+//! The target's shape and settings, read from its Hugging Face
+//! `config.json` by the family's file in `zoo/`.
 
 use std::path::Path;
 
-use serde::Deserialize;
-
 use crate::ModelError;
+use crate::hf_config::HfConfig;
+use crate::quant::Fp8Config;
+use crate::rope::RopeConfig;
+use crate::zoo;
 
-/// Architectures this crate can run as a target.
+/// Architectures this crate can run as a target (one file each in `zoo/`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
-    /// Llama, Mistral-style: no attention bias, no QK norm.
+    /// Llama 2/3.x: optional attention and MLP biases, no QK norm.
     Llama,
-    /// Qwen2: bias on q/k/v projections.
+    /// Mistral: Llama's layers; sliding-window attention must be off.
+    Mistral,
+    /// Qwen2 / Qwen2.5: biases on the q/k/v projections.
     Qwen2,
-    /// Qwen3: per-head RMSNorm on q and k (QK norm), no bias.
+    /// Qwen3: per-head RMSNorm on q and k (QK norm).
     Qwen3,
+    /// Qwen3 MoE: Qwen3 attention, sparse mixture-of-experts MLPs.
+    Qwen3Moe,
 }
 
-#[derive(Deserialize)]
-struct RawConfig {
-    #[serde(default)]
-    architectures: Vec<String>,
-    #[serde(default)]
-    model_type: Option<String>,
-    hidden_size: i64,
-    intermediate_size: i64,
-    num_hidden_layers: i64,
-    num_attention_heads: i64,
-    #[serde(default)]
-    num_key_value_heads: Option<i64>,
-    #[serde(default)]
-    head_dim: Option<i64>,
-    #[serde(default = "default_eps")]
-    rms_norm_eps: f64,
-    #[serde(default = "default_theta")]
-    rope_theta: f64,
-    #[serde(default)]
-    rope_scaling: Option<serde_json::Value>,
-    vocab_size: i64,
-    #[serde(default)]
-    tie_word_embeddings: bool,
-    #[serde(default)]
-    attention_bias: Option<bool>,
-    #[serde(default)]
-    max_position_embeddings: Option<i64>,
-    #[serde(default)]
-    hidden_act: Option<String>,
+/// The mixture-of-experts settings of a sparse target.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: i64,
+    /// Experts per token.
+    pub top_k: i64,
+    /// Intermediate size of one expert.
+    pub expert_intermediate_size: i64,
+    /// Renormalise the chosen experts' weights to sum to 1.
+    pub norm_topk_prob: bool,
+    /// Every `sparse_step`-th layer is sparse (layer i when (i+1) % step == 0) ...
+    pub sparse_step: i64,
+    /// ... unless listed here (dense MLP of `intermediate_size`).
+    pub dense_layers: Vec<i64>,
 }
 
-fn default_eps() -> f64 {
-    1e-6
-}
-
-fn default_theta() -> f64 {
-    10_000.0
+impl MoeConfig {
+    /// Whether layer `i` has the MoE block (else a dense MLP).
+    pub fn is_sparse(&self, i: i64) -> bool {
+        !self.dense_layers.contains(&i) && self.num_experts > 0 && (i + 1) % self.sparse_step == 0
+    }
 }
 
 /// Shape and settings of a target model.
@@ -61,103 +52,121 @@ fn default_theta() -> f64 {
 pub struct TargetConfig {
     pub family: Family,
     pub hidden_size: i64,
+    /// Intermediate size of the dense MLPs.
     pub intermediate_size: i64,
     pub num_layers: i64,
     pub num_heads: i64,
     pub num_kv_heads: i64,
     pub head_dim: i64,
     pub rms_norm_eps: f64,
-    pub rope_theta: f64,
+    pub rope: RopeConfig,
     pub vocab_size: i64,
     pub tie_word_embeddings: bool,
-    pub attention_bias: bool,
+    /// Biases on q/k/v.
+    pub qkv_bias: bool,
+    /// Bias on o_proj.
+    pub o_bias: bool,
+    /// Biases on the MLP's gate/up/down.
+    pub mlp_bias: bool,
+    /// Per-head RMSNorm on q and k before RoPE.
+    pub qk_norm: bool,
     pub max_position_embeddings: i64,
+    pub moe: Option<MoeConfig>,
+    /// How the checkpoint's weights are quantized (None: stored as floats).
+    pub fp8: Option<Fp8Config>,
 }
 
 impl TargetConfig {
-    /// Reads `dir/config.json`. Unsupported architectures, activations and
-    /// RoPE scalings are errors that name the file and the field.
+    /// Reads `dir/config.json`. Unsupported architectures and settings, and
+    /// fields this code does not read, are errors that name the file and
+    /// the field.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-        let raw: RawConfig = serde_json::from_str(&text)
-            .map_err(|e| ModelError::Config { path: path.clone(), message: e.to_string() })?;
-        let bad = |message: String| ModelError::Config { path: path.clone(), message };
-        let arch = raw.architectures.first().cloned().or(raw.model_type.clone()).unwrap_or_default();
-        let family = match arch.as_str() {
-            "LlamaForCausalLM" | "llama" | "MistralForCausalLM" | "mistral" => Family::Llama,
-            "Qwen2ForCausalLM" | "qwen2" => Family::Qwen2,
-            "Qwen3ForCausalLM" | "qwen3" => Family::Qwen3,
-            other => {
-                return Err(bad(format!(
-                    "architecture \"{other}\" is not supported (supported: LlamaForCausalLM, \
-                     MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
-                )));
-            }
-        };
-        if let Some(act) = &raw.hidden_act
-            && act != "silu"
-        {
-            return Err(bad(format!("hidden_act \"{act}\" is not supported (only silu)")));
-        }
-        if let Some(s) = &raw.rope_scaling
-            && !s.is_null()
-        {
-            return Err(bad(format!("rope_scaling {s} is not supported")));
-        }
-        if raw.num_attention_heads <= 0 || raw.hidden_size % raw.num_attention_heads != 0 && raw.head_dim.is_none() {
-            return Err(bad("num_attention_heads must divide hidden_size (or set head_dim)".into()));
-        }
-        let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        if num_kv_heads <= 0 || raw.num_attention_heads % num_kv_heads != 0 {
-            return Err(bad(format!(
-                "num_key_value_heads {num_kv_heads} must divide num_attention_heads {}",
-                raw.num_attention_heads
-            )));
-        }
-        Ok(Self {
-            family,
-            hidden_size: raw.hidden_size,
-            intermediate_size: raw.intermediate_size,
-            num_layers: raw.num_hidden_layers,
-            num_heads: raw.num_attention_heads,
-            num_kv_heads,
-            head_dim: raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads),
-            rms_norm_eps: raw.rms_norm_eps,
-            rope_theta: raw.rope_theta,
-            vocab_size: raw.vocab_size,
-            tie_word_embeddings: raw.tie_word_embeddings,
-            attention_bias: raw.attention_bias.unwrap_or(family == Family::Qwen2),
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(32_768),
-        })
+        Self::from_hf(HfConfig::from_dir(dir)?)
     }
 
-    /// config.json for a Llama-family model of this shape (used when the
-    /// project writes a model directory itself).
-    pub fn to_hf_json(&self) -> serde_json::Value {
-        let arch = match self.family {
-            Family::Llama => ("LlamaForCausalLM", "llama"),
-            Family::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
-            Family::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+    /// Reads a parsed config.json.
+    pub fn from_hf(mut cfg: HfConfig) -> Result<Self, ModelError> {
+        let arch = zoo::resolve(&cfg.architecture).ok_or_else(|| ModelError::Config {
+            path: cfg.path().to_path_buf(),
+            message: format!(
+                "architecture \"{}\" is not supported (supported: {})",
+                cfg.architecture,
+                zoo::supported_names().join(", ")
+            ),
+        })?;
+        let c = arch.read_config(&mut cfg)?;
+        cfg.finish()?;
+        Ok(c)
+    }
+
+    /// Shorthand: the RoPE base.
+    pub fn rope_theta(&self) -> f64 {
+        self.rope.theta
+    }
+
+    /// Whether decoder layer `i` is a mixture of experts.
+    pub fn is_sparse_layer(&self, i: i64) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(i))
+    }
+
+    /// Multiply-adds per token of decoder layer `i`'s projections
+    /// (attention projections, router and the experts a token visits, or
+    /// the dense MLP): active parameters, what MFU is counted on.
+    pub fn layer_linear_macs(&self, i: i64) -> f64 {
+        let (h, hd) = (self.hidden_size as f64, self.head_dim as f64);
+        let (qd, kvd) = (self.num_heads as f64 * hd, self.num_kv_heads as f64 * hd);
+        let attention = h * qd * 2.0 + h * kvd * 2.0;
+        let mlp = match &self.moe {
+            Some(m) if m.is_sparse(i) => {
+                h * m.num_experts as f64 + m.top_k as f64 * 3.0 * h * m.expert_intermediate_size as f64
+            }
+            _ => 3.0 * h * self.intermediate_size as f64,
         };
-        serde_json::json!({
-            "architectures": [arch.0],
-            "model_type": arch.1,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": null,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "torch_dtype": "float32",
-        })
+        attention + mlp
+    }
+
+    /// Parameters of layer `i` (all experts counted).
+    pub fn layer_parameters(&self, i: i64) -> i64 {
+        let (h, hd) = (self.hidden_size, self.head_dim);
+        let (qd, kvd) = (self.num_heads * hd, self.num_kv_heads * hd);
+        let mut n = h * qd * 2 + h * kvd * 2 + 2 * h;
+        n += if self.qkv_bias { qd + 2 * kvd } else { 0 } + if self.o_bias { h } else { 0 };
+        n += if self.qk_norm { 2 * hd } else { 0 };
+        n += match &self.moe {
+            Some(m) if m.is_sparse(i) => m.num_experts * (h + 3 * h * m.expert_intermediate_size),
+            _ => 3 * h * self.intermediate_size + if self.mlp_bias { 2 * self.intermediate_size + h } else { 0 },
+        };
+        n
+    }
+
+    /// Every parameter of the model.
+    pub fn parameter_count(&self) -> i64 {
+        let embeddings = self.vocab_size * self.hidden_size * if self.tie_word_embeddings { 1 } else { 2 };
+        embeddings + self.hidden_size + (0..self.num_layers).map(|i| self.layer_parameters(i)).sum::<i64>()
+    }
+
+    /// config.json for a model of this shape (when the project writes a
+    /// model directory itself), in the layout transformers 4.x writes.
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        zoo::architecture(self.family).to_hf_json(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sparse_layers_follow_the_step_and_the_dense_list() {
+        let m = MoeConfig {
+            num_experts: 8,
+            top_k: 2,
+            expert_intermediate_size: 4,
+            norm_topk_prob: true,
+            sparse_step: 2,
+            dense_layers: vec![3],
+        };
+        let sparse: Vec<i64> = (0..6).filter(|&i| m.is_sparse(i)).collect();
+        assert_eq!(sparse, vec![1, 5]);
     }
 }

@@ -1,94 +1,283 @@
-//! Llama, Qwen2 and Qwen3 targets against Hugging Face transformers: the
-//! tiny fixtures in tests/fixtures (random weights, sharded and tied
-//! variants) must give the logits and residual streams transformers gives
-//! (tests/fixtures/golden.json, made by tests/fixtures/golden.py).
+//! Every target family against Hugging Face transformers: the tiny fixtures
+//! in tests/fixtures (random weights; Llama with llama3 RoPE and biases,
+//! Qwen2 with linear RoPE, Qwen3 with YaRN, Qwen3 MoE dense/sparse mixes,
+//! FP8 block-quantized checkpoints; sharded and unsharded, tied and
+//! untied; configs in the 4.x and the 5.x layout) must give the logits and
+//! every layer's residual stream transformers gives, through the packed
+//! capture path and the cached decoding path. The references
+//! (`reference.safetensors` in each fixture) are made by
+//! tests/fixtures/make_fixtures.py.
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use dflash_models::{LoadScope, ModelError, TargetModel};
+use dflash_models::{LoadScope, ModelError, TargetConfig, TargetModel};
 use tch::{Device, Kind, Tensor};
+
+/// Relative error allowed in f32 against transformers' float64 forward.
+const TOLERANCE: f64 = 1e-5;
+
+/// Every fixture; each must have a reference.
+const FIXTURES: &[&str] = &[
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-llama3",
+    "tiny-llama3-tf4",
+    "tiny-qwen3-tf5",
+    "tiny-qwen3-yarn",
+    "tiny-qwen2-linear",
+    "tiny-qwen3-moe",
+    "tiny-qwen3-moe-step2",
+    "tiny-qwen3-fp8",
+    "tiny-qwen3-moe-fp8",
+];
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
 }
 
-fn golden() -> serde_json::Value {
-    let text = std::fs::read_to_string(fixtures().join("golden.json")).expect("tests/fixtures/golden.json");
-    serde_json::from_str(&text).expect("golden json")
+/// A fixture's reference: prompt ids, logits `[n, vocab]`, layer outputs.
+struct Reference {
+    ids: Vec<i64>,
+    logits: Tensor,
+    hidden: Vec<Tensor>,
 }
 
-fn matrix(v: &serde_json::Value) -> Tensor {
-    let rows: Vec<Vec<f64>> = serde_json::from_value(v.clone()).expect("matrix");
-    let flat: Vec<f64> = rows.iter().flatten().copied().collect();
-    Tensor::from_slice(&flat).view([rows.len() as i64, -1])
+fn reference(dir: &Path) -> Reference {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let get = |name: &str| {
+        let v = st.tensor(name).unwrap();
+        let kind = if name == "ids" { Kind::Int64 } else { Kind::Float };
+        let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
+        Tensor::f_from_data_size(v.data(), &shape, kind).unwrap()
+    };
+    let n_layers = st.names().iter().filter(|n| n.starts_with("hidden.")).count();
+    Reference {
+        ids: Vec::<i64>::try_from(get("ids")).unwrap(),
+        logits: get("logits"),
+        hidden: (0..n_layers).map(|i| get(&format!("hidden.{i}"))).collect(),
+    }
 }
 
 fn max_rel_err(got: &Tensor, want: &Tensor) -> f64 {
-    ((got.to_kind(Kind::Double) - want).abs().max() / want.abs().max()).double_value(&[])
+    let got = got.to_kind(Kind::Double);
+    let want = want.to_kind(Kind::Double);
+    ((got - &want).abs().max() / want.abs().max()).double_value(&[])
 }
 
 #[test]
-fn targets_match_transformers() {
-    let g = golden();
-    let ids: Vec<i64> = serde_json::from_value(g["ids"].clone()).unwrap();
-    let n = ids.len() as i64;
-    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
-        let t = TargetModel::load(&fixtures().join(name), Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
-        // Cached forward over the whole prompt (the decoding path).
+fn every_family_matches_transformers_through_capture_and_decoding() {
+    let mut checked = Vec::new();
+    for name in FIXTURES {
+        let dir = fixtures().join(name);
+        let r = reference(&dir);
+        let n = r.ids.len() as i64;
+        let t = TargetModel::load(&dir, Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
+        let all: Vec<i64> = (0..t.config.num_layers).collect();
+        assert_eq!(r.hidden.len() as i64, t.config.num_layers, "{name}");
+
+        // The decoding path: a cached forward over the whole prompt.
         let mut cache = t.new_cache(1);
-        let idt = Tensor::from_slice(&ids).view([1, n]);
+        let idt = Tensor::from_slice(&r.ids).view([1, n]);
         let pos = Tensor::arange(n, (Kind::Int64, Device::Cpu)).unsqueeze(0);
         let valid = Tensor::ones([1, n], (Kind::Bool, Device::Cpu));
-        let (h, feats) = t.forward_cached(&idt, &pos, &valid, &mut cache, &[0, 1]);
-        let logits = t.logits(&h).squeeze_dim(0);
-        let err = max_rel_err(&logits, &matrix(&g[name]["logits"]));
-        assert!(err < 1e-5, "{name}: logits differ from transformers by {err}");
-        // Packed capture (the training path): two copies of the prompt.
-        let packed = Tensor::from_slice(&[ids.clone(), ids.clone()].concat());
-        let cap = t.capture_packed(&packed, &[n, n], &[0, 1]);
-        // transformers' last hidden state is after the final norm; the
-        // residual stream after layer 0 is a plain capture point.
-        let want = matrix(&g[name]["hidden_after_layer_0"]);
-        assert!(max_rel_err(&feats[0].squeeze_dim(0), &want) < 1e-5, "{name} layer 0 (cached)");
-        assert!(max_rel_err(&cap[0].narrow(0, n, n), &want) < 1e-5, "{name} layer 0 (packed)");
-        assert!(max_rel_err(&cap[1].narrow(0, n, n), &feats[1].squeeze_dim(0).to_kind(Kind::Double)) < 1e-5);
+        let (h, cached) = t.forward_cached(&idt, &pos, &valid, &mut cache, &all);
+        let err = max_rel_err(&t.logits(&h).squeeze_dim(0), &r.logits);
+        assert!(err < TOLERANCE, "{name}: logits differ from transformers by {err}");
+
+        // The training path: packed with a shorter sequence in front of it
+        // (whose states are the prompt's prefix: attention is causal).
+        let prefix = 17;
+        let packed = Tensor::from_slice(&[&r.ids[..prefix as usize], &r.ids[..]].concat());
+        let captured = t.capture_packed(&packed, &[prefix, n], &all);
+        for (l, want) in r.hidden.iter().enumerate() {
+            let err = max_rel_err(&cached[l].squeeze_dim(0), want);
+            assert!(err < TOLERANCE, "{name} layer {l} (cached): {err}");
+            let err = max_rel_err(&captured[l].narrow(0, prefix, n), want);
+            assert!(err < TOLERANCE, "{name} layer {l} (packed): {err}");
+            let err = max_rel_err(&captured[l].narrow(0, 0, prefix), &want.narrow(0, 0, prefix));
+            assert!(err < TOLERANCE, "{name} layer {l} (packed prefix): {err}");
+        }
+        checked.push(*name);
     }
+    assert_eq!(checked.len(), FIXTURES.len());
 }
 
 #[test]
-fn missing_tensors_and_unsupported_architectures_are_named() {
-    let dir = tempfile::tempdir().unwrap();
-    for f in ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"] {
-        std::fs::copy(fixtures().join("tiny-qwen3").join(f), dir.path().join(f)).unwrap();
+fn both_config_layouts_read_to_the_same_model() {
+    let tf5 = TargetConfig::from_dir(&fixtures().join("tiny-llama3")).unwrap();
+    let tf4 = TargetConfig::from_dir(&fixtures().join("tiny-llama3-tf4")).unwrap();
+    assert_eq!(tf5, tf4);
+    // The report that started this: a Qwen3 saved by transformers 5 keeps
+    // its base only in rope_parameters.
+    let q = TargetConfig::from_dir(&fixtures().join("tiny-qwen3-tf5")).unwrap();
+    assert_eq!(q.rope.theta, 1_000_000.0);
+    let moe = TargetConfig::from_dir(&fixtures().join("tiny-qwen3-moe")).unwrap().moe.unwrap();
+    assert_eq!((moe.num_experts, moe.top_k, moe.dense_layers.clone()), (8, 2, vec![1]), "num_local_experts (5.x)");
+    let moe4 = TargetConfig::from_dir(&fixtures().join("tiny-qwen3-moe-step2")).unwrap().moe.unwrap();
+    assert_eq!((moe4.num_experts, moe4.sparse_step), (8, 2), "num_experts (4.x)");
+}
+
+#[test]
+fn parameter_counts_and_sizes_match_the_checkpoints() {
+    for name in ["tiny-llama3", "tiny-qwen3-moe", "tiny-qwen3-moe-step2", "tiny-qwen2"] {
+        let dir = fixtures().join(name);
+        let (c, bytes) = TargetModel::inspect(&dir, Kind::Float, LoadScope::Full).unwrap();
+        let stored: i64 = dflash_models::weights::Weights::load(&dir, Device::Cpu, Kind::Float, |_| true)
+            .unwrap()
+            .into_tensors()
+            .iter()
+            .map(|(_, t)| t.numel() as i64)
+            .sum();
+        assert_eq!(c.parameter_count(), stored, "{name}");
+        assert_eq!(bytes, 4 * stored as u64, "{name}: f32 bytes held");
     }
-    // The second shard is gone: the index still names it.
+}
+
+/// A copy of a fixture to break.
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixtures().join(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    dir
+}
+
+fn load_err(dir: &Path) -> String {
+    TargetModel::load(dir, Device::Cpu, Kind::Float, LoadScope::Full).err().unwrap().to_string()
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&p, v.to_string()).unwrap();
+}
+
+/// Rewrites one tensor of a single-file checkpoint (same bytes, new header).
+fn rewrite_tensor(dir: &Path, file: &str, name: &str, replace: impl FnOnce(Tensor) -> Option<Tensor>) {
+    let path = dir.join(file);
+    let mut tensors =
+        dflash_models::weights::Weights::load(dir, Device::Cpu, Kind::Float, |_| true).unwrap().into_tensors();
+    let i = tensors.iter().position(|(n, _)| n == name).unwrap();
+    let (n, t) = tensors.remove(i);
+    if let Some(t) = replace(t) {
+        tensors.push((n, t));
+    }
+    dflash_models::weights::write_safetensors(&path, &tensors).unwrap();
+}
+
+#[test]
+fn bad_models_are_refused_naming_the_file_and_the_tensor_or_field() {
+    // A missing shard: the index still names it.
+    let dir = copy_fixture("tiny-qwen3");
+    std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).unwrap();
     let err = TargetModel::load(dir.path(), Device::Cpu, Kind::Float, LoadScope::Full).err().unwrap();
     assert!(matches!(err, ModelError::Io { .. }), "{err}");
     assert!(err.to_string().contains("model-00002-of-00002.safetensors"), "{err}");
 
-    let text = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
-    std::fs::write(dir.path().join("config.json"), text.replace("Qwen3ForCausalLM", "GPT2LMHeadModel")).unwrap();
-    let err = TargetModel::load(dir.path(), Device::Cpu, Kind::Float, LoadScope::Full).err().unwrap();
-    assert!(err.to_string().contains("GPT2LMHeadModel") && err.to_string().contains("not supported"), "{err}");
+    // An unknown architecture.
+    let dir = copy_fixture("tiny-qwen3");
+    edit_config(dir.path(), |v| v["architectures"] = serde_json::json!(["GPT2LMHeadModel"]));
+    let err = load_err(dir.path());
+    assert!(err.contains("GPT2LMHeadModel") && err.contains("not supported"), "{err}");
+
+    // Unsupported RoPE, quantization, or a field that is not read.
+    for (edit, want) in [
+        (serde_json::json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}), "\"dynamic\" is not supported"),
+        (serde_json::json!({"quantization_config": {"quant_method": "awq", "bits": 4}}), "\"awq\" is not supported"),
+        (
+            serde_json::json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 0}),
+            "sliding-window",
+        ),
+        (serde_json::json!({"final_logit_softcapping": 30.0}), "final_logit_softcapping"),
+    ] {
+        let dir = copy_fixture("tiny-llama3");
+        let arch = if want == "sliding-window" { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" };
+        edit_config(dir.path(), |v| {
+            for (k, x) in edit.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            v["architectures"] = serde_json::json!([arch]);
+            if arch == "Qwen2ForCausalLM" {
+                v.as_object_mut().unwrap().remove("mlp_bias");
+            }
+        });
+        let err = load_err(dir.path());
+        assert!(err.contains(want) && err.contains("config.json"), "{want}: {err}");
+    }
+
+    // A tensor of the wrong shape, a missing one, one of an unsupported dtype.
+    let dir = copy_fixture("tiny-llama3");
+    rewrite_tensor(dir.path(), "model.safetensors", "model.layers.1.mlp.up_proj.weight", |t| Some(t.narrow(0, 0, 8)));
+    let err = load_err(dir.path());
+    assert!(err.contains("model.layers.1.mlp.up_proj.weight") && err.contains("shape"), "{err}");
+    let dir = copy_fixture("tiny-llama3");
+    rewrite_tensor(dir.path(), "model.safetensors", "model.layers.2.self_attn.o_proj.bias", |_| None);
+    let err = load_err(dir.path());
+    assert!(err.contains("missing tensor model.layers.2.self_attn.o_proj.bias"), "{err}");
+    let dir = copy_fixture("tiny-llama3");
+    let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(bytes[8..8 + header_len].to_vec()).unwrap();
+    // Retag the first F32 tensor as U32 (same size): an unsupported dtype.
+    let retagged = header.replacen("\"F32\"", "\"U32\"", 1);
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        [&bytes[..8], retagged.as_bytes(), &bytes[8 + header_len..]].concat(),
+    )
+    .unwrap();
+    let err = load_err(dir.path());
+    assert!(err.contains("unsupported dtype U32") && err.contains("model.safetensors"), "{err}");
+
+    // A truncated shard.
+    let dir = copy_fixture("tiny-qwen3-moe");
+    let shard = dir.path().join("model-00002-of-00002.safetensors");
+    let len = std::fs::metadata(&shard).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(len - 100).unwrap();
+    let err = load_err(dir.path());
+    assert!(err.contains("model-00002-of-00002.safetensors") && err.contains("truncated"), "{err}");
+
+    // FP8: a scale missing, a scale of the wrong grid, float8 weights in a
+    // checkpoint that says it is not quantized.
+    let dir = copy_fixture("tiny-qwen3-fp8");
+    let fp8_names = |dir: &Path| {
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        safetensors::SafeTensors::deserialize(&bytes).unwrap().names().iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    assert!(fp8_names(dir.path()).contains(&"model.layers.0.self_attn.q_proj.weight_scale_inv".to_string()));
+    edit_config(dir.path(), |v| v["quantization_config"]["weight_block_size"] = serde_json::json!([32, 32]));
+    let err = load_err(dir.path());
+    assert!(err.contains("weight_scale_inv") && err.contains("expected"), "{err}");
+    let dir = copy_fixture("tiny-qwen3-fp8");
+    edit_config(dir.path(), |v| drop(v.as_object_mut().unwrap().remove("quantization_config")));
+    let err = load_err(dir.path());
+    assert!(err.contains("is float8") && err.contains("quantization_config"), "{err}");
 }
 
 #[test]
 fn bf16_weights_load_and_agree_with_f32() {
-    let t32 = TargetModel::load(&fixtures().join("tiny-qwen3"), Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
-    let t16 = TargetModel::load(&fixtures().join("tiny-qwen3"), Device::Cpu, Kind::BFloat16, LoadScope::Full).unwrap();
-    let ids = Tensor::from_slice(&[5i64, 6, 7, 8]);
-    let a = t32.capture_packed(&ids, &[4], &[1]);
-    let b = t16.capture_packed(&ids, &[4], &[1]);
-    assert_eq!(b[0].kind(), Kind::BFloat16);
-    let err = max_rel_err(&b[0], &a[0].to_kind(Kind::Double));
-    assert!(err < 5e-2, "bf16 vs f32: {err}");
+    for name in ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-fp8"] {
+        let dir = fixtures().join(name);
+        let t32 = TargetModel::load(&dir, Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
+        let t16 =
+            TargetModel::load(&dir, Device::Cpu, Kind::BFloat16, LoadScope::CaptureUpTo { last_layer: 1 }).unwrap();
+        let ids = Tensor::from_slice(&[5i64, 6, 7, 8, 9, 10]);
+        let a = t32.capture_packed(&ids, &[6], &[1]);
+        let b = t16.capture_packed(&ids, &[6], &[1]);
+        assert_eq!(b[0].kind(), Kind::BFloat16);
+        let err = max_rel_err(&b[0], &a[0]);
+        assert!(err < 5e-2, "{name}: bf16 vs f32: {err}");
+    }
 }
 
 #[test]
 fn drafter_can_start_from_the_targets_top_layers_and_final_norm() {
-    use dflash_models::{Drafter, DrafterConfig, TargetConfig};
+    use dflash_models::{Drafter, DrafterConfig};
     let dir = fixtures().join("tiny-llama");
     let t = TargetConfig::from_dir(&dir).unwrap();
     let target: std::collections::HashMap<String, Tensor> =

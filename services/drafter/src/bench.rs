@@ -9,7 +9,7 @@ use anyhow::Context;
 use dflash_models::blocks::BlockSettings;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::perf::{matmul_peak, sync_device};
-use dflash_models::synthetic::shape_preset;
+use dflash_models::synthetic::{SHAPE_PRESETS, shape_preset};
 use dflash_models::{DeviceBatch, Drafter, DrafterConfig, StepOutcome, TrainSettings, Trainer};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -109,7 +109,8 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
     if a.threads > 0 {
         tch::set_num_threads(a.threads);
     }
-    let shape = shape_preset(&a.shape).with_context(|| format!("unknown shape {}", a.shape))?;
+    let shape = shape_preset(&a.shape)
+        .with_context(|| format!("unknown shape {} (known: {})", a.shape, SHAPE_PRESETS.join(", ")))?;
     let device = match a.device.as_str() {
         "cpu" => Device::Cpu,
         i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,

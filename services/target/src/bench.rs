@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use dflash_models::perf::{matmul_peak, sync_device};
-use dflash_models::synthetic::shape_preset;
+use dflash_models::synthetic::{SHAPE_PRESETS, shape_preset};
 use dflash_models::{LoadScope, TargetConfig, TargetModel};
 use dflash_role::Stop;
 use dflash_wire::Layout;
@@ -22,7 +22,7 @@ use crate::work::WorkItem;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Target shape: qwen3-8b, smollm2-135m or tiny.
+    /// Target shape: qwen3-8b, llama3.1-8b, qwen3-30b-a3b, smollm2-135m, tiny, tiny-moe.
     #[arg(long, default_value = "tiny")]
     pub shape: String,
     /// "cpu" or a GPU index.
@@ -92,14 +92,14 @@ struct ModeResult {
 }
 
 /// FLOPs of capturing `lens` sequences through the first `layers` layers:
-/// the linear layers plus causal attention (only the visible half).
+/// the linear layers a token passes through (for MoE layers the router and
+/// the experts it is routed to: active parameters) plus causal attention
+/// (only the visible half).
 pub fn capture_flops(c: &TargetConfig, layers: i64, lens: &[usize]) -> f64 {
-    let (h, hd, i) = (c.hidden_size as f64, c.head_dim as f64, c.intermediate_size as f64);
-    let (qd, kvd) = (c.num_heads as f64 * hd, c.num_kv_heads as f64 * hd);
-    let linear_macs = h * qd * 2.0 + h * kvd * 2.0 + 3.0 * h * i;
+    let qd = (c.num_heads * c.head_dim) as f64;
     let tokens: f64 = lens.iter().map(|&l| l as f64).sum();
     let attn: f64 = lens.iter().map(|&l| 4.0 * qd * (l as f64) * (l as f64 + 1.0) / 2.0).sum();
-    layers as f64 * (2.0 * linear_macs * tokens + attn)
+    (0..layers).map(|i| 2.0 * c.layer_linear_macs(i) * tokens + attn).sum()
 }
 
 fn make_batches(n: usize, a: &BenchArgs, vocab: i64, seed: u64) -> Vec<WorkItem> {
@@ -147,7 +147,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     if a.threads > 0 {
         tch::set_num_threads(a.threads);
     }
-    let config = shape_preset(&a.shape).with_context(|| format!("unknown shape {}", a.shape))?;
+    let config = shape_preset(&a.shape)
+        .with_context(|| format!("unknown shape {} (known: {})", a.shape, SHAPE_PRESETS.join(", ")))?;
     let device = match a.device.as_str() {
         "cpu" => Device::Cpu,
         i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,

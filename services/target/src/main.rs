@@ -6,6 +6,7 @@ mod assets;
 mod bench;
 mod feature_cache;
 mod forward;
+mod inspect;
 mod postprocess;
 mod prepare;
 mod regenerate;
@@ -52,6 +53,8 @@ enum Command {
     Regenerate(regenerate::RegenArgs),
     /// Benchmark capture throughput, MFU and postprocess modes on random weights.
     BenchCapture(bench::BenchArgs),
+    /// Check a model directory: what it resolves to, what it needs, and (with --ids) its logits and layers.
+    Inspect(inspect::InspectArgs),
     /// Check a gRPC server's grpc.health.v1 status; exit 0 when SERVING.
     Health(dflash_role::HealthArgs),
 }
@@ -85,6 +88,7 @@ fn main() {
         Command::PrepareCorpora(a) => assets::prepare_corpora(&a),
         Command::Regenerate(a) => regenerate::regenerate(&a),
         Command::BenchCapture(a) => bench::run(&a),
+        Command::Inspect(a) => inspect::run(&a),
     };
     if let Err(e) = tool {
         tracing::error!("{}", format_chain(&e));
@@ -192,9 +196,10 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
         })
         .kind(ErrorKind::Model)?;
         tracing::info!(
-            "{d}: loaded {} of {} target layers ({kind:?}), capturing {layer_ids:?}, {} layout",
+            "{d}: loaded {} of {} layers of the {} target ({kind:?}), capturing {layer_ids:?}, {} layout",
             model.loaded_layers(),
             model.config.num_layers,
+            dflash_models::zoo::architecture(model.config.family).hf_architecture(),
             if layout == Layout::Split { "SPLIT" } else { "PACKED" }
         );
         let depth = c.pipeline.target_postprocess_depth as usize;

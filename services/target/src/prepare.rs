@@ -21,7 +21,7 @@ pub struct SyntheticArgs {
     pub layers: i64,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Another shape: tiny-qwen3, tiny-qwen2, smollm2-135m, qwen3-8b.
+    /// Another shape: tiny-qwen3, tiny-qwen2, tiny-moe, smollm2-135m, qwen3-8b, llama3.1-8b, qwen3-30b-a3b.
     #[arg(long)]
     pub shape: Option<String>,
     /// Store bf16 weights (default f32).
@@ -46,7 +46,9 @@ pub fn synthetic(a: &SyntheticArgs) -> anyhow::Result<()> {
     }
     let cfg = match &a.shape {
         None => dflash_models::synthetic::synthetic_target_config(a.layers),
-        Some(s) => dflash_models::synthetic::shape_preset(s).with_context(|| format!("unknown shape {s}"))?,
+        Some(s) => dflash_models::synthetic::shape_preset(s).with_context(|| {
+            format!("unknown shape {s} (known: {})", dflash_models::synthetic::SHAPE_PRESETS.join(", "))
+        })?,
     };
     let device = dflash_models::cuda::tch_device(a.gpu)?;
     let kind = if a.bf16 { tch::Kind::BFloat16 } else { tch::Kind::Float };

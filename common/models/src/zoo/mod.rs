@@ -1,0 +1,334 @@
+//! The target model zoo: one file per architecture, each saying how its
+//! `config.json` reads (what it implements, what it refuses) and how one
+//! decoder layer loads by its Hugging Face tensor names. The layers
+//! themselves (attention, MLP, MoE block, norms, RoPE) are shared
+//! (`layers.rs`, `moe.rs`, `rope.rs`, `decoder.rs`), and so is the stack
+//! that runs them ([`crate::TargetModel`]). A new family is one file here,
+//! one line in [`ARCHITECTURES`] and a fixture made by
+//! `tests/fixtures/make_fixtures.py`.
+
+mod llama;
+mod mistral;
+mod qwen2;
+mod qwen3;
+mod qwen3_moe;
+
+use serde_json::{Value, json};
+
+use crate::ModelError;
+use crate::decoder::{DecoderLayer, FeedForward};
+use crate::hf_config::HfConfig;
+use crate::layers::{Attention, Linear, Mlp, RmsNorm};
+use crate::quant::Fp8Config;
+use crate::rope::RopeConfig;
+use crate::target_config::{Family, TargetConfig};
+use crate::weights::Weights;
+
+/// One target architecture.
+pub trait Architecture: Sync {
+    fn family(&self) -> Family;
+    /// The `architectures` entry this family answers to (and writes).
+    fn hf_architecture(&self) -> &'static str;
+    /// Its `model_type` (accepted when `architectures` is absent).
+    fn model_type(&self) -> &'static str;
+    /// Other `architectures` names read as this family.
+    fn aliases(&self) -> &'static [&'static str] {
+        &[]
+    }
+    /// Reads every field the family uses (after which nothing but harmless
+    /// fields may be left in `cfg`).
+    fn read_config(&self, cfg: &mut HfConfig) -> Result<TargetConfig, ModelError>;
+    /// Loads decoder layer `i` (`model.layers.{i}.*`).
+    fn load_layer(&self, w: &mut Weights, c: &TargetConfig, i: i64) -> Result<DecoderLayer, ModelError> {
+        dense_layer(w, c, i)
+    }
+    /// The family's own fields of a config.json the project writes.
+    fn hf_fields(&self, c: &TargetConfig) -> Value;
+
+    /// A config.json for `c` in the 4.x layout, which every transformers
+    /// version and this crate read.
+    fn to_hf_json(&self, c: &TargetConfig) -> Value {
+        let (theta, scaling) = c.rope.to_hf_fields();
+        let mut v = json!({
+            "architectures": [self.hf_architecture()],
+            "model_type": self.model_type(),
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "vocab_size": c.vocab_size,
+            "tie_word_embeddings": c.tie_word_embeddings,
+            "max_position_embeddings": c.max_position_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        });
+        if let (Value::Object(all), Value::Object(own)) = (&mut v, self.hf_fields(c)) {
+            all.extend(own);
+        }
+        if let Some(q) = &c.fp8 {
+            v["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": q.block});
+        }
+        v
+    }
+}
+
+/// Every architecture this crate runs.
+pub static ARCHITECTURES: &[&dyn Architecture] =
+    &[&llama::Llama, &mistral::Mistral, &qwen2::Qwen2, &qwen3::Qwen3, &qwen3_moe::Qwen3Moe];
+
+/// The architecture a config's `architectures[0]` (or `model_type`) names.
+pub fn resolve(name: &str) -> Option<&'static dyn Architecture> {
+    ARCHITECTURES
+        .iter()
+        .copied()
+        .find(|a| a.hf_architecture() == name || a.model_type() == name || a.aliases().contains(&name))
+}
+
+/// The architecture of a family.
+pub fn architecture(family: Family) -> &'static dyn Architecture {
+    *ARCHITECTURES.iter().find(|a| a.family() == family).expect("every family has a file in zoo/")
+}
+
+/// The `architectures` names accepted, for messages.
+pub fn supported_names() -> Vec<&'static str> {
+    ARCHITECTURES.iter().map(|a| a.hf_architecture()).collect()
+}
+
+/// What differs between families in the fields every one of them has.
+pub(crate) struct Defaults {
+    pub family: Family,
+    /// `head_dim` when the config has none (None: hidden / heads).
+    pub head_dim: Option<i64>,
+    pub max_position_embeddings: i64,
+}
+
+/// Reads the fields all families share (transformers' defaults where a
+/// field is absent) and checks the shape adds up.
+pub(crate) fn read_common(cfg: &mut HfConfig, d: Defaults) -> Result<TargetConfig, ModelError> {
+    let hidden_size = cfg.positive("hidden_size")?;
+    let num_heads = cfg.positive("num_attention_heads")?;
+    let num_kv_heads = cfg.or("num_key_value_heads", num_heads)?;
+    if num_kv_heads <= 0 || num_heads % num_kv_heads != 0 {
+        return Err(
+            cfg.error("num_key_value_heads", format!("{num_kv_heads} must divide num_attention_heads {num_heads}"))
+        );
+    }
+    let head_dim = match cfg.opt::<i64>("head_dim")?.or(d.head_dim) {
+        Some(h) => h,
+        None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+        None => return Err(cfg.error("num_attention_heads", "must divide hidden_size (or set head_dim)")),
+    };
+    if head_dim <= 0 || head_dim % 2 != 0 {
+        return Err(cfg.error("head_dim", format!("{head_dim} must be positive and even for RoPE")));
+    }
+    let act: String = cfg.or("hidden_act", "silu".to_string())?;
+    if act != "silu" {
+        return Err(cfg.error("hidden_act", format!("\"{act}\" is not supported (only silu)")));
+    }
+    let max_position_embeddings = cfg.or("max_position_embeddings", d.max_position_embeddings)?;
+    let rope = RopeConfig::read(cfg, max_position_embeddings)?;
+    Ok(TargetConfig {
+        family: d.family,
+        hidden_size,
+        intermediate_size: cfg.positive("intermediate_size")?,
+        num_layers: cfg.positive("num_hidden_layers")?,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rms_norm_eps: cfg.or("rms_norm_eps", 1e-6)?,
+        rope,
+        vocab_size: cfg.positive("vocab_size")?,
+        tie_word_embeddings: cfg.or("tie_word_embeddings", false)?,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        qk_norm: false,
+        max_position_embeddings,
+        moe: None,
+        fp8: Fp8Config::read(cfg)?,
+    })
+}
+
+/// Refuses sliding-window attention in the Qwen2/Qwen3 style: either
+/// `layer_types` naming `sliding_attention`, or `use_sliding_window` with
+/// a window applying from `max_window_layers` on.
+pub(crate) fn refuse_qwen_sliding_window(cfg: &mut HfConfig, num_layers: i64) -> Result<(), ModelError> {
+    let use_window: bool = cfg.or("use_sliding_window", false)?;
+    let window: Option<i64> = cfg.opt("sliding_window")?;
+    let from_layer: i64 = cfg.or("max_window_layers", 28)?;
+    if let Some(types) = cfg.opt::<Vec<String>>("layer_types")? {
+        if types.len() as i64 != num_layers {
+            return Err(cfg.error("layer_types", format!("has {} entries for {num_layers} layers", types.len())));
+        }
+        if let Some((i, t)) = types.iter().enumerate().find(|(_, t)| t.as_str() != "full_attention") {
+            return Err(cfg.error(
+                "layer_types",
+                format!("layer {i} is \"{t}\": only full attention is supported (sliding-window attention is not)"),
+            ));
+        }
+        return Ok(());
+    }
+    if use_window && window.is_some() && from_layer < num_layers {
+        return Err(cfg.error(
+            "use_sliding_window",
+            format!(
+                "sliding-window attention (window {}, from layer {from_layer}) is not supported",
+                window.unwrap_or_default()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn linear(w: &mut Weights, name: &str, out: i64, inp: i64, bias: bool) -> Result<Linear, ModelError> {
+    let weight = w.take(&format!("{name}.weight"), &[out, inp])?;
+    let bias = if bias { Some(w.take(&format!("{name}.bias"), &[out])?) } else { None };
+    Ok(Linear { weight, bias })
+}
+
+pub(crate) fn norm(w: &mut Weights, name: &str, dim: i64, eps: f64) -> Result<RmsNorm, ModelError> {
+    Ok(RmsNorm { weight: w.take(&format!("{name}.weight"), &[dim])?, eps })
+}
+
+/// `{p}.self_attn.*` with the biases and QK norms `c` names.
+pub(crate) fn attention(w: &mut Weights, p: &str, c: &TargetConfig) -> Result<Attention, ModelError> {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let a = format!("{p}.self_attn");
+    let qk_norm = |w: &mut Weights, which: &str| -> Result<Option<RmsNorm>, ModelError> {
+        if c.qk_norm { norm(w, &format!("{a}.{which}"), hd, c.rms_norm_eps).map(Some) } else { Ok(None) }
+    };
+    Ok(Attention {
+        q_proj: linear(w, &format!("{a}.q_proj"), c.num_heads * hd, h, c.qkv_bias)?,
+        k_proj: linear(w, &format!("{a}.k_proj"), c.num_kv_heads * hd, h, c.qkv_bias)?,
+        v_proj: linear(w, &format!("{a}.v_proj"), c.num_kv_heads * hd, h, c.qkv_bias)?,
+        o_proj: linear(w, &format!("{a}.o_proj"), h, c.num_heads * hd, c.o_bias)?,
+        q_norm: qk_norm(w, "q_norm")?,
+        k_norm: qk_norm(w, "k_norm")?,
+        num_heads: c.num_heads,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: hd,
+    })
+}
+
+/// A SwiGLU MLP `{name}.{gate,up,down}_proj` of width `inter`.
+pub(crate) fn mlp(w: &mut Weights, name: &str, h: i64, inter: i64, bias: bool) -> Result<Mlp, ModelError> {
+    Ok(Mlp {
+        gate_proj: linear(w, &format!("{name}.gate_proj"), inter, h, bias)?,
+        up_proj: linear(w, &format!("{name}.up_proj"), inter, h, bias)?,
+        down_proj: linear(w, &format!("{name}.down_proj"), h, inter, bias)?,
+    })
+}
+
+/// A decoder layer around a given feed-forward block.
+pub(crate) fn layer_with(
+    w: &mut Weights,
+    c: &TargetConfig,
+    i: i64,
+    mlp: impl FnOnce(&mut Weights, &str) -> Result<FeedForward, ModelError>,
+) -> Result<DecoderLayer, ModelError> {
+    let p = format!("model.layers.{i}");
+    Ok(DecoderLayer {
+        input_layernorm: norm(w, &format!("{p}.input_layernorm"), c.hidden_size, c.rms_norm_eps)?,
+        self_attn: attention(w, &p, c)?,
+        post_attention_layernorm: norm(w, &format!("{p}.post_attention_layernorm"), c.hidden_size, c.rms_norm_eps)?,
+        mlp: mlp(w, &p)?,
+    })
+}
+
+/// The Llama-style layer: attention and a dense MLP.
+pub(crate) fn dense_layer(w: &mut Weights, c: &TargetConfig, i: i64) -> Result<DecoderLayer, ModelError> {
+    layer_with(w, c, i, |w, p| {
+        Ok(FeedForward::Dense(mlp(w, &format!("{p}.mlp"), c.hidden_size, c.intermediate_size, c.mlp_bias)?))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn read(text: &str) -> Result<TargetConfig, ModelError> {
+        TargetConfig::from_hf(HfConfig::parse(Path::new("/m/config.json"), text)?)
+    }
+
+    const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100"#;
+
+    #[test]
+    fn families_apply_their_own_defaults() {
+        let q3 = read(&format!(r#"{{"architectures": ["Qwen3ForCausalLM"], {BASE}}}"#)).expect("qwen3");
+        assert_eq!(q3.head_dim, 128, "Qwen3's head_dim default is 128, not hidden / heads");
+        assert!(q3.qk_norm && !q3.qkv_bias);
+        let q2 = read(&format!(r#"{{"architectures": ["Qwen2ForCausalLM"], {BASE}}}"#)).expect("qwen2");
+        assert_eq!(q2.head_dim, 16);
+        assert!(q2.qkv_bias && !q2.o_bias, "Qwen2 always has q/k/v biases");
+        let l = read(&format!(r#"{{"architectures": ["LlamaForCausalLM"], "attention_bias": true, {BASE}}}"#))
+            .expect("llama");
+        assert!(l.qkv_bias && l.o_bias, "Llama's attention_bias covers o_proj too");
+    }
+
+    #[test]
+    fn settings_that_change_the_math_are_refused_by_field() {
+        for (text, field) in [
+            (format!(r#"{{"architectures": ["MistralForCausalLM"], {BASE}}}"#), "sliding_window"),
+            (
+                format!(r#"{{"architectures": ["MistralForCausalLM"], "sliding_window": 4096, {BASE}}}"#),
+                "sliding_window",
+            ),
+            (
+                format!(
+                    r#"{{"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true, "sliding_window": 4096, "max_window_layers": 2, {BASE}}}"#
+                ),
+                "use_sliding_window",
+            ),
+            (
+                format!(
+                    r#"{{"architectures": ["Qwen3ForCausalLM"], "layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"], {BASE}}}"#
+                ),
+                "layer_types",
+            ),
+            (format!(r#"{{"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu", {BASE}}}"#), "hidden_act"),
+            (
+                format!(r#"{{"architectures": ["LlamaForCausalLM"], "attn_logit_softcapping": 50.0, {BASE}}}"#),
+                "attn_logit_softcapping",
+            ),
+            (format!(r#"{{"architectures": ["GemmaForCausalLM"], {BASE}}}"#), "GemmaForCausalLM"),
+        ] {
+            let err = read(&text).expect_err(&text).to_string();
+            assert!(err.contains(field) && err.contains("/m/config.json"), "{text}: {err}");
+        }
+        // A window that never applies is plain attention, as Qwen2.5 ships it.
+        read(&format!(
+            r#"{{"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": false, "sliding_window": 131072, "max_window_layers": 28, {BASE}}}"#
+        ))
+        .expect("window off");
+        read(&format!(r#"{{"architectures": ["MistralForCausalLM"], "sliding_window": null, {BASE}}}"#))
+            .expect("Mistral v0.2+: no window");
+    }
+
+    #[test]
+    fn written_configs_read_back_to_the_same_config() {
+        for text in [
+            format!(
+                r#"{{"architectures": ["LlamaForCausalLM"], "mlp_bias": true, "rope_scaling": {{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}, {BASE}}}"#
+            ),
+            format!(
+                r#"{{"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [1], "decoder_sparse_step": 1, "norm_topk_prob": true, {BASE}}}"#
+            ),
+            format!(
+                r#"{{"architectures": ["Qwen2ForCausalLM"], "quantization_config": {{"quant_method": "fp8", "weight_block_size": [16, 16]}}, {BASE}}}"#
+            ),
+        ] {
+            let c = read(&text).expect(&text);
+            let again = read(&c.to_hf_json().to_string()).expect("written config");
+            assert_eq!(c, again);
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! `dflash-target inspect`: what a model directory resolves to, checked
+//! before a long run -- architecture, shape, RoPE, experts, quantization,
+//! parameters, the memory it needs, the default captured layers -- and,
+//! with `--ids`, the logits of every position and the residual stream after
+//! chosen layers (Hugging Face `hidden_states[id + 1]`) for those tokens,
+//! in f32, as JSON a test or a user compares with transformers.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use dflash_models::{LoadScope, TargetConfig, TargetModel};
+use tch::{Device, Kind, Tensor};
+
+use crate::forward::compute_kind;
+
+#[derive(clap::Args, Debug)]
+pub struct InspectArgs {
+    /// Hugging Face model directory (config.json, *.safetensors).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Token ids to run (comma-separated); without them nothing is loaded.
+    #[arg(long, value_delimiter = ',')]
+    pub ids: Vec<i64>,
+    /// Decoder layers whose output to write (default: every layer).
+    #[arg(long, value_delimiter = ',')]
+    pub layers: Vec<i64>,
+    /// Write `{"architecture", "ids", "logits", "layers"}` here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// "cpu" or a GPU index to run `--ids` on.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Compute dtype: f32 (default), bf16, or auto (bf16 on GPUs).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Drafter layers, for the default captured layer ids shown.
+    #[arg(long, default_value_t = 5)]
+    pub drafter_layers: u32,
+}
+
+#[derive(serde::Serialize)]
+struct Outputs {
+    architecture: String,
+    ids: Vec<i64>,
+    logits: Vec<Vec<f32>>,
+    layers: std::collections::BTreeMap<String, Vec<Vec<f32>>>,
+}
+
+/// Bytes in the largest binary unit that keeps a whole number in front.
+fn bytes(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{n} B") } else { format!("{v:.2} {}", units[u]) }
+}
+
+/// A count with an SI suffix (parameters).
+fn count(n: f64) -> String {
+    match n {
+        n if n >= 1e9 => format!("{:.2} B", n / 1e9),
+        n if n >= 1e6 => format!("{:.2} M", n / 1e6),
+        n if n >= 1e3 => format!("{:.1} K", n / 1e3),
+        n => format!("{n:.0}"),
+    }
+}
+
+pub fn run(a: &InspectArgs) -> anyhow::Result<()> {
+    let device = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
+    };
+    let kind = match a.dtype.as_str() {
+        "f32" => Kind::Float,
+        "bf16" => Kind::BFloat16,
+        "auto" => compute_kind("auto", device),
+        other => anyhow::bail!("--dtype {other}: expected f32, bf16 or auto"),
+    };
+    let (c, full_bytes) = TargetModel::inspect(&a.model, kind, LoadScope::Full)?;
+    let mut capture_ids = dflash_config::default_target_layer_ids(c.num_layers as u32, a.drafter_layers);
+    capture_ids.sort_unstable();
+    capture_ids.dedup();
+    let last = *capture_ids.iter().max().context("no captured layers")? as i64;
+    let (_, capture_bytes) = TargetModel::inspect(&a.model, kind, LoadScope::CaptureUpTo { last_layer: last })?;
+    print!("{}", describe(&a.model, &c));
+    println!(
+        "  {:<18} {} for the whole model, {} to capture up to layer {last} ({kind:?})",
+        "memory:",
+        bytes(full_bytes),
+        bytes(capture_bytes)
+    );
+    println!("  {:<18} {capture_ids:?} (for {} drafter layers)", "captured layers:", a.drafter_layers);
+    if a.ids.is_empty() {
+        if a.json.is_some() {
+            anyhow::bail!("--json needs --ids: the token ids to run");
+        }
+        return Ok(());
+    }
+    if let Some(&bad) = a.ids.iter().find(|&&i| i < 0 || i >= c.vocab_size) {
+        anyhow::bail!("--ids: token {bad} is outside the vocabulary (0..{})", c.vocab_size);
+    }
+    let layers: Vec<i64> = if a.layers.is_empty() { (0..c.num_layers).collect() } else { a.layers.clone() };
+    if let Some(&bad) = layers.iter().find(|&&l| l < 0 || l >= c.num_layers) {
+        anyhow::bail!("--layers: layer {bad} does not exist ({} layers)", c.num_layers);
+    }
+    if device.is_cuda() {
+        dflash_models::cuda::ensure_cuda(&[a.device.parse()?])?;
+    }
+    let model = TargetModel::load(&a.model, device, kind, LoadScope::Full)?;
+    let n = a.ids.len() as i64;
+    let ids = Tensor::from_slice(&a.ids).view([1, n]).to_device(device);
+    let positions = Tensor::arange(n, (Kind::Int64, device)).unsqueeze(0);
+    let valid = Tensor::ones([1, n], (Kind::Bool, device));
+    let mut cache = model.new_cache(1);
+    let (hidden, captured) = model.forward_cached(&ids, &positions, &valid, &mut cache, &layers);
+    let rows = |t: &Tensor| -> anyhow::Result<Vec<Vec<f32>>> {
+        let t = t.squeeze_dim(0).to_kind(Kind::Float).to_device(Device::Cpu);
+        Ok(Vec::<Vec<f32>>::try_from(t)?)
+    };
+    let logits = rows(&model.logits(&hidden))?;
+    let finite = logits.iter().flatten().all(|v| v.is_finite());
+    let last_row = logits.last().context("no positions")?;
+    let argmax = last_row.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map_or(0, |(i, _)| i);
+    println!("  ran {n} tokens on {device:?}: logits finite {finite}, next token after the last id: {argmax}");
+    if let Some(path) = &a.json {
+        // capture order follows the model's layers: map them back by id.
+        let mut sorted = layers.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let mut out =
+            Outputs { architecture: zoo_name(&c).to_string(), ids: a.ids.clone(), logits, layers: Default::default() };
+        for (id, t) in sorted.iter().zip(&captured) {
+            out.layers.insert(id.to_string(), rows(t)?);
+        }
+        let text = serde_json::to_string(&out)?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+        println!("  wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn zoo_name(c: &TargetConfig) -> &'static str {
+    dflash_models::zoo::architecture(c.family).hf_architecture()
+}
+
+/// The resolved config, one setting per line.
+pub fn describe(dir: &std::path::Path, c: &TargetConfig) -> String {
+    let mut s = format!("{}\n", dir.display());
+    let mut line = |k: &str, v: String| s.push_str(&format!("  {k:<18} {v}\n"));
+    line("architecture:", format!("{} ({:?})", zoo_name(c), c.family));
+    line("layers:", c.num_layers.to_string());
+    line("hidden size:", c.hidden_size.to_string());
+    line(
+        "attention:",
+        format!(
+            "{} heads, {} kv heads, head_dim {}{}{}",
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            if c.qk_norm { ", QK norm" } else { "" },
+            match (c.qkv_bias, c.o_bias) {
+                (true, true) => ", biases on q/k/v/o",
+                (true, false) => ", biases on q/k/v",
+                _ => "",
+            }
+        ),
+    );
+    line("RoPE:", format!("{}, max positions {}", c.rope.describe(), c.max_position_embeddings));
+    match &c.moe {
+        Some(m) => {
+            let sparse = (0..c.num_layers).filter(|&i| m.is_sparse(i)).count();
+            line(
+                "experts:",
+                format!(
+                    "{} per sparse layer, top {}{}, expert width {}; {sparse} sparse layers, {} dense (width {})",
+                    m.num_experts,
+                    m.top_k,
+                    if m.norm_topk_prob { " (renormalised)" } else { "" },
+                    m.expert_intermediate_size,
+                    c.num_layers - sparse as i64,
+                    c.intermediate_size
+                ),
+            );
+        }
+        None => {
+            line("mlp:", format!("SwiGLU, width {}{}", c.intermediate_size, if c.mlp_bias { ", biases" } else { "" }))
+        }
+    }
+    line("vocabulary:", format!("{}{}", c.vocab_size, if c.tie_word_embeddings { ", LM head tied" } else { "" }));
+    line("weights:", c.fp8.as_ref().map_or("floating point".to_string(), |q| q.describe()));
+    let total = c.parameter_count();
+    let active: f64 =
+        (0..c.num_layers).map(|i| c.layer_linear_macs(i)).sum::<f64>() + (c.vocab_size * c.hidden_size) as f64;
+    line(
+        "parameters:",
+        if c.moe.is_some() {
+            format!("{} ({} active per token)", count(total as f64), count(active))
+        } else {
+            count(total as f64)
+        },
+    );
+    s
+}
