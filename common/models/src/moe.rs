@@ -63,13 +63,47 @@ impl SparseMoe {
         let counts = Tensor::zeros([experts], (Kind::Int64, x.device())).scatter_add(0, &flat, &flat.ones_like());
         let offsets = counts.cumsum(0, Kind::Int);
         let rows = x.index_select(0, &token); // [T*k, H]
-        let gate_up =
-            rows.internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(&offsets), None::<&Tensor>, None::<Kind>);
+        let out = match self.grouped(&rows, &offsets) {
+            Ok(out) => out,
+            // libtorch's grouped GEMM takes f32/bf16/f16 only; other kinds
+            // (f64 references) go expert by expert.
+            Err(_) => self.expert_by_expert(&rows, &counts),
+        };
+        // Back to token order, then each token's weighted sum over its k
+        // slots as one batched matmul: no atomics (index_add on bf16 took
+        // 3x as long on an H200) and the sum accumulates in f32.
+        let n = flat.size()[0];
+        let inverse = order.empty_like().scatter(0, &order, &Tensor::arange(n, (Kind::Int64, x.device())));
+        let per_slot = out.index_select(0, &inverse).view([-1, k, h]); // [T, k, H]
+        weights.unsqueeze(1).bmm(&per_slot).squeeze_dim(1).reshape(shape.as_slice())
+    }
+}
+
+impl SparseMoe {
+    /// The experts as two grouped GEMMs over `rows` sorted by expert
+    /// (`offsets`: cumulative row counts, int32).
+    fn grouped(&self, rows: &Tensor, offsets: &Tensor) -> Result<Tensor, tch::TchError> {
+        let gate_up = rows.f_internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(offsets), None::<&Tensor>, None::<Kind>)?;
         let halves = gate_up.chunk(2, -1);
         let act = halves[0].silu() * &halves[1];
-        let out = act.internal_grouped_mm(&self.down.transpose(1, 2), Some(&offsets), None::<&Tensor>, None::<Kind>);
-        let out = out * weights.reshape([-1]).index_select(0, &order).unsqueeze(-1);
-        x.zeros_like().index_add(0, &token, &out).reshape(shape.as_slice())
+        act.f_internal_grouped_mm(&self.down.transpose(1, 2), Some(offsets), None::<&Tensor>, None::<Kind>)
+    }
+
+    /// The same, one matmul pair per expert (reads the counts back).
+    fn expert_by_expert(&self, rows: &Tensor, counts: &Tensor) -> Tensor {
+        let counts = Vec::<i64>::try_from(counts.to_device(tch::Device::Cpu)).expect("1-D counts");
+        let inter = self.down.size()[2];
+        let mut start = 0;
+        let mut parts = Vec::with_capacity(counts.len());
+        for (e, &n) in counts.iter().enumerate() {
+            let r = rows.narrow(0, start, n);
+            let gu = self.gate_up.get(e as i64);
+            let act = r.linear(&gu.narrow(0, 0, inter), None::<Tensor>).silu()
+                * r.linear(&gu.narrow(0, inter, inter), None::<Tensor>);
+            parts.push(act.linear(&self.down.get(e as i64), None::<Tensor>));
+            start += n;
+        }
+        Tensor::cat(&parts, 0)
     }
 }
 
@@ -102,7 +136,7 @@ mod tests {
     }
 
     #[test]
-    fn grouped_experts_equal_the_per_token_definition() {
+    fn grouped_experts_equal_the_per_token_definition_in_any_kind() {
         tch::manual_seed(3);
         let (e, h, i) = (6, 16, 8);
         let opts = (Kind::Float, Device::Cpu);
@@ -117,6 +151,18 @@ mod tests {
             let want = reference(&m, &x);
             let err = (&got - &want).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
             assert!(err < 1e-5, "norm_topk_prob {norm}: {err}");
+            // f64 takes the expert-by-expert path.
+            let m64 = SparseMoe {
+                router: m.router.to_kind(Kind::Double),
+                gate_up: m.gate_up.to_kind(Kind::Double),
+                down: m.down.to_kind(Kind::Double),
+                ..m
+            };
+            let x64 = x.to_kind(Kind::Double);
+            let want = reference(&m64, &x64);
+            let err = (m64.forward(&x64) - &want).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
+            // Routing is f32 in any kind, as in transformers.
+            assert!(err < 1e-6, "f64: {err}");
             // Leading dimensions pass through.
             assert_eq!(m.forward(&x.view([1, 5, h])).size(), vec![1, 5, h]);
         }

@@ -452,6 +452,13 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             "cudnn_attention": a.cudnn_attention,
             "matmul_peak_flops": peak,
             "results": results,
+            // What a reference implementation needs to run the same model
+            // shape on the same batches (scripts/reference/hf_capture.py).
+            "target_config": config.to_hf_json(),
+            "timed_seq_lengths": make_batches(a.warmup + a.batches, a, config.vocab_size, 7)[a.warmup..]
+                .iter()
+                .map(|w| w.seq_lengths.clone())
+                .collect::<Vec<_>>(),
         });
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }
