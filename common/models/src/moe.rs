@@ -83,7 +83,8 @@ impl SparseMoe {
     /// The experts as two grouped GEMMs over `rows` sorted by expert
     /// (`offsets`: cumulative row counts, int32).
     fn grouped(&self, rows: &Tensor, offsets: &Tensor) -> Result<Tensor, tch::TchError> {
-        let gate_up = rows.f_internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(offsets), None::<&Tensor>, None::<Kind>)?;
+        let gate_up =
+            rows.f_internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(offsets), None::<&Tensor>, None::<Kind>)?;
         let halves = gate_up.chunk(2, -1);
         let act = halves[0].silu() * &halves[1];
         act.f_internal_grouped_mm(&self.down.transpose(1, 2), Some(offsets), None::<&Tensor>, None::<Kind>)

@@ -222,3 +222,19 @@ pub fn write_random_target_sharded(
     dflash_data::write_synthetic_tokenizer(dir)
         .map_err(|e| ModelError::Config { path: dir.join("tokenizer.json"), message: e.to_string() })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_count_the_published_parameters() {
+        // From the published checkpoints' safetensors headers.
+        for (name, published) in
+            [("qwen3-8b", 8_190_735_360i64), ("llama3.1-8b", 8_030_261_248), ("qwen3-30b-a3b", 30_532_122_624)]
+        {
+            let c = shape_preset(name).expect("preset");
+            assert_eq!(c.parameter_count(), published, "{name}");
+        }
+    }
+}

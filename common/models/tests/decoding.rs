@@ -11,8 +11,12 @@ use dflash_models::{Drafter, DrafterConfig, LoadScope, TargetModel};
 use tch::{Device, Kind};
 
 fn target() -> (tempfile::TempDir, TargetModel) {
+    target_of(synthetic_target_config(3))
+}
+
+fn target_of(config: dflash_models::TargetConfig) -> (tempfile::TempDir, TargetModel) {
     let dir = tempfile::tempdir().unwrap();
-    write_synthetic_target(dir.path(), &synthetic_target_config(3), 7).unwrap();
+    write_synthetic_target(dir.path(), &config, 7).unwrap();
     let t = TargetModel::load(dir.path(), Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
     (dir, t)
 }
@@ -41,12 +45,18 @@ fn batched_greedy_equals_one_by_one() {
 
 #[test]
 fn speculative_decoding_reproduces_greedy_decoding() {
-    let (_d, t) = target();
+    let moe = dflash_models::synthetic::shape_preset("tiny-moe").unwrap();
+    for (_d, t) in [target(), target_of(moe)] {
+        speculative_equals_greedy(&t);
+    }
+}
+
+fn speculative_equals_greedy(t: &TargetModel) {
     for (seed, block) in [(1i64, 4i64), (2, 8)] {
-        let drafter = drafter(&t, seed, 1, block);
+        let drafter = drafter(t, seed, 1, block);
         let prompt: Vec<u32> = (30..50).collect();
-        let want = greedy_generate(&t, std::slice::from_ref(&prompt), 40, &[]);
-        let got = speculative_generate(&t, &drafter, &prompt, &settings(&t, 40));
+        let want = greedy_generate(t, std::slice::from_ref(&prompt), 40, &[]);
+        let got = speculative_generate(t, &drafter, &prompt, &settings(t, 40));
         assert_eq!(got.tokens, want[0], "block {block}");
         assert!(got.tau() >= 1.0 && got.tau() <= block as f64);
         assert_eq!(1 + got.per_step.iter().sum::<u32>() as usize, got.tokens.len());
