@@ -14,7 +14,7 @@ cat "$OUT/env.txt"
 echo "== smoke: services on cuda:0 (synthetic target)"
 rm -rf runs
 timeout 120 $B/dflash up --config deploy/configs/cpu-synthetic.toml --prepare synthetic \
-  --target-devices 0 --drafter-devices 0 --set model.dtype=\"auto\" --max-steps 30 > "$OUT/smoke.log" 2>&1
+  --target-devices 0 --drafter-devices 0 --set devices.share_gpus=true --set model.dtype=\"auto\" --max-steps 30 > "$OUT/smoke.log" 2>&1
 echo "smoke exit $?"; grep -E "step 30/|PACKED|SPLIT|pinned|completed|ERROR" "$OUT/smoke.log" | head -8
 
 echo "== capture"

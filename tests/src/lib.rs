@@ -336,27 +336,44 @@ pub fn safetensors_names(path: &Path) -> Vec<String> {
     names
 }
 
-/// The messages of a batch whose f32 features are all NaN (`tokens` tokens
-/// of width `hidden`, one captured layer), as a target would send them.
-pub fn nan_batch(batch_id: u64, tokens: usize, hidden: u32) -> Vec<dflash_proto::TargetMessage> {
+/// The run's plan, read from the coordinator's ledger (it may be running).
+pub fn plan(ledger: &Path) -> Vec<dflash_data::PlannedBatch> {
+    dflash_coordinator::ledger::Ledger::open(ledger).expect("ledger").plan().expect("plan")
+}
+
+/// The messages of the plan's batch `planned` as a target named
+/// `test-client` would send them: f32 features all equal to `value` (one
+/// captured layer, layer 2, of width `hidden`), with `edit` applied to the
+/// header before the payload is sized.
+pub fn planned_batch(
+    planned: &dflash_data::PlannedBatch,
+    hidden: u32,
+    value: f32,
+    edit: impl FnOnce(&mut dflash_proto::BatchHeader),
+) -> Vec<dflash_proto::TargetMessage> {
     use dflash_proto as pb;
-    let payload: Vec<u8> = std::iter::repeat_n(f32::NAN.to_le_bytes(), tokens * hidden as usize).flatten().collect();
-    let header = pb::BatchHeader {
-        batch_id,
+    let tokens: u32 = planned.sample_lengths.iter().sum();
+    let mut header = pb::BatchHeader {
+        batch_id: planned.batch_id,
         target_instance: "test-client".into(),
         layout: pb::Layout::Packed as i32,
         dtype: pb::Dtype::F32 as i32,
-        token_count: tokens as u32,
-        seq_lengths: vec![tokens as u32],
-        input_ids: (0..tokens as u32).map(|i| 20 + i % 100).collect(),
-        loss_mask: vec![1u8; tokens].into(),
+        token_count: tokens,
+        seq_lengths: planned.sample_lengths.clone(),
+        input_ids: (0..tokens).map(|i| 20 + i % 100).collect(),
+        loss_mask: vec![1u8; tokens as usize].into(),
         layer_ids: vec![2],
         hidden_size: hidden,
-        payload_bytes: payload.len() as u64,
-        epoch: 0,
-        sample_ids: vec![batch_id],
+        payload_bytes: 0,
+        epoch: planned.epoch,
+        sample_ids: planned.sample_ids.clone(),
         trace_context: Default::default(),
     };
+    edit(&mut header);
+    let payload: Vec<u8> =
+        std::iter::repeat_n(value.to_le_bytes(), header.token_count as usize * hidden as usize).flatten().collect();
+    header.payload_bytes = payload.len() as u64;
+    let batch_id = header.batch_id;
     let chunk = 4096;
     let mut out = vec![pb::TargetMessage { msg: Some(pb::target_message::Msg::Header(header)) }];
     for (i, c) in payload.chunks(chunk).enumerate() {

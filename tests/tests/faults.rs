@@ -131,11 +131,11 @@ fn non_finite_features_are_skipped_then_fail_the_run() {
         let url = format!("http://127.0.0.1:{}", cluster.drafter_port);
         let mut client = pb::drafter_client::DrafterClient::connect(url).await.unwrap();
         let (tx, rx) = tokio::sync::mpsc::channel(64);
-        tx.send(hello(&run_id, 1)).await.unwrap();
+        tx.send(hello(&run_id, dflash_proto::PROTOCOL_VERSION)).await.unwrap();
         let mut acks = client.stream_hidden_states(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
         let _welcome = acks.message().await.unwrap();
-        for id in 0..3u64 {
-            for m in dflash_tests::nan_batch(id, 64, 64) {
+        for b in &dflash_tests::plan(&cluster.ledger)[..3] {
+            for m in dflash_tests::planned_batch(b, 64, f32::NAN, |_| {}) {
                 tx.send(m).await.unwrap();
             }
             let ack = acks.message().await.unwrap().unwrap();
@@ -196,15 +196,52 @@ fn bad_wire_input_gets_clear_errors() {
         let e = r.err().unwrap();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
         assert!(e.message().contains("protocol version 99"), "{}", e.message());
-        let (_tx, r) = open(hello("another-run", 1)).await;
+        let (_tx, r) = open(hello("another-run", dflash_proto::PROTOCOL_VERSION)).await;
         let e = r.err().unwrap();
         assert!(e.message().contains("wrong run id"), "{}", e.message());
+        // Names that would fail a thread's creation or forge log lines.
+        for name in ["test\0client", "test-client\n2026-12-01T00:00:00Z ERROR forged"] {
+            let mut h = hello(&run_id, dflash_proto::PROTOCOL_VERSION);
+            if let Some(pb::target_message::Msg::Hello(hello)) = &mut h.msg {
+                hello.target_instance = name.into();
+            }
+            let (_tx, r) = open(h).await;
+            let e = r.err().unwrap();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{name:?}: {e:?}");
+        }
 
-        // A truncated batch: the drafter asks for it again.
-        let (tx, r) = open(hello(&run_id, 1)).await;
+        let plan = dflash_tests::plan(&cluster.ledger);
+        let (tx, r) = open(hello(&run_id, dflash_proto::PROTOCOL_VERSION)).await;
         let mut acks = r.unwrap().into_inner();
         let _welcome = acks.message().await.unwrap();
-        let mut msgs = dflash_tests::nan_batch(7, 64, 64);
+        // Rejected, never trained, never fatal: a batch the plan does not
+        // have, one of other samples, the plan's batch with a token id
+        // outside the vocabulary.
+        let not_planned = dflash_proto::BatchHeader { batch_id: 999_999, ..Default::default() };
+        for (b, edit, why) in [
+            (
+                &plan[1],
+                Box::new(move |h: &mut pb::BatchHeader| h.batch_id = not_planned.batch_id)
+                    as Box<dyn FnOnce(&mut pb::BatchHeader)>,
+                "not in the run's plan",
+            ),
+            (&plan[2], Box::new(|h: &mut pb::BatchHeader| h.sample_ids[0] += 1), "but the plan has"),
+            (&plan[3], Box::new(|h: &mut pb::BatchHeader| h.input_ids[0] = 999_999), "outside the vocabulary"),
+        ] {
+            for m in dflash_tests::planned_batch(b, 64, 0.5, edit) {
+                tx.send(m).await.unwrap();
+            }
+            match acks.message().await.unwrap().unwrap().msg {
+                Some(pb::drafter_message::Msg::Ack(a)) => {
+                    assert_eq!(a.status, pb::AckStatus::Rejected as i32, "{why}: {a:?}");
+                    assert!(a.reason.contains(why), "{why}: {}", a.reason);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+
+        // A truncated batch: the drafter asks for it again.
+        let mut msgs = dflash_tests::planned_batch(&plan[7], 64, 0.5, |_| {});
         let n = msgs.len();
         msgs.remove(n - 2); // drop the last chunk
         for m in msgs {

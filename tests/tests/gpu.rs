@@ -21,6 +21,8 @@ fn up_on_gpus(ws: &Workspace, name: &str, drafter_devices: &str, steps: &str) ->
         drafter_devices,
         "--max-steps",
         steps,
+        "--set",
+        "devices.share_gpus=true",
     ]
     .map(String::from)
     .to_vec();

@@ -89,9 +89,10 @@ impl fmt::Display for RunConfig {
         )?;
         writeln!(
             f,
-            "  In-flight batches per target: {}, streams per target: {}, chunk size: {}",
+            "  In-flight batches per target: {}, streams per target: {} (drafter serves at most {}), chunk size: {}",
             p.max_inflight_batches,
             p.streams_per_target,
+            p.max_target_streams,
             bytes(p.chunk_bytes)
         )?;
         writeln!(f, "Checkpoints")?;
@@ -117,8 +118,13 @@ impl fmt::Display for RunConfig {
         writeln!(f, "Faults")?;
         write!(
             f,
-            "  Heartbeat: {} ms, instance timeout: {} ms, lease timeout: {} ms, drafter absence timeout: {} ms",
-            fl.heartbeat_interval_ms, fl.instance_timeout_ms, fl.lease_timeout_ms, fl.drafter_absence_timeout_ms
+            "  Heartbeat: {} ms, instance timeout: {} ms, lease timeout: {} ms, drafter absence timeout: {} ms, \
+             stream stall timeout: {} ms",
+            fl.heartbeat_interval_ms,
+            fl.instance_timeout_ms,
+            fl.lease_timeout_ms,
+            fl.drafter_absence_timeout_ms,
+            fl.stream_stall_timeout_ms
         )
     }
 }

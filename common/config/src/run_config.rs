@@ -119,11 +119,19 @@ pub struct DataSection {
     /// Longer sequences are truncated (and counted in the log).
     pub max_seq_len: u32,
     pub on_malformed: MalformedPolicy,
+    /// With `on_malformed = "skip"`: loading fails when more than this
+    /// fraction of the lines is skipped (a wrong file, not a few bad lines).
+    pub max_skipped_fraction: f64,
 }
 
 impl Default for DataSection {
     fn default() -> Self {
-        Self { train_path: String::new(), max_seq_len: 3072, on_malformed: MalformedPolicy::Error }
+        Self {
+            train_path: String::new(),
+            max_seq_len: 3072,
+            on_malformed: MalformedPolicy::Error,
+            max_skipped_fraction: 0.5,
+        }
     }
 }
 
@@ -220,6 +228,9 @@ pub struct PipelineSection {
     /// instead of running the target again (0: off). Pays off when the
     /// target bounds the run and the dataset's features fit.
     pub target_feature_cache_mib: u32,
+    /// Hidden-state streams the drafter serves at once (all targets
+    /// together); more are refused with RESOURCE_EXHAUSTED.
+    pub max_target_streams: u32,
 }
 
 impl Default for PipelineSection {
@@ -235,6 +246,7 @@ impl Default for PipelineSection {
             chunk_bytes: 4 << 20,
             streams_per_target: 2,
             target_feature_cache_mib: 0,
+            max_target_streams: 64,
         }
     }
 }
@@ -247,11 +259,15 @@ pub struct DevicesSection {
     pub target: DeviceList,
     /// Data-parallel replicas of the drafter.
     pub drafter: DeviceList,
+    /// Allow target and drafter to name the same GPUs: one GPU doing both,
+    /// or roles in separate containers or hosts whose GPUs each count
+    /// from 0. Off: an overlap is taken for a typo and refused.
+    pub share_gpus: bool,
 }
 
 impl Default for DevicesSection {
     fn default() -> Self {
-        Self { target: DeviceList::cuda(0..5), drafter: DeviceList::cuda(5..8) }
+        Self { target: DeviceList::cuda(0..5), drafter: DeviceList::cuda(5..8), share_gpus: false }
     }
 }
 
@@ -311,6 +327,9 @@ pub struct FaultSection {
     pub rpc_timeout_ms: u64,
     /// How long a role may take to stop after a stop event or signal.
     pub shutdown_grace_ms: u64,
+    /// A hidden-state stream in the middle of a batch that brings nothing
+    /// for this long is ended, and the batch's landing buffer freed.
+    pub stream_stall_timeout_ms: u64,
 }
 
 impl Default for FaultSection {
@@ -323,6 +342,7 @@ impl Default for FaultSection {
             coordinator_timeout_ms: 60_000,
             rpc_timeout_ms: 10_000,
             shutdown_grace_ms: 20_000,
+            stream_stall_timeout_ms: 30_000,
         }
     }
 }

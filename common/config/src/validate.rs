@@ -59,6 +59,11 @@ impl RunConfig {
 
         let data = &self.data;
         c.require(!data.train_path.is_empty(), "data.train_path", || "is required: a JSONL chat dataset".into());
+        c.require(
+            data.max_skipped_fraction.is_finite() && (0.0..=1.0).contains(&data.max_skipped_fraction),
+            "data.max_skipped_fraction",
+            || format!("is {}; must be in [0, 1]", data.max_skipped_fraction),
+        );
         c.require(data.max_seq_len > d.block_size, "data.max_seq_len", || {
             format!("is {}; must exceed drafter.block_size ({})", data.max_seq_len, d.block_size)
         });
@@ -115,6 +120,22 @@ impl RunConfig {
         c.require((64 << 10..=64 << 20).contains(&p.chunk_bytes), "pipeline.chunk_bytes", || {
             format!("is {}; must be between 64 KiB and 64 MiB", p.chunk_bytes)
         });
+        c.require(p.max_target_streams >= p.streams_per_target, "pipeline.max_target_streams", || {
+            format!(
+                "is {}; must admit at least one target's streams (pipeline.streams_per_target = {})",
+                p.max_target_streams, p.streams_per_target
+            )
+        });
+
+        let dv = &self.devices;
+        let (tg, dr) = (dv.target.cuda_indices(), dv.drafter.cuda_indices());
+        let shared: Vec<u32> = tg.iter().copied().filter(|i| dr.contains(i)).collect();
+        c.require(shared.is_empty() || dv.share_gpus, "devices.drafter", || {
+            format!(
+                "names GPU(s) {shared:?} that devices.target names too; set devices.share_gpus = true if one GPU \
+                 is to run both roles (or the roles run in separate containers or hosts)"
+            )
+        });
 
         let ck = &self.checkpoint;
         c.require(!ck.dir.is_empty(), "checkpoint.dir", || "is required".into());
@@ -137,6 +158,7 @@ impl RunConfig {
             ("faults.coordinator_timeout_ms", f.coordinator_timeout_ms),
             ("faults.rpc_timeout_ms", f.rpc_timeout_ms),
             ("faults.shutdown_grace_ms", f.shutdown_grace_ms),
+            ("faults.stream_stall_timeout_ms", f.stream_stall_timeout_ms),
         ] {
             c.require(v >= 1, name, || "must be at least 1".into());
         }

@@ -77,6 +77,29 @@ impl Conversation {
         Ok(Self { messages })
     }
 
+    /// Cuts the conversation after `budget` bytes of message text (the
+    /// message that crosses it is cut at a character boundary, later ones
+    /// dropped). True when something was cut. Chat templates that render
+    /// conversations prefix by prefix (the only ones training accepts)
+    /// render the kept part exactly as before.
+    pub fn truncate_text(&mut self, budget: usize) -> bool {
+        let mut left = budget;
+        for (i, m) in self.messages.iter_mut().enumerate() {
+            if m.content.len() <= left {
+                left -= m.content.len();
+                continue;
+            }
+            let mut cut = left;
+            while !m.content.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            m.content.truncate(cut);
+            self.messages.truncate(i + 1);
+            return true;
+        }
+        false
+    }
+
     /// The conversation up to (not including) the first assistant turn: the
     /// prompt a target answers during regeneration and evaluation.
     pub fn first_prompt(&self) -> Vec<Message> {
@@ -100,6 +123,25 @@ mod tests {
         .unwrap();
         assert_eq!(a, b);
         assert_eq!(a.first_prompt(), vec![Message::new("user", "hi")]);
+    }
+
+    #[test]
+    fn long_texts_are_cut_after_the_budget() {
+        let mut c = Conversation {
+            messages: vec![
+                Message::new("user", "héllo"),
+                Message::new("assistant", "wörld"),
+                Message::new("user", "x"),
+            ],
+        };
+        assert!(!c.clone().truncate_text(100));
+        // 6 bytes of "héllo", then 3 of "wörld": "w" and the two bytes of "ö".
+        assert!(c.truncate_text(9));
+        assert_eq!(c.messages.len(), 2);
+        assert_eq!(c.messages[1].content, "wö");
+        let mut c = Conversation { messages: vec![Message::new("user", "héllo")] };
+        assert!(c.truncate_text(2));
+        assert_eq!(c.messages[0].content, "h", "never inside a character");
     }
 
     #[test]

@@ -32,6 +32,16 @@ pub struct LoadOptions {
     pub max_seq_len: usize,
     /// Skip (and count) malformed lines instead of failing.
     pub skip_malformed: bool,
+    /// With `skip_malformed`: fail when more than this fraction of the
+    /// lines is skipped.
+    pub max_skipped_fraction: f64,
+}
+
+impl LoadOptions {
+    /// Fail on the first malformed line.
+    pub fn strict(max_seq_len: usize) -> Self {
+        Self { max_seq_len, skip_malformed: false, max_skipped_fraction: 0.0 }
+    }
 }
 
 /// What loading counted, for the log.
@@ -55,34 +65,47 @@ pub struct Dataset {
 
 impl Dataset {
     /// Reads, tokenizes and masks every line of a JSONL chat dataset.
+    /// Lines are read as bytes, so text that is not UTF-8 is a malformed
+    /// line (named, and skipped under the skip policy), and text far past
+    /// `max_seq_len` tokens is cut before it is tokenized.
     pub fn load(path: &Path, tok: &ChatTokenizer, opts: &LoadOptions) -> Result<Self, DataError> {
         let file = std::fs::File::open(path).map_err(|e| DataError::Io(path.to_path_buf(), e.to_string()))?;
         let mut report = LoadReport::default();
         let mut samples = Vec::new();
-        for (idx, line) in BufReader::new(file).lines().enumerate() {
+        let mut skipped: Vec<String> = Vec::new();
+        // Twice what the first max_seq_len tokens can span: the cut cannot
+        // reach them.
+        let text_budget = tok.text_budget(opts.max_seq_len).saturating_mul(2);
+        for (idx, line) in BufReader::new(file).split(b'\n').enumerate() {
             let line = line.map_err(|e| DataError::Io(path.to_path_buf(), e.to_string()))?;
-            if line.trim().is_empty() {
+            if line.trim_ascii().is_empty() {
                 continue;
             }
             report.lines += 1;
             let line_no = idx as u64 + 1;
             let malformed = |reason: String| DataError::Malformed { path: path.to_path_buf(), line: line_no, reason };
-            let conv = match Conversation::parse_line(&line) {
-                Ok(c) if c.messages.iter().any(|m| m.is_assistant()) => Ok(c),
-                Ok(_) => Err(malformed("has no assistant turn to train on".into())),
-                Err(reason) => Err(malformed(reason)),
+            let conv = match std::str::from_utf8(&line) {
+                Err(e) => Err(malformed(format!("is not UTF-8 (invalid byte at offset {})", e.valid_up_to()))),
+                Ok(text) => match Conversation::parse_line(text) {
+                    Ok(c) if c.messages.iter().any(|m| m.is_assistant()) => Ok(c),
+                    Ok(_) => Err(malformed("has no assistant turn to train on".into())),
+                    Err(reason) => Err(malformed(reason)),
+                },
             };
-            let conv = match conv {
+            let mut conv = match conv {
                 Ok(c) => c,
                 Err(e) if opts.skip_malformed => {
-                    tracing::debug!("skipping: {e}");
+                    if skipped.len() < 3 {
+                        skipped.push(e.to_string());
+                    }
                     report.malformed_skipped += 1;
                     continue;
                 }
                 Err(e) => return Err(e),
             };
+            let cut = line.len() > text_budget && conv.truncate_text(text_budget);
             let mut enc = tok.encode_conversation(&conv.messages)?;
-            if enc.input_ids.len() > opts.max_seq_len {
+            if enc.input_ids.len() > opts.max_seq_len || cut {
                 enc.input_ids.truncate(opts.max_seq_len);
                 enc.loss_mask.truncate(opts.max_seq_len);
                 report.truncated += 1;
@@ -95,6 +118,26 @@ impl Dataset {
             samples.push(Sample { id: idx as u64, input_ids: enc.input_ids, loss_mask: enc.loss_mask });
         }
         report.samples = samples.len() as u64;
+        if report.malformed_skipped > 0 {
+            let fraction = report.malformed_skipped as f64 / report.lines.max(1) as f64;
+            if fraction > opts.max_skipped_fraction {
+                return Err(DataError::TooManySkipped {
+                    path: path.to_path_buf(),
+                    skipped: report.malformed_skipped,
+                    lines: report.lines,
+                    limit: opts.max_skipped_fraction,
+                    first: skipped.join("; "),
+                });
+            }
+            tracing::warn!(
+                "{}: skipped {} malformed line(s) of {} ({:.1}%), e.g. {}",
+                path.display(),
+                report.malformed_skipped,
+                report.lines,
+                100.0 * fraction,
+                skipped.join("; ")
+            );
+        }
         if samples.is_empty() {
             return Err(DataError::Empty(path.to_path_buf()));
         }

@@ -33,4 +33,10 @@ pub enum DataError {
     Template(PathBuf, String),
     #[error("{0}: no usable samples")]
     Empty(PathBuf),
+    #[error(
+        "{}: {skipped} of {lines} lines are malformed, more than data.max_skipped_fraction = {limit} allows \
+         (a wrong file?); first: {first}",
+        path.display()
+    )]
+    TooManySkipped { path: PathBuf, skipped: u64, lines: u64, limit: f64, first: String },
 }

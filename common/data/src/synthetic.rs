@@ -155,7 +155,7 @@ mod tests {
         let (dir, tok) = tokenizer();
         let path = dir.path().join("d.jsonl");
         write_synthetic_dataset(&path, 20, 1).unwrap();
-        let opts = LoadOptions { max_seq_len: 40, skip_malformed: false };
+        let opts = LoadOptions::strict(40);
         let ds = Dataset::load(&path, &tok, &opts).unwrap();
         assert_eq!(ds.samples.len() as u64 + ds.report.without_targets, 20);
         assert!(ds.samples.iter().all(|s| s.len() <= 40));
@@ -166,7 +166,8 @@ mod tests {
         std::fs::write(&path, text).unwrap();
         let err = Dataset::load(&path, &tok, &opts).err().unwrap().to_string();
         assert!(err.contains("d.jsonl:21: malformed line"), "{err}");
-        let ds = Dataset::load(&path, &tok, &LoadOptions { skip_malformed: true, ..opts }).unwrap();
+        let ds = Dataset::load(&path, &tok, &LoadOptions { skip_malformed: true, max_skipped_fraction: 1.0, ..opts })
+            .unwrap();
         assert_eq!(ds.report.malformed_skipped, 1);
     }
 }

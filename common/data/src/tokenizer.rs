@@ -22,6 +22,10 @@ pub struct ChatTokenizer {
     pub stop_ids: Vec<u32>,
     pub pad_id: Option<u32>,
     pub bos_id: Option<u32>,
+    /// Most text bytes one token stands for (its vocabulary string's
+    /// length bounds it): how much of a long text can matter to its first
+    /// n tokens.
+    pub max_token_bytes: usize,
     dir: PathBuf,
 }
 
@@ -90,11 +94,31 @@ impl ChatTokenizer {
         }
         let pad_id = pad_token.as_deref().and_then(id);
         let bos_id = id(&bos_token);
-        Ok(Self { tokenizer, template: env, bos_token, eos_token, stop_ids, pad_id, bos_id, dir: dir.to_path_buf() })
+        // A vocabulary string's UTF-8 length bounds the text bytes its token
+        // decodes to (byte-level BPE maps each byte to one or two bytes of
+        // its string; SentencePiece strings are the text or longer).
+        let max_token_bytes = tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1);
+        Ok(Self {
+            tokenizer,
+            template: env,
+            bos_token,
+            eos_token,
+            stop_ids,
+            pad_id,
+            bos_id,
+            max_token_bytes,
+            dir: dir.to_path_buf(),
+        })
     }
 
     pub fn vocab_size(&self) -> u32 {
         self.tokenizer.get_vocab_size(true) as u32
+    }
+
+    /// Bytes of text that can hold `tokens` tokens at most: text beyond it
+    /// cannot change the first `tokens` tokens.
+    pub fn text_budget(&self, tokens: usize) -> usize {
+        tokens.saturating_mul(self.max_token_bytes.max(1))
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {

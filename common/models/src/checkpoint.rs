@@ -1,7 +1,12 @@
 //! Drafter checkpoints: the served Hugging Face layout (config.json with
 //! `dflash_config`, bf16 `model.safetensors`) plus what resuming needs
-//! (optimizer state, trainer state). Written to a temporary directory and
-//! renamed into place, so a crash never leaves a half checkpoint behind.
+//! (optimizer state, trainer state), and a `manifest.json` with the size
+//! and sha256 of every file. Written to a temporary directory and renamed
+//! into place, so a crash never leaves a half checkpoint behind; verified
+//! against the manifest before a resume trusts it, so a truncated or
+//! altered file is found before it is trained on. The manifest's own hash
+//! is the checkpoint's content hash, which the coordinator's ledger
+//! records when it commits the checkpoint.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -15,8 +20,200 @@ use crate::drafter::DrafterConfig;
 use crate::trainer::Trainer;
 use crate::weights::write_safetensors;
 
-/// File naming the most recent complete checkpoint directory.
+/// File naming the most recent complete checkpoint directory (for people
+/// and tools; resuming goes by the ledger and the manifests).
 pub const LATEST: &str = "latest";
+
+/// The digest of every file of a checkpoint.
+pub const MANIFEST: &str = "manifest.json";
+
+/// Files a checkpoint holds, all covered by its manifest.
+const FILES: [&str; 4] = ["config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"];
+
+/// One file's size and sha256.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileDigest {
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// What a checkpoint's files must be.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub step: u64,
+    pub files: std::collections::BTreeMap<String, FileDigest>,
+}
+
+impl Manifest {
+    /// sha256 of the manifest: one hash for the whole checkpoint.
+    pub fn content_hash(&self) -> String {
+        use sha2::Digest;
+        hex(&sha2::Sha256::digest(serde_json::to_vec(self).expect("json")))
+    }
+}
+
+/// A checkpoint on disk, checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub step: u64,
+    pub content_hash: String,
+}
+
+impl Checkpoint {
+    /// The directory's name (`step-00000100`), as the ledger records it.
+    pub fn name(&self) -> String {
+        self.dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Size and sha256 of a file, read in 8 MiB pieces.
+pub fn digest_file(path: &Path) -> Result<FileDigest, ModelError> {
+    use sha2::Digest;
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+    let mut hasher = sha2::Sha256::new();
+    let mut buf = vec![0u8; 8 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(|e| ModelError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        bytes += n as u64;
+    }
+    Ok(FileDigest { bytes, sha256: hex(&hasher.finalize()) })
+}
+
+/// Digests of the checkpoint files in `dir`, one thread per file.
+fn digest_files(dir: &Path) -> Result<std::collections::BTreeMap<String, FileDigest>, ModelError> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = FILES.iter().map(|f| (f, scope.spawn(move || digest_file(&dir.join(f))))).collect();
+        handles
+            .into_iter()
+            .map(|(f, h)| {
+                Ok((f.to_string(), h.join().map_err(|_| ModelError::Checkpoint("digest thread panicked".into()))??))
+            })
+            .collect()
+    })
+}
+
+/// Checks every file of the checkpoint in `dir` against its manifest and
+/// returns the checkpoint with its content hash. A missing manifest, a
+/// missing, truncated or altered file is an error naming it.
+pub fn verify_checkpoint(dir: &Path) -> Result<Checkpoint, ModelError> {
+    let path = dir.join(MANIFEST);
+    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+    let manifest: Manifest =
+        serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint(format!("{}: {e}", path.display())))?;
+    for f in FILES {
+        if !manifest.files.contains_key(f) {
+            return Err(ModelError::Checkpoint(format!("{} does not cover {f}", path.display())));
+        }
+    }
+    let found = digest_files(dir)?;
+    for (name, want) in &manifest.files {
+        let got = found.get(name).ok_or_else(|| ModelError::Checkpoint(format!("{name}: not a checkpoint file")))?;
+        if got != want {
+            return Err(ModelError::Checkpoint(format!(
+                "{} is damaged: {} bytes with sha256 {}, the manifest says {} bytes with sha256 {}",
+                dir.join(name).display(),
+                got.bytes,
+                &got.sha256[..12],
+                want.bytes,
+                &want.sha256[..12]
+            )));
+        }
+    }
+    Ok(Checkpoint { dir: dir.to_path_buf(), step: manifest.step, content_hash: manifest.content_hash() })
+}
+
+/// The trainer state of a checkpoint (without the tensors).
+pub fn read_trainer_state(dir: &Path) -> Result<TrainerState, ModelError> {
+    let state_path = dir.join("trainer_state.json");
+    let text = std::fs::read_to_string(&state_path).map_err(|e| ModelError::io(&state_path, e))?;
+    serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint(format!("{}: {e}", state_path.display())))
+}
+
+/// The step directories under `root` (`step-NNNNNNNN`), newest first.
+pub fn step_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>, ModelError> {
+    if !root.exists() {
+        return Ok(Vec::new());
+    }
+    let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(root)
+        .map_err(|e| ModelError::io(root, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .filter_map(|p| {
+            let step = p.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()?;
+            Some((step, p))
+        })
+        .collect();
+    out.sort_by_key(|e| std::cmp::Reverse(e.0));
+    Ok(out)
+}
+
+/// Removes what failed or killed checkpoint writes left behind
+/// (`.tmp-step-*` directories, a half-written `latest`). Returns them.
+pub fn remove_stale_temporaries(root: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    if !root.exists() {
+        return Ok(Vec::new());
+    }
+    let mut removed = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(|e| ModelError::io(root, e))? {
+        let p = entry.map_err(|e| ModelError::io(root, e))?.path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        if name.starts_with(".tmp-step-") || name == format!(".{LATEST}.tmp") {
+            if p.is_dir() {
+                std::fs::remove_dir_all(&p).map_err(|e| ModelError::io(&p, e))?;
+            } else {
+                std::fs::remove_file(&p).map_err(|e| ModelError::io(&p, e))?;
+            }
+            removed.push(p);
+        }
+    }
+    Ok(removed)
+}
+
+/// Points `root/latest` at `dir` (after a resume that fell back).
+pub fn point_latest(root: &Path, dir: &Path) -> Result<(), ModelError> {
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let tmp = root.join(format!(".{LATEST}.tmp"));
+    write_file(&tmp, name.as_bytes())?;
+    std::fs::rename(&tmp, root.join(LATEST)).map_err(|e| ModelError::io(&root.join(LATEST), e))?;
+    sync_dir(root)
+}
+
+/// Moves a checkpoint that cannot be resumed from out of the way (kept
+/// for inspection, out of resuming and pruning): `step-N` becomes
+/// `unusable-step-N` (with a suffix if that exists). Returns the new path.
+pub fn set_aside(dir: &Path) -> Result<PathBuf, ModelError> {
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("checkpoint");
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    let mut target = parent.join(format!("unusable-{name}"));
+    let mut n = 1;
+    while target.exists() {
+        target = parent.join(format!("unusable-{name}.{n}"));
+        n += 1;
+    }
+    std::fs::rename(dir, &target).map_err(|e| ModelError::io(dir, e))?;
+    Ok(target)
+}
+
+/// Checks that checkpoints can be written under `root`: creates it and
+/// writes and removes a probe file (found at startup, not at the first
+/// checkpoint).
+pub fn check_writable(root: &Path) -> Result<(), ModelError> {
+    std::fs::create_dir_all(root).map_err(|e| ModelError::io(root, e))?;
+    let probe = root.join(format!(".write-probe-{}", std::process::id()));
+    write_file(&probe, b"probe")?;
+    std::fs::remove_file(&probe).map_err(|e| ModelError::io(&probe, e))
+}
 
 /// Training progress saved next to the weights.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -126,40 +323,60 @@ pub fn export_drafter(dir: &Path, trainer: &Trainer) -> Result<(), ModelError> {
         .map_err(|e| ModelError::io(&dir.join("model.safetensors"), e))
 }
 
-/// Writes `root/step-NNNNNNNN` atomically and points `root/latest` at it;
-/// keeps the newest `keep_last` step directories (0: all).
+/// Writes `root/step-NNNNNNNN` atomically (with its manifest) and points
+/// `root/latest` at it; keeps the newest `keep_last` step directories (0:
+/// all). A failed write leaves the earlier checkpoints as they were and
+/// removes its temporary directory.
 pub fn save_checkpoint(
     root: &Path,
     trainer: &Trainer,
     state: &TrainerState,
     keep_last: usize,
-) -> Result<PathBuf, ModelError> {
+) -> Result<Checkpoint, ModelError> {
     std::fs::create_dir_all(root).map_err(|e| ModelError::io(root, e))?;
     let name = format!("step-{:08}", state.step);
-    let final_dir = root.join(&name);
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
+    let written = write_checkpoint_files(root, &tmp, &name, trainer, state);
+    if written.is_err() {
+        // A full disk: free what this attempt took.
+        let _ = std::fs::remove_dir_all(&tmp);
     }
-    std::fs::create_dir_all(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
-    export_drafter(&tmp, trainer)?;
+    let content_hash = written?;
+    if keep_last > 0 {
+        prune(root, keep_last)?;
+    }
+    Ok(Checkpoint { dir: root.join(&name), step: state.step, content_hash })
+}
+
+fn write_checkpoint_files(
+    root: &Path,
+    tmp: &Path,
+    name: &str,
+    trainer: &Trainer,
+    state: &TrainerState,
+) -> Result<String, ModelError> {
+    if tmp.exists() {
+        std::fs::remove_dir_all(tmp).map_err(|e| ModelError::io(tmp, e))?;
+    }
+    std::fs::create_dir_all(tmp).map_err(|e| ModelError::io(tmp, e))?;
+    export_drafter(tmp, trainer)?;
     let opt_path = tmp.join("optimizer.safetensors");
     write_safetensors(&opt_path, &trainer.opt.state_tensors())?;
     std::fs::File::open(&opt_path).and_then(|f| f.sync_all()).map_err(|e| ModelError::io(&opt_path, e))?;
     write_file(&tmp.join("trainer_state.json"), &serde_json::to_vec(state).expect("json"))?;
-    sync_dir(&tmp)?;
+    let manifest = Manifest { step: state.step, files: digest_files(tmp)? };
+    write_file(&tmp.join(MANIFEST), &serde_json::to_vec_pretty(&manifest).expect("json"))?;
+    sync_dir(tmp)?;
+    let final_dir = root.join(name);
     if final_dir.exists() {
         std::fs::remove_dir_all(&final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
     }
-    std::fs::rename(&tmp, &final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
+    std::fs::rename(tmp, &final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
     let latest_tmp = root.join(format!(".{LATEST}.tmp"));
     write_file(&latest_tmp, name.as_bytes())?;
     std::fs::rename(&latest_tmp, root.join(LATEST)).map_err(|e| ModelError::io(&root.join(LATEST), e))?;
     sync_dir(root)?;
-    if keep_last > 0 {
-        prune(root, keep_last)?;
-    }
-    Ok(final_dir)
+    Ok(manifest.content_hash())
 }
 
 fn prune(root: &Path, keep_last: usize) -> Result<(), ModelError> {
@@ -195,11 +412,9 @@ pub fn latest_checkpoint(root: &Path) -> Result<Option<PathBuf>, ModelError> {
 }
 
 /// Restores weights, optimizer and progress from a checkpoint directory.
+/// Call [`verify_checkpoint`] first: this reads the files as they are.
 pub fn restore_checkpoint(dir: &Path, trainer: &mut Trainer) -> Result<TrainerState, ModelError> {
-    let state_path = dir.join("trainer_state.json");
-    let text = std::fs::read_to_string(&state_path).map_err(|e| ModelError::io(&state_path, e))?;
-    let state: TrainerState =
-        serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint(format!("{}: {e}", state_path.display())))?;
+    let state = read_trainer_state(dir)?;
     let saved = read_drafter_config(dir)?;
     if saved != trainer.drafter.config {
         return Err(ModelError::Checkpoint(format!(

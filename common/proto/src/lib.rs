@@ -2,7 +2,7 @@
 
 /// Protocol version spoken by this build. A peer speaking another version is
 /// refused with a clear error at registration or stream start.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The hidden-state RPC's HTTP path (package, service, method of `drafter.proto`),
 /// for the data plane that serves and calls it below tonic's codec.
@@ -23,6 +23,39 @@ impl Role {
             Role::Coordinator => "coordinator",
             Role::Target => "target",
             Role::Drafter => "drafter",
+        }
+    }
+}
+
+/// Longest instance id a peer may use.
+pub const MAX_INSTANCE_ID: usize = 128;
+
+/// Checks an instance id a peer sent (registration, stream hello, batch
+/// header): 1 to [`MAX_INSTANCE_ID`] printable ASCII characters without
+/// spaces. It names threads, log lines and ledger rows: a NUL would fail a
+/// thread's creation, a newline would forge log lines.
+pub fn check_instance_id(id: &str) -> Result<(), String> {
+    if id.is_empty() {
+        return Err("is empty".into());
+    }
+    if id.len() > MAX_INSTANCE_ID {
+        return Err(format!("is {} bytes long (at most {MAX_INSTANCE_ID})", id.len()));
+    }
+    if let Some(c) = id.chars().find(|c| !c.is_ascii_graphic()) {
+        return Err(format!("{:?} contains {c:?}: only printable ASCII without spaces is allowed", id));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn instance_ids_are_printable_and_bounded() {
+        check_instance_id("target-node-3.example:1234").unwrap();
+        for bad in ["", "a\0b", "a\nb", "a b", "ü", &"x".repeat(129)] {
+            assert!(check_instance_id(bad).is_err(), "{bad:?}");
         }
     }
 }

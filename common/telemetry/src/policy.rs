@@ -9,7 +9,9 @@
 //! | `device`        | CUDA unavailable, out of memory                      | fatal    |
 //! | `protocol`      | wrong protocol version, wrong run id                 | fatal    |
 //! | `non_finite`    | NaN/Inf in features or loss, K batches in a row      | fatal (single batches are skipped and reported) |
-//! | `checkpoint`    | cannot write or read a checkpoint                    | fatal    |
+//! | `checkpoint`    | cannot read a checkpoint; none intact that the ledger committed | fatal |
+//! | `checkpoint_write` | a checkpoint write failed (full disk, I/O error)  | retried with backoff; training goes on and the last good checkpoint stays |
+//! | `bad_batch`     | a received batch fails its checks against the plan (unknown id, other samples, token ids outside the vocabulary) | rejected and reported as skipped; K in a row fail the run |
 //! | `internal`      | a worker thread panicked                             | fatal    |
 //! | `transport`     | peer unreachable, stream reset                       | retried with backoff until the peer's timeout |
 //! | `corrupt_batch` | CRC mismatch, truncated chunk                        | retried: the target resends the batch |
@@ -27,6 +29,8 @@ pub enum ErrorKind {
     Protocol,
     NonFinite,
     Checkpoint,
+    CheckpointWrite,
+    BadBatch,
     Internal,
     Transport,
     CorruptBatch,
@@ -36,7 +40,10 @@ pub enum ErrorKind {
 impl ErrorKind {
     /// Whether the role retries (true) or the run fails (false).
     pub fn is_retryable(self) -> bool {
-        matches!(self, ErrorKind::Transport | ErrorKind::CorruptBatch)
+        matches!(
+            self,
+            ErrorKind::Transport | ErrorKind::CorruptBatch | ErrorKind::CheckpointWrite | ErrorKind::BadBatch
+        )
     }
 
     pub fn as_str(self) -> &'static str {
@@ -48,6 +55,8 @@ impl ErrorKind {
             ErrorKind::Protocol => "protocol",
             ErrorKind::NonFinite => "non_finite",
             ErrorKind::Checkpoint => "checkpoint",
+            ErrorKind::CheckpointWrite => "checkpoint_write",
+            ErrorKind::BadBatch => "bad_batch",
             ErrorKind::Internal => "internal",
             ErrorKind::Transport => "transport",
             ErrorKind::CorruptBatch => "corrupt_batch",
@@ -92,9 +101,12 @@ mod tests {
     }
 
     #[test]
-    fn only_transport_and_corruption_are_retried() {
+    fn only_transport_corruption_bad_batches_and_checkpoint_writes_are_retried() {
         assert!(ErrorKind::Transport.is_retryable());
         assert!(ErrorKind::CorruptBatch.is_retryable());
+        assert!(ErrorKind::CheckpointWrite.is_retryable());
+        assert!(ErrorKind::BadBatch.is_retryable());
+        assert!(!ErrorKind::Checkpoint.is_retryable());
         assert!(!ErrorKind::NonFinite.is_retryable());
         assert!(!ErrorKind::Protocol.is_retryable());
     }

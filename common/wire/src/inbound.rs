@@ -79,6 +79,12 @@ impl InboundFrames {
         Self { frames: VecDeque::new(), queued: 0, max_message }
     }
 
+    /// Changes the largest message accepted from now on (a stream takes a
+    /// small hello first and its chunks after).
+    pub fn set_max_message(&mut self, max_message: usize) {
+        self.max_message = max_message;
+    }
+
     /// Appends the payload of one DATA frame.
     pub fn push(&mut self, frame: Bytes) {
         if !frame.is_empty() {

@@ -5,8 +5,15 @@
 //! drafter acknowledged it) -> trained (an optimizer step used it) ->
 //! committed (a checkpoint holds that step). Failures move it back:
 //! an expired lease or a dead target returns leased batches to pending; a
-//! drafter that restarts from its last checkpoint returns sent and trained
-//! batches that the checkpoint does not hold to pending.
+//! drafter that restarts from a checkpoint returns sent and trained
+//! batches that the checkpoint does not hold to pending, and, when it had
+//! to fall back to an older committed checkpoint, the batches committed
+//! after that one too.
+//!
+//! Every committed checkpoint is recorded (step, directory name, content
+//! hash): a drafter resumes from what the ledger says was committed, never
+//! silently from nothing. Transitions are legal only from the state a
+//! batch is in and, for commits, only from the drafter that trained it.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -21,6 +28,29 @@ pub enum LedgerError {
     Sqlite { path: String, source: rusqlite::Error },
     #[error("ledger {path} belongs to another plan ({what}); use another --ledger file or the original config")]
     PlanMismatch { path: String, what: String },
+    /// A report asks for a transition the ledger does not allow.
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// A committed checkpoint, as the ledger records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointRecord {
+    pub step: u64,
+    pub name: String,
+    pub content_hash: String,
+}
+
+/// What a drafter's starting checkpoint did to the ledger.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Resumed {
+    /// Sent or trained batches the checkpoint does not hold: pending again.
+    pub redo: u64,
+    /// Batches committed after the checkpoint (a fall-back): pending again.
+    pub uncommitted: u64,
+    /// Batches the checkpoint holds that the ledger had not committed yet
+    /// (its report was lost): committed now.
+    pub newly_committed: u64,
 }
 
 /// Counts of batches per state.
@@ -77,13 +107,29 @@ CREATE TABLE IF NOT EXISTS batches (
   trained_step INTEGER,
   leases INTEGER NOT NULL DEFAULT 0,
   trains INTEGER NOT NULL DEFAULT 0,
-  commits INTEGER NOT NULL DEFAULT 0
+  commits INTEGER NOT NULL DEFAULT 0,
+  trained_by TEXT,
+  committed_step INTEGER
 );
 CREATE INDEX IF NOT EXISTS batches_by_state ON batches (state, batch_id);
+CREATE TABLE IF NOT EXISTS checkpoints (
+  step INTEGER PRIMARY KEY,
+  name TEXT NOT NULL,
+  content_hash TEXT NOT NULL,
+  committed_ms INTEGER NOT NULL
+);
 ";
+
+/// Columns added after the first release, for ledgers written before them.
+const ADDED_COLUMNS: &[(&str, &str)] = &[("trained_by", "TEXT"), ("committed_step", "INTEGER")];
 
 fn join<T: ToString>(v: &[T]) -> String {
     v.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// The first hex digits of a hash, for messages.
+fn short(hash: &str) -> &str {
+    &hash[..hash.len().min(12)]
 }
 
 fn split<T: std::str::FromStr>(s: &str) -> Vec<T> {
@@ -101,6 +147,15 @@ impl Ledger {
         let conn = Connection::open(path).map_err(wrap)?;
         conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;").map_err(wrap)?;
         conn.execute_batch(SCHEMA).map_err(wrap)?;
+        let columns: Vec<String> = conn
+            .prepare("SELECT name FROM pragma_table_info('batches')")
+            .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
+            .map_err(wrap)?;
+        for (name, kind) in ADDED_COLUMNS {
+            if !columns.iter().any(|c| c == name) {
+                conn.execute_batch(&format!("ALTER TABLE batches ADD COLUMN {name} {kind}")).map_err(wrap)?;
+            }
+        }
         Ok(Self { conn, path: p })
     }
 
@@ -213,8 +268,8 @@ impl Ledger {
         )
     }
 
-    /// Batches an optimizer step used (or skipped as bad data).
-    pub fn mark_trained(&mut self, batch_ids: &[u64], step: u64) -> Result<(), LedgerError> {
+    /// Batches an optimizer step of drafter `by` used (or skipped as bad data).
+    pub fn mark_trained(&mut self, by: &str, batch_ids: &[u64], step: u64) -> Result<(), LedgerError> {
         let path = self.path.clone();
         let wrap = |source| LedgerError::Sqlite { path: path.clone(), source };
         let tx = self.conn.transaction().map_err(wrap)?;
@@ -223,35 +278,249 @@ impl Ledger {
             // arrives, so leased batches count too.
             tx.execute(
                 "UPDATE batches SET state = 'trained', trained_step = ?2, trains = trains + 1, holder = NULL, \
-                 lease_expires_ms = NULL WHERE batch_id = ?1 AND state IN ('leased', 'sent')",
-                params![*id as i64, step as i64],
+                 lease_expires_ms = NULL, trained_by = ?3 WHERE batch_id = ?1 AND state IN ('leased', 'sent')",
+                params![*id as i64, step as i64, by],
             )
             .map_err(wrap)?;
         }
         tx.commit().map_err(wrap)
     }
 
-    /// A checkpoint holds these batches: commit them (idempotent).
-    pub fn mark_committed(&mut self, batch_ids: &[u64]) -> Result<(), LedgerError> {
-        self.update_each(
-            batch_ids,
-            "UPDATE batches SET state = 'committed', commits = commits + 1, holder = NULL, lease_expires_ms = NULL \
-             WHERE batch_id = ?1 AND state != 'committed'",
-            None,
+    /// Drafter `by` wrote checkpoint `record` holding `batch_ids`: commits
+    /// them and records the checkpoint. Every id must be trained by `by`
+    /// or already committed; otherwise nothing changes and the report is
+    /// refused (naming the first offenders). Idempotent.
+    pub fn commit_checkpoint(
+        &mut self,
+        by: &str,
+        record: &CheckpointRecord,
+        batch_ids: &[u64],
+    ) -> Result<u64, LedgerError> {
+        let path = self.path.clone();
+        let wrap = |source| LedgerError::Sqlite { path: path.clone(), source };
+        let tx = self.conn.transaction().map_err(wrap)?;
+        let mut illegal = Vec::new();
+        let mut fresh = 0;
+        {
+            let mut q = tx.prepare("SELECT state, trained_by FROM batches WHERE batch_id = ?1").map_err(wrap)?;
+            let mut commit = tx
+                .prepare(
+                    "UPDATE batches SET state = 'committed', commits = commits + 1, holder = NULL, \
+                     lease_expires_ms = NULL, committed_step = ?2 WHERE batch_id = ?1",
+                )
+                .map_err(wrap)?;
+            for &id in batch_ids {
+                let row: Option<(String, Option<String>)> =
+                    q.query_row([id as i64], |r| Ok((r.get(0)?, r.get(1)?))).optional().map_err(wrap)?;
+                match row {
+                    Some((state, _)) if state == "committed" => {}
+                    Some((state, who)) if state == "trained" && who.as_deref() == Some(by) => {
+                        commit.execute(params![id as i64, record.step as i64]).map_err(wrap)?;
+                        fresh += 1;
+                    }
+                    Some((state, who)) => {
+                        illegal.push(format!("{id} ({state}{})", who.map(|w| format!(" by {w}")).unwrap_or_default()))
+                    }
+                    None => illegal.push(format!("{id} (not in the plan)")),
+                }
+            }
+        }
+        if !illegal.is_empty() {
+            return Err(LedgerError::Refused(format!(
+                "checkpoint {} of {by} holds {} batch(es) that it has not trained (first: {}); nothing was committed",
+                record.name,
+                illegal.len(),
+                illegal.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        tx.execute(
+            "INSERT OR REPLACE INTO checkpoints (step, name, content_hash, committed_ms) VALUES (?1, ?2, ?3, ?4)",
+            params![record.step as i64, record.name, record.content_hash, crate::run::now_ms() as i64],
         )
+        .map_err(wrap)?;
+        tx.commit().map_err(wrap)?;
+        Ok(fresh)
+    }
+
+    /// The committed checkpoints, newest first.
+    pub fn checkpoints(&self) -> Result<Vec<CheckpointRecord>, LedgerError> {
+        let mut q = self
+            .conn
+            .prepare("SELECT step, name, content_hash FROM checkpoints ORDER BY step DESC")
+            .map_err(|e| self.err(e))?;
+        q.query_map([], |r| {
+            Ok(CheckpointRecord { step: r.get::<_, i64>(0)? as u64, name: r.get(1)?, content_hash: r.get(2)? })
+        })
+        .map_err(|e| self.err(e))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| self.err(e))
+    }
+
+    /// A drafter starts from `start` (None: from nothing) holding
+    /// `batch_ids`. Allowed when the start is a checkpoint the ledger
+    /// committed (a later one is a fall-back: what those committed goes
+    /// back to pending), or a newer one whose report was lost and that
+    /// holds everything committed plus batches still trained or in
+    /// flight. Starting from nothing is refused once anything is
+    /// committed: that would silently throw trained work away.
+    pub fn resume(
+        &mut self,
+        by: &str,
+        start: Option<&CheckpointRecord>,
+        batch_ids: &[u64],
+    ) -> Result<Resumed, LedgerError> {
+        let committed = self.checkpoints()?;
+        let newest = committed.first().cloned();
+        let mut out = Resumed::default();
+        match (start, &newest) {
+            (None, Some(n)) => {
+                return Err(LedgerError::Refused(format!(
+                    "the ledger has committed checkpoints up to step {} ({}, content {}); a drafter without a \
+                     checkpoint would start from random weights and lose them. Make that checkpoint reachable \
+                     in checkpoint.dir (a mounted volume?) or start a new run",
+                    n.step,
+                    n.name,
+                    short(&n.content_hash)
+                )));
+            }
+            (None, None) => {}
+            (Some(s), _) if committed.iter().any(|c| c == s) => {
+                out.uncommitted = self.uncommit_after(s.step)?;
+            }
+            (Some(s), n) if n.as_ref().is_none_or(|n| s.step > n.step) => {
+                let path = self.path.clone();
+                let wrap = |source| LedgerError::Sqlite { path: path.clone(), source };
+                let held: std::collections::BTreeSet<u64> = batch_ids.iter().copied().collect();
+                let missing: Vec<u64> = {
+                    let mut q =
+                        self.conn.prepare("SELECT batch_id FROM batches WHERE state = 'committed'").map_err(wrap)?;
+                    q.query_map([], |r| r.get::<_, i64>(0))
+                        .map_err(wrap)?
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(wrap)?
+                        .into_iter()
+                        .map(|i| i as u64)
+                        .filter(|i| !held.contains(i))
+                        .collect()
+                };
+                if !missing.is_empty() {
+                    return Err(LedgerError::Refused(format!(
+                        "checkpoint {} (step {}) lacks {} committed batch(es) (first: {:?}): it is not of the \
+                         committed lineage",
+                        s.name,
+                        s.step,
+                        missing.len(),
+                        &missing[..missing.len().min(5)]
+                    )));
+                }
+                let tx = self.conn.transaction().map_err(wrap)?;
+                {
+                    let mut q = tx.prepare("SELECT state FROM batches WHERE batch_id = ?1").map_err(wrap)?;
+                    let mut commit = tx
+                        .prepare(
+                            "UPDATE batches SET state = 'committed', commits = commits + 1, holder = NULL, \
+                             lease_expires_ms = NULL, committed_step = ?2, trained_by = ?3 WHERE batch_id = ?1",
+                        )
+                        .map_err(wrap)?;
+                    for &id in batch_ids {
+                        let state: Option<String> = q.query_row([id as i64], |r| r.get(0)).optional().map_err(wrap)?;
+                        match state.as_deref() {
+                            Some("committed") => {}
+                            // A batch of an unreported checkpoint may be in
+                            // any state short of committed: its targets may
+                            // even be computing it again (a duplicate the
+                            // drafter will not train twice).
+                            Some("pending" | "leased" | "sent" | "trained") => {
+                                commit.execute(params![id as i64, s.step as i64, by]).map_err(wrap)?;
+                                out.newly_committed += 1;
+                            }
+                            _ => {
+                                return Err(LedgerError::Refused(format!(
+                                    "checkpoint {} (step {}) holds batch {id}, which is not in the plan",
+                                    s.name, s.step
+                                )));
+                            }
+                        }
+                    }
+                }
+                tx.execute(
+                    "INSERT OR REPLACE INTO checkpoints (step, name, content_hash, committed_ms) VALUES (?1, ?2, ?3, ?4)",
+                    params![s.step as i64, s.name, s.content_hash, crate::run::now_ms() as i64],
+                )
+                .map_err(wrap)?;
+                tx.commit().map_err(wrap)?;
+            }
+            (Some(s), _) => {
+                let known = committed.iter().find(|c| c.step == s.step);
+                return Err(LedgerError::Refused(match known {
+                    Some(k) => format!(
+                        "checkpoint {} (step {}) has content {} but the ledger committed {} with content {}",
+                        s.name,
+                        s.step,
+                        short(&s.content_hash),
+                        k.name,
+                        short(&k.content_hash)
+                    ),
+                    None => format!(
+                        "checkpoint {} (step {}) was never committed and is older than the newest commit",
+                        s.name, s.step
+                    ),
+                }));
+            }
+        }
+        out.redo = self.reset_uncommitted()?;
+        Ok(out)
+    }
+
+    /// Batches committed after `step` go back to pending, and the
+    /// checkpoints after it are forgotten. Returns how many batches.
+    fn uncommit_after(&mut self, step: u64) -> Result<u64, LedgerError> {
+        let path = self.path.clone();
+        let wrap = |source| LedgerError::Sqlite { path: path.clone(), source };
+        let tx = self.conn.transaction().map_err(wrap)?;
+        let n = tx
+            .execute(
+                "UPDATE batches SET state = 'pending', holder = NULL, lease_expires_ms = NULL, trained_step = NULL, \
+                 trained_by = NULL, committed_step = NULL, commits = commits - 1 \
+                 WHERE state = 'committed' AND committed_step > ?1",
+                [step as i64],
+            )
+            .map_err(wrap)?;
+        tx.execute("DELETE FROM checkpoints WHERE step > ?1", [step as i64]).map_err(wrap)?;
+        tx.commit().map_err(wrap)?;
+        Ok(n as u64)
     }
 
     /// The drafter restarted from a checkpoint: sent and trained batches not
     /// in it go back to pending to be computed again. Returns how many.
-    pub fn reset_uncommitted(&mut self) -> Result<u64, LedgerError> {
+    fn reset_uncommitted(&mut self) -> Result<u64, LedgerError> {
         self.conn
             .execute(
-                "UPDATE batches SET state = 'pending', holder = NULL, lease_expires_ms = NULL, trained_step = NULL \
-                 WHERE state IN ('sent', 'trained')",
+                "UPDATE batches SET state = 'pending', holder = NULL, lease_expires_ms = NULL, trained_step = NULL, \
+                 trained_by = NULL WHERE state IN ('sent', 'trained')",
                 [],
             )
             .map(|n| n as u64)
             .map_err(|e| self.err(e))
+    }
+
+    /// Every batch of the plan, in id order.
+    pub fn plan(&self) -> Result<Vec<PlannedBatch>, LedgerError> {
+        let mut q = self
+            .conn
+            .prepare("SELECT batch_id, epoch, sample_ids, sample_lengths FROM batches ORDER BY batch_id")
+            .map_err(|e| self.err(e))?;
+        q.query_map([], |r| {
+            Ok(PlannedBatch {
+                batch_id: r.get::<_, i64>(0)? as u64,
+                epoch: r.get(1)?,
+                sample_ids: split(&r.get::<_, String>(2)?),
+                sample_lengths: split(&r.get::<_, String>(3)?),
+            })
+        })
+        .map_err(|e| self.err(e))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| self.err(e))
     }
 
     /// Leases of a dead target go back to pending. Returns how many.
@@ -349,6 +618,17 @@ mod tests {
             .collect()
     }
 
+    fn ckpt(step: u64, hash: &str) -> CheckpointRecord {
+        CheckpointRecord { step, name: format!("step-{step:08}"), content_hash: hash.to_string() }
+    }
+
+    fn ledger(n: u64) -> (tempfile::TempDir, Ledger) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut l = Ledger::open(&dir.path().join("l.sqlite")).unwrap();
+        l.install_plan("fp", &plan(n)).unwrap();
+        (dir, l)
+    }
+
     #[test]
     fn batches_move_through_every_state_and_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
@@ -359,8 +639,8 @@ mod tests {
         assert_eq!(leases.iter().map(|l| l.batch_id).collect::<Vec<_>>(), vec![0, 1, 2]);
         assert_eq!(leases[1].sample_ids, vec![2, 3]);
         l.mark_sent("t0", &[0, 1]).unwrap();
-        l.mark_trained(&[0], 1).unwrap();
-        l.mark_committed(&[0]).unwrap();
+        l.mark_trained("d", &[0], 1).unwrap();
+        l.commit_checkpoint("d", &ckpt(1, "h1"), &[0]).unwrap();
         assert_eq!(l.counts().unwrap(), Counts { pending: 1, leased: 1, sent: 1, trained: 0, committed: 1 });
         drop(l);
 
@@ -368,21 +648,22 @@ mod tests {
         assert!(l.install_plan("fp", &plan(4)).unwrap(), "reopen resumes");
         assert!(matches!(l.install_plan("other", &plan(4)), Err(LedgerError::PlanMismatch { .. })));
         assert_eq!(l.counts().unwrap().committed, 1);
+        assert_eq!(l.checkpoints().unwrap(), vec![ckpt(1, "h1")]);
+        assert_eq!(l.plan().unwrap(), plan(4));
     }
 
     #[test]
     fn failures_return_work_to_pending() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut l = Ledger::open(&dir.path().join("l.sqlite")).unwrap();
-        l.install_plan("fp", &plan(6)).unwrap();
+        let (_d, mut l) = ledger(6);
         l.lease("t0", 2, 1000, 50).unwrap(); // 0, 1 expire at 1050
         l.lease("t1", 2, 1000, 500).unwrap(); // 2, 3
         l.renew("t0", &[0], 1040, 50).unwrap(); // 0 now expires at 1090
         assert_eq!(l.expire_leases(1060).unwrap(), 1, "batch 1 expired");
         assert_eq!(l.release_holder("t1").unwrap(), 2, "dead target's leases");
         l.mark_sent("t0", &[0]).unwrap();
-        l.mark_trained(&[0], 1).unwrap();
-        assert_eq!(l.reset_uncommitted().unwrap(), 1, "drafter restart");
+        l.mark_trained("d", &[0], 1).unwrap();
+        let r = l.resume("d2", None, &[]).unwrap();
+        assert_eq!(r.redo, 1, "drafter restart from nothing, nothing committed yet");
         assert_eq!(l.counts().unwrap().pending, 6);
         let again = l.lease("t2", 10, 2000, 50).unwrap();
         assert_eq!(again.len(), 6);
@@ -391,13 +672,100 @@ mod tests {
 
     #[test]
     fn commits_are_idempotent() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut l = Ledger::open(&dir.path().join("l.sqlite")).unwrap();
-        l.install_plan("fp", &plan(2)).unwrap();
+        let (_d, mut l) = ledger(2);
         l.lease("t0", 2, 0, 50).unwrap();
-        l.mark_trained(&[0, 1], 1).unwrap();
-        l.mark_committed(&[0, 1]).unwrap();
-        l.mark_committed(&[0, 1]).unwrap();
+        l.mark_trained("d", &[0, 1], 1).unwrap();
+        l.commit_checkpoint("d", &ckpt(1, "h"), &[0, 1]).unwrap();
+        l.commit_checkpoint("d", &ckpt(1, "h"), &[0, 1]).unwrap();
         assert!(l.audit().unwrap().iter().all(|a| a.commits == 1 && a.trains == 1));
+    }
+
+    #[test]
+    fn only_the_drafter_that_trained_a_batch_can_commit_it() {
+        let (_d, mut l) = ledger(4);
+        l.lease("t0", 4, 0, 50).unwrap();
+        l.mark_trained("d", &[0, 1], 1).unwrap();
+        // Batches never trained (leased, pending) or trained by another
+        // drafter: the whole report is refused and nothing changes.
+        for (by, ids) in [("d", vec![0, 1, 2]), ("intruder", vec![0, 1]), ("d", vec![0, 99])] {
+            let err = l.commit_checkpoint(by, &ckpt(1, "h"), &ids).unwrap_err();
+            assert!(matches!(err, LedgerError::Refused(_)), "{err}");
+            assert_eq!(l.counts().unwrap().committed, 0, "{err}");
+        }
+        assert!(l.checkpoints().unwrap().is_empty());
+        l.commit_checkpoint("d", &ckpt(1, "h"), &[0, 1]).unwrap();
+        assert_eq!(l.counts().unwrap().committed, 2);
+    }
+
+    #[test]
+    fn a_drafter_must_resume_from_what_was_committed() {
+        let (_d, mut l) = ledger(6);
+        l.lease("t0", 6, 0, 50).unwrap();
+        l.mark_trained("d", &[0, 1], 1).unwrap();
+        l.commit_checkpoint("d", &ckpt(1, "h1"), &[0, 1]).unwrap();
+        l.mark_trained("d", &[2, 3], 2).unwrap();
+        l.commit_checkpoint("d", &ckpt(2, "h2"), &[0, 1, 2, 3]).unwrap();
+        l.mark_trained("d", &[4], 3).unwrap();
+
+        // Nothing, a wrong content, an unknown older step: refused, and the
+        // ledger is untouched.
+        for start in [None, Some(ckpt(2, "corrupt")), Some(ckpt(1, "h2"))] {
+            let err = l.resume("d2", start.as_ref(), &[]).unwrap_err();
+            assert!(matches!(err, LedgerError::Refused(_)), "{err}");
+        }
+        let err = l.resume("d2", None, &[]).unwrap_err().to_string();
+        assert!(err.contains("step 2") && err.contains("random weights"), "{err}");
+        assert_eq!(l.counts().unwrap().committed, 4);
+
+        // The newest committed one: what it does not hold is redone.
+        let r = l.resume("d2", Some(&ckpt(2, "h2")), &[0, 1, 2, 3]).unwrap();
+        assert_eq!(r, Resumed { redo: 1, uncommitted: 0, newly_committed: 0 });
+
+        // A fall-back to an older committed one: later commits are undone.
+        let r = l.resume("d3", Some(&ckpt(1, "h1")), &[0, 1]).unwrap();
+        assert_eq!(r.uncommitted, 2);
+        assert_eq!(l.counts().unwrap().committed, 2);
+        assert_eq!(l.checkpoints().unwrap(), vec![ckpt(1, "h1")]);
+        assert!(l.audit().unwrap().iter().all(|a| a.commits <= 1));
+    }
+
+    #[test]
+    fn a_newer_checkpoint_whose_report_was_lost_is_committed_on_resume() {
+        let (_d, mut l) = ledger(5);
+        l.lease("t0", 5, 0, 50).unwrap();
+        l.mark_trained("d", &[0, 1], 1).unwrap();
+        l.commit_checkpoint("d", &ckpt(1, "h1"), &[0, 1]).unwrap();
+        l.mark_sent("t0", &[2, 3]).unwrap();
+        // Step 2's training and checkpoint reports were lost: 2 and 3 stay
+        // sent. It must hold every committed batch.
+        let err = l.resume("d2", Some(&ckpt(2, "h2")), &[0, 2, 3]).unwrap_err();
+        assert!(err.to_string().contains("lacks 1 committed"), "{err}");
+        let r = l.resume("d2", Some(&ckpt(2, "h2")), &[0, 1, 2, 3]).unwrap();
+        assert_eq!(r.newly_committed, 2);
+        assert_eq!(l.counts().unwrap(), Counts { pending: 0, leased: 1, sent: 0, trained: 0, committed: 4 });
+        assert_eq!(l.checkpoints().unwrap()[0], ckpt(2, "h2"));
+    }
+
+    #[test]
+    fn ledgers_written_before_the_checkpoint_columns_open_and_migrate() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.sqlite");
+        {
+            let c = Connection::open(&path).unwrap();
+            c.execute_batch(
+                "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+                 CREATE TABLE batches (batch_id INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, sample_ids TEXT NOT NULL,
+                   sample_lengths TEXT NOT NULL, state TEXT NOT NULL, holder TEXT, lease_expires_ms INTEGER,
+                   trained_step INTEGER, leases INTEGER NOT NULL DEFAULT 0, trains INTEGER NOT NULL DEFAULT 0,
+                   commits INTEGER NOT NULL DEFAULT 0);
+                 INSERT INTO batches (batch_id, epoch, sample_ids, sample_lengths, state) VALUES (0, 0, '1', '5', 'pending');",
+            )
+            .unwrap();
+        }
+        let mut l = Ledger::open(&path).unwrap();
+        l.lease("t", 1, 0, 50).unwrap();
+        l.mark_trained("d", &[0], 1).unwrap();
+        l.commit_checkpoint("d", &ckpt(1, "h"), &[0]).unwrap();
+        assert_eq!(l.counts().unwrap().committed, 1);
     }
 }

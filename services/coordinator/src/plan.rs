@@ -44,6 +44,7 @@ pub fn plan_run(mut config: RunConfig) -> anyhow::Result<RunPlan> {
     let opts = LoadOptions {
         max_seq_len: config.data.max_seq_len as usize,
         skip_malformed: config.data.on_malformed == MalformedPolicy::Skip,
+        max_skipped_fraction: config.data.max_skipped_fraction,
     };
     let data = Dataset::load(Path::new(&config.data.train_path), &tok, &opts).context("data.train_path")?;
     tracing::info!("dataset {}: {}", config.data.train_path, data.report);

@@ -10,7 +10,7 @@ use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::ledger::LedgerError;
+use crate::ledger::{CheckpointRecord, LedgerError};
 use crate::run::{Run, now_ms};
 
 pub struct CoordinatorService {
@@ -18,8 +18,18 @@ pub struct CoordinatorService {
 }
 
 fn ledger_status(e: LedgerError) -> Status {
-    tracing::error!("{e}");
-    Status::internal(e.to_string())
+    match e {
+        // A transition the ledger does not allow: the caller's state is
+        // not the run's.
+        LedgerError::Refused(why) => {
+            tracing::warn!("refused: {why}");
+            Status::failed_precondition(why)
+        }
+        e => {
+            tracing::error!("{e}");
+            Status::internal(e.to_string())
+        }
+    }
 }
 
 impl CoordinatorService {
@@ -65,8 +75,15 @@ impl Coordinator for CoordinatorService {
         if !matches!(role, pb::Role::Target | pb::Role::Drafter) {
             return Err(Status::invalid_argument(format!("cannot register role {}", role.name())));
         }
-        if req.instance_id.is_empty() {
-            return Err(Status::invalid_argument("instance_id is empty"));
+        dflash_proto::check_instance_id(&req.instance_id)
+            .map_err(|why| Status::invalid_argument(format!("instance_id {why}")))?;
+        for (field, value) in [("host", &req.host), ("version", &req.version), ("endpoint", &req.endpoint)] {
+            if value.len() > 1024 || value.chars().any(char::is_control) {
+                return Err(Status::invalid_argument(format!("{field} has control characters or is too long")));
+            }
+        }
+        if req.devices.len() > 64 || req.devices.iter().any(|d| d.len() > 64 || d.chars().any(char::is_control)) {
+            return Err(Status::invalid_argument("devices: at most 64 names of printable characters"));
         }
         let (state, message) = self.run.state();
         if state != pb::RunState::Running {
@@ -235,7 +252,12 @@ impl Coordinator for CoordinatorService {
         for b in req.batches.iter().filter(|b| b.skipped) {
             tracing::warn!("drafter skipped batch {}: {}", b.batch_id, b.skip_reason);
         }
-        self.run.ledger.lock().expect("ledger lock").mark_trained(&ids, req.step).map_err(ledger_status)?;
+        self.run
+            .ledger
+            .lock()
+            .expect("ledger lock")
+            .mark_trained(&req.instance_id, &ids, req.step)
+            .map_err(ledger_status)?;
         {
             let mut p = self.run.progress.lock().expect("progress lock");
             p.step = req.step;
@@ -261,17 +283,39 @@ impl Coordinator for CoordinatorService {
         if !self.run.is_current_drafter(&req.instance_id) {
             return Err(Status::failed_precondition(format!("{} is not the current drafter", req.instance_id)));
         }
+        let record = (!req.content_hash.is_empty()).then(|| CheckpointRecord {
+            step: req.step,
+            name: checkpoint_name(&req.path),
+            content_hash: req.content_hash.clone(),
+        });
         let counts = {
             let mut ledger = self.run.ledger.lock().expect("ledger lock");
-            ledger.mark_committed(&req.batch_ids).map_err(ledger_status)?;
             if req.resumed {
-                let redo = ledger.reset_uncommitted().map_err(ledger_status)?;
+                let r = ledger.resume(&req.instance_id, record.as_ref(), &req.batch_ids).map_err(ledger_status)?;
                 tracing::info!(
-                    "drafter {} starts from step {} ({}); {redo} uncommitted batch(es) will be redone",
+                    "drafter {} starts from step {} ({}); {} uncommitted batch(es) will be redone{}{}",
                     req.instance_id,
                     req.step,
-                    if req.path.is_empty() { "no checkpoint" } else { req.path.as_str() }
+                    if req.path.is_empty() { "no checkpoint" } else { req.path.as_str() },
+                    r.redo,
+                    if r.uncommitted > 0 {
+                        format!(
+                            ", and {} committed after it (the newer checkpoints were not found intact)",
+                            r.uncommitted
+                        )
+                    } else {
+                        String::new()
+                    },
+                    if r.newly_committed > 0 {
+                        format!("; {} batch(es) of its unreported checkpoint are committed now", r.newly_committed)
+                    } else {
+                        String::new()
+                    }
                 );
+            } else {
+                let record =
+                    record.ok_or_else(|| Status::invalid_argument("a checkpoint report needs its content hash"))?;
+                ledger.commit_checkpoint(&req.instance_id, &record, &req.batch_ids).map_err(ledger_status)?;
             }
             ledger.counts().map_err(ledger_status)?
         };
@@ -288,4 +332,44 @@ impl Coordinator for CoordinatorService {
         }
         Ok(Response::new(pb::ReportCheckpointResponse { run_complete: complete }))
     }
+
+    async fn list_checkpoints(
+        &self,
+        req: Request<pb::ListCheckpointsRequest>,
+    ) -> Result<Response<pb::ListCheckpointsResponse>, Status> {
+        let req = req.into_inner();
+        self.check_instance(&req.run_id, &req.instance_id)?;
+        let records = self.run.ledger.lock().expect("ledger lock").checkpoints().map_err(ledger_status)?;
+        Ok(Response::new(pb::ListCheckpointsResponse {
+            checkpoints: records
+                .into_iter()
+                .map(|c| pb::CommittedCheckpoint { step: c.step, name: c.name, content_hash: c.content_hash })
+                .collect(),
+        }))
+    }
+
+    async fn get_plan(&self, req: Request<pb::GetPlanRequest>) -> Result<Response<pb::GetPlanResponse>, Status> {
+        let req = req.into_inner();
+        self.check_instance(&req.run_id, &req.instance_id)?;
+        let ledger = self.run.ledger.lock().expect("ledger lock");
+        let batches = ledger.plan().map_err(ledger_status)?;
+        let fingerprint = ledger.meta("plan_fingerprint").map_err(ledger_status)?.unwrap_or_default();
+        Ok(Response::new(pb::GetPlanResponse {
+            fingerprint,
+            batches: batches
+                .into_iter()
+                .map(|b| pb::PlannedBatch {
+                    batch_id: b.batch_id,
+                    epoch: b.epoch,
+                    sample_ids: b.sample_ids,
+                    sample_lengths: b.sample_lengths,
+                })
+                .collect(),
+        }))
+    }
+}
+
+/// The directory name of a checkpoint path (what the ledger records).
+fn checkpoint_name(path: &str) -> String {
+    std::path::Path::new(path).file_name().map_or_else(|| path.to_string(), |n| n.to_string_lossy().into_owned())
 }

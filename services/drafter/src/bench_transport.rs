@@ -49,13 +49,23 @@ struct Row {
     ratio: f64,
 }
 
-fn batch(id: u64, payload: &Bytes, hidden: u32) -> anyhow::Result<HostBatch> {
+/// Tokens of a batch whose payload is `bytes` (one bf16 layer of `hidden`).
+fn tokens_of(bytes: usize, hidden: u32) -> usize {
+    bytes / (hidden as usize * 2)
+}
+
+/// Stream `s`'s `i`-th batch id.
+fn batch_id(s: usize, i: usize) -> u64 {
+    (s * 1_000_000 + i) as u64
+}
+
+fn batch(id: u64, target: &str, payload: &Bytes, hidden: u32) -> anyhow::Result<HostBatch> {
     // Sized so that T * 1 * hidden * 2 bytes = payload.len().
-    let t = payload.len() / (hidden as usize * 2);
+    let t = tokens_of(payload.len(), hidden);
     let meta = BatchMeta {
         batch_id: id,
         epoch: 0,
-        target_instance: "bench".into(),
+        target_instance: target.into(),
         layout: Layout::Split,
         dtype: DType::Bf16,
         seq_lengths: vec![t as u32],
@@ -82,16 +92,28 @@ async fn grpc(
     let stop = Stop::new();
     let (queue, rx) = flume::bounded(8);
     let consumer = std::thread::spawn(move || rx.iter().count());
+    // The plan every received batch is checked against, as in a run.
+    let t = tokens_of(payload.len(), hidden) as u32;
+    let share = |s: usize| batches / streams + usize::from(s < batches % streams);
+    let plan: crate::receiver::Plan = (0..streams)
+        .flat_map(|s| (0..share(s)).map(move |i| batch_id(s, i)))
+        .map(|id| (id, crate::receiver::Planned { epoch: 0, sample_ids: vec![id], sample_lengths: vec![t] }))
+        .collect();
+    let (skipped, _skipped_rx) = flume::bounded(1);
     let service = DrafterService {
         landing,
         run_id: "bench".into(),
         instance_id: "bench-drafter".into(),
         credits: a.credits,
-        expected: Expected { hidden_size: hidden, layer_ids: vec![0] },
+        expected: Expected { hidden_size: hidden, layer_ids: vec![0], vocab_size: 2, plan: std::sync::Arc::new(plan) },
         max_payload_bytes: payload.len(),
         queue,
+        skipped,
         stop: stop.clone(),
         hello_timeout: Duration::from_secs(10),
+        stall_timeout: Duration::from_secs(30),
+        streams: std::sync::Arc::new(tokio::sync::Semaphore::new(streams)),
+        max_streams: streams,
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -106,7 +128,7 @@ async fn grpc(
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for s in 0..streams {
-        let share = batches / streams + usize::from(s < batches % streams);
+        let share = share(s);
         let (payload, credits, chunk) = (payload.clone(), a.credits, a.chunk_mib << 20);
         let url = format!("http://{addr}");
         tasks.push(tokio::spawn(async move {
@@ -135,8 +157,7 @@ async fn grpc(
                     in_flight -= 1;
                     acked += 1;
                 }
-                let id = (s * 1_000_000 + i) as u64;
-                for m in batch_messages(&batch(id, &payload, hidden)?, chunk) {
+                for m in batch_messages(&batch(batch_id(s, i), &format!("bench-{s}"), &payload, hidden)?, chunk) {
                     tx.send(m).await?;
                 }
                 in_flight += 1;

@@ -144,6 +144,25 @@ async fn serve(args: ServeArgs) -> i32 {
     session.finish(result).await
 }
 
+/// The run's plan from the coordinator: what every batch must hold.
+async fn fetch_plan(session: &Session) -> anyhow::Result<receiver::Plan> {
+    let req = pb::GetPlanRequest { run_id: session.run_id.clone(), instance_id: session.instance_id.clone() };
+    let plan = dflash_role::with_timeout(session.rpc_timeout(), session.client().get_plan(req))
+        .await
+        .map_err(|s| anyhow::anyhow!("fetching the run's plan: {}", s.message()))
+        .kind(ErrorKind::PeerLost)?;
+    tracing::info!("plan: {} batches ({})", plan.batches.len(), plan.fingerprint);
+    Ok(plan
+        .batches
+        .into_iter()
+        .map(|b| {
+            let planned =
+                receiver::Planned { epoch: b.epoch, sample_ids: b.sample_ids, sample_lengths: b.sample_lengths };
+            (b.batch_id, planned)
+        })
+        .collect())
+}
+
 /// Gives every replica rank 0's weights and optimizer state.
 fn sync_replica(g: &dflash_models::dp::Replica, t: &Trainer) -> anyhow::Result<()> {
     let mut tensors: Vec<tch::Tensor> = t.drafter.named_parameters().into_iter().map(|(_, p)| p).collect();
@@ -252,11 +271,15 @@ async fn start(
     let kind = trainers[0].drafter.kind();
     let hidden = trainers[0].drafter.config.hidden_size;
     let (hs_tx, hs_rx) = flume::bounded(c.pipeline.hs_queue_depth as usize);
+    // Batches rejected on arrival that the ledger must hear of as skipped.
+    let (skipped_tx, skipped_rx) = flume::bounded(256);
+    let plan = Arc::new(fetch_plan(session).await?);
+    let vocab_size = trainers[0].drafter.config.vocab_size as u32;
 
     // Resume before accepting batches, so the coordinator resets the work
     // this drafter will not have before any target sends it more.
     let rt = tokio::runtime::Handle::current();
-    let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone());
+    let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone(), skipped_rx);
     train.eval = tokio::task::block_in_place(|| eval::PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
     tokio::task::block_in_place(|| train.resume())?;
     let resumed_step = train.trainer.step();
@@ -281,11 +304,20 @@ async fn start(
         run_id: session.run_id.clone(),
         instance_id: session.instance_id.clone(),
         credits: c.pipeline.max_inflight_batches,
-        expected: Expected { hidden_size: hidden as u32, layer_ids: c.model.target_layer_ids.clone() },
+        expected: Expected {
+            hidden_size: hidden as u32,
+            layer_ids: c.model.target_layer_ids.clone(),
+            vocab_size,
+            plan,
+        },
         max_payload_bytes: max_payload as usize,
         queue: hs_tx,
+        skipped: skipped_tx,
         stop: stop.clone(),
         hello_timeout: session.rpc_timeout(),
+        stall_timeout: Duration::from_millis(c.faults.stream_stall_timeout_ms),
+        streams: Arc::new(tokio::sync::Semaphore::new(c.pipeline.max_target_streams as usize)),
+        max_streams: c.pipeline.max_target_streams as usize,
     };
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::Serving).await;

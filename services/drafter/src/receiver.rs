@@ -1,8 +1,14 @@
-//! The Drafter service: accepts hidden-state streams from any number of
-//! targets, verifies each batch (CRC, shapes, dtype), queues it in the
-//! bounded HS queue and acknowledges it. [`crate::data_plane`] serves it
-//! over gRPC.
+//! The Drafter service: accepts hidden-state streams from targets (at most
+//! `pipeline.max_target_streams` at once), verifies each batch (CRC,
+//! shapes, dtype, and against the run's plan: its id, its samples, token
+//! ids inside the vocabulary), queues it in the bounded HS queue and
+//! acknowledges it. A batch that fails is rejected, never trained; when it
+//! is the plan's batch with bad contents the train loop reports it as
+//! skipped. [`crate::data_plane`] serves it over gRPC.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use dflash_proto as pb;
@@ -21,11 +27,34 @@ pub struct ReceivedBatch {
     pub queue_wait: tracing::Span,
 }
 
+/// One planned batch: what a batch of this id must hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Planned {
+    pub epoch: u32,
+    pub sample_ids: Vec<u64>,
+    pub sample_lengths: Vec<u32>,
+}
+
+/// The run's plan by batch id (from the coordinator's ledger).
+pub type Plan = HashMap<u64, Planned>;
+
 /// What every batch must match.
 #[derive(Clone, Debug)]
 pub struct Expected {
     pub hidden_size: u32,
     pub layer_ids: Vec<u32>,
+    /// Rows of the target's embedding: every token id must be below it.
+    pub vocab_size: u32,
+    pub plan: Arc<Plan>,
+}
+
+/// Why a batch is refused, and whether the ledger should hear of it as
+/// skipped (the plan's batch, bad contents) or not (not the plan's batch:
+/// the genuine one may still come).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Rejection {
+    pub reason: String,
+    pub skip: bool,
 }
 
 /// Pinned landing buffers for received payloads (GPU drafters).
@@ -110,8 +139,15 @@ pub struct DrafterService {
     pub expected: Expected,
     pub max_payload_bytes: usize,
     pub queue: flume::Sender<ReceivedBatch>,
+    /// Rejected batches of the plan, for the train loop to report as skipped.
+    pub skipped: flume::Sender<pb::TrainedBatch>,
     pub stop: Stop,
     pub hello_timeout: Duration,
+    /// A stream mid-batch that brings nothing this long is ended.
+    pub stall_timeout: Duration,
+    /// Permits for open streams (`pipeline.max_target_streams`).
+    pub streams: Arc<tokio::sync::Semaphore>,
+    pub max_streams: usize,
 }
 
 fn ack(batch_id: u64, status: pb::AckStatus, reason: String) -> Result<pb::DrafterMessage, Status> {
@@ -121,12 +157,37 @@ fn ack(batch_id: u64, status: pb::AckStatus, reason: String) -> Result<pb::Draft
 }
 
 impl Expected {
-    fn check(&self, b: &HostBatch) -> Result<(), String> {
-        if b.meta.hidden_size != self.hidden_size {
-            return Err(format!("hidden size {} but the drafter expects {}", b.meta.hidden_size, self.hidden_size));
+    /// Checks a complete batch against the drafter's shape and the plan.
+    pub fn check(&self, b: &HostBatch, stream_target: &str) -> Result<(), Rejection> {
+        let m = &b.meta;
+        let refuse = |reason: String| Err(Rejection { reason, skip: false });
+        if m.target_instance != stream_target {
+            return refuse(format!(
+                "header names target {:?} but the stream is {stream_target}'s",
+                m.target_instance.escape_debug().to_string()
+            ));
         }
-        if b.meta.layer_ids != self.layer_ids {
-            return Err(format!("layers {:?} but the drafter expects {:?}", b.meta.layer_ids, self.layer_ids));
+        let Some(p) = self.plan.get(&m.batch_id) else {
+            return refuse(format!("batch {} is not in the run's plan", m.batch_id));
+        };
+        if m.epoch != p.epoch || m.sample_ids != p.sample_ids || m.seq_lengths != p.sample_lengths {
+            return refuse(format!(
+                "batch {} holds samples {:?} of lengths {:?} (epoch {}) but the plan has {:?} of lengths {:?} (epoch {})",
+                m.batch_id, m.sample_ids, m.seq_lengths, m.epoch, p.sample_ids, p.sample_lengths, p.epoch
+            ));
+        }
+        let bad = |reason: String| Err(Rejection { reason, skip: true });
+        if m.hidden_size != self.hidden_size {
+            return bad(format!("hidden size {} but the drafter expects {}", m.hidden_size, self.hidden_size));
+        }
+        if m.layer_ids != self.layer_ids {
+            return bad(format!("layers {:?} but the drafter expects {:?}", m.layer_ids, self.layer_ids));
+        }
+        if let Some((i, &t)) = m.input_ids.iter().enumerate().find(|&(_, &t)| t >= self.vocab_size) {
+            return bad(format!("token id {t} at position {i} is outside the vocabulary ({})", self.vocab_size));
+        }
+        if let Some((i, &v)) = m.loss_mask.iter().enumerate().find(|&(_, &v)| v > 1) {
+            return bad(format!("loss mask byte {v} at position {i} is neither 0 nor 1"));
         }
         Ok(())
     }
@@ -160,6 +221,15 @@ impl DrafterService {
             )));
         }
         let target = hello.target_instance;
+        dflash_proto::check_instance_id(&target)
+            .map_err(|why| Status::invalid_argument(format!("the hello's target_instance {why}")))?;
+        let Ok(permit) = Arc::clone(&self.streams).try_acquire_owned() else {
+            return Err(Status::resource_exhausted(format!(
+                "the drafter serves at most {} streams at once (pipeline.max_target_streams)",
+                self.max_streams
+            )));
+        };
+        incoming.allow_messages_up_to(dflash_role::transport::MAX_MESSAGE_BYTES);
         tracing::info!("target {target} connected");
         // Acks are bounded by the credits; the extra room keeps this task
         // from ever blocking on a slow reader of acks.
@@ -171,6 +241,7 @@ impl DrafterService {
             })),
         };
         tx.send(Ok(welcome)).await.map_err(|_| Status::cancelled("stream closed"))?;
+        let mid_batch = Arc::new(AtomicBool::new(false));
         let lander = Lander {
             target: target.clone(),
             assembler: Assembler::new(self.max_payload_bytes),
@@ -178,13 +249,32 @@ impl DrafterService {
             discarding: None,
             expected: self.expected.clone(),
             queue: self.queue.clone(),
+            skipped: self.skipped.clone(),
             stop: self.stop.clone(),
             acks: tx.clone(),
             receiving: None,
+            mid_batch: Arc::clone(&mid_batch),
         };
-        tokio::spawn(receive(target, incoming, lander, tx, self.stop.clone()));
+        let stream =
+            Stream { target, incoming, acks: tx, stop: self.stop.clone(), stall: self.stall_timeout, mid_batch };
+        tokio::spawn(async move {
+            receive(stream, lander).await;
+            drop(permit);
+        });
         Ok(rx)
     }
+}
+
+/// One open stream, as its reading task holds it.
+struct Stream {
+    target: String,
+    incoming: InboundStream,
+    acks: AckSender,
+    stop: Stop,
+    /// How long a batch in progress may wait for its next message.
+    stall: Duration,
+    /// Set by the lander while a batch is partly received.
+    mid_batch: Arc<AtomicBool>,
 }
 
 fn stopping() -> WireError {
@@ -199,7 +289,8 @@ const LANDING_DEPTH: usize = 4;
 /// messages while a thread of the stream's own (the [`Lander`]) copies the
 /// previous chunks into their payload buffers and checks them, so reading
 /// the socket and landing run on two cores.
-async fn receive(target: String, mut incoming: InboundStream, lander: Lander, acks: AckSender, stop: Stop) {
+async fn receive(s: Stream, lander: Lander) {
+    let Stream { target, mut incoming, acks, stop, stall, mid_batch } = s;
     let (tx, rx) = flume::bounded(LANDING_DEPTH);
     let (done_tx, mut done) = tokio::sync::oneshot::channel::<()>();
     let spawned = std::thread::Builder::new().name(format!("land-{target}")).spawn(move || {
@@ -211,14 +302,32 @@ async fn receive(target: String, mut incoming: InboundStream, lander: Lander, ac
         let _ = acks.send(Err(Status::resource_exhausted("drafter cannot start a landing thread"))).await;
         return;
     }
+    // A batch in progress holds a landing buffer: it may not wait for its
+    // next message forever. Checked a few times per stall period.
+    let tick = (stall / 4).max(Duration::from_millis(25));
+    let mut last_message = std::time::Instant::now();
     loop {
         let msg = tokio::select! {
-            m = incoming.next() => m,
+            m = tokio::time::timeout(tick, incoming.next()) => match m {
+                Ok(m) => m,
+                Err(_) if mid_batch.load(Ordering::Acquire) && last_message.elapsed() >= stall => {
+                    tracing::warn!("stream from target {target} stalled mid-batch for {stall:?}: ending it");
+                    let _ = acks
+                        .send(Err(Status::deadline_exceeded(format!(
+                            "a batch was in progress and nothing arrived for {} ms (faults.stream_stall_timeout_ms)",
+                            stall.as_millis()
+                        ))))
+                        .await;
+                    return;
+                }
+                Err(_) => continue,
+            },
             _ = stop.stopped() => return,
             // The lander ended the stream (a closed queue, a dropped ack
             // stream): stop reading.
             _ = &mut done => return,
         };
+        last_message = std::time::Instant::now();
         match msg {
             Ok(Some(m)) => {
                 // Waits while the lander is behind (it waits on the HS queue).
@@ -263,10 +372,13 @@ struct Lander {
     discarding: Option<u64>,
     expected: Expected,
     queue: flume::Sender<ReceivedBatch>,
+    skipped: flume::Sender<pb::TrainedBatch>,
     stop: Stop,
     acks: AckSender,
     /// The receive span of the batch being assembled.
     receiving: Option<(u64, tracing::Span)>,
+    /// True while a batch is partly received (its stream may not stall).
+    mid_batch: Arc<AtomicBool>,
 }
 
 impl Lander {
@@ -318,6 +430,7 @@ impl Lander {
             Part::End(e) => self.assembler.push_end(e),
             Part::Hello => Err(WireError::Protocol("hello in the middle of a stream".into())),
         };
+        self.mid_batch.store(self.assembler.partial_batch_id().is_some(), Ordering::Release);
         match result {
             Ok(Assembled::Pending) => true,
             Ok(Assembled::Batch(batch)) => self.accept(batch),
@@ -380,9 +493,19 @@ impl Lander {
             Some((b, span)) if b == id => span,
             _ => dflash_telemetry::batch_span("receive", &batch.meta.trace_context, id),
         };
-        if let Err(why) = self.expected.check(&batch) {
-            tracing::error!("batch {id} from target {} rejected: {why}", self.target);
-            return self.send(ack(id, pb::AckStatus::Rejected, why));
+        if let Err(r) = self.expected.check(&batch, &self.target) {
+            tracing::error!("batch {id} from target {} rejected: {}", self.target, r.reason);
+            let m = dflash_telemetry::metrics();
+            m.batches.with_label_values(&["rejected"]).inc();
+            m.errors.with_label_values(&[dflash_telemetry::ErrorKind::BadBatch.as_str()]).inc();
+            if r.skip {
+                let skip =
+                    pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: format!("rejected: {}", r.reason) };
+                if !dflash_role::send_until_stop(&self.skipped, skip, &self.stop) {
+                    return false;
+                }
+            }
+            return self.send(ack(id, pb::AckStatus::Rejected, r.reason));
         }
         let m = dflash_telemetry::metrics();
         m.batches.with_label_values(&["received"]).inc();

@@ -1,12 +1,25 @@
 //! The train loop: one optimizer step per batch, progress to the log and
 //! the coordinator, checkpoints on the interval, on SIGTERM and at the end.
+//!
+//! Nothing trained is lost to a failure around it: the loop starts from the
+//! checkpoint the coordinator's ledger committed (verified against its
+//! manifest, or an older committed one when it is damaged; never from
+//! random weights once anything was committed); a checkpoint write that
+//! fails (a full disk) leaves the last good one, is reported and retried
+//! with backoff while training goes on; reports the coordinator did not
+//! receive (it restarted, the network dropped) are sent again until it
+//! does, also when no batch comes any more.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dflash_models::checkpoint::{TrainerState, latest_checkpoint, restore_checkpoint, save_checkpoint};
+use backon::BackoffBuilder;
+use dflash_models::checkpoint::{
+    Checkpoint, TrainerState, check_writable, point_latest, read_trainer_state, remove_stale_temporaries,
+    restore_checkpoint, save_checkpoint, set_aside, step_dirs, verify_checkpoint,
+};
 use dflash_models::{DeviceBatch, StepOutcome, Trainer};
 use dflash_proto as pb;
 use dflash_role::{KindExt, Session, StopCause, with_timeout};
@@ -155,6 +168,8 @@ pub struct TrainLoop {
     pub checkpoint_dir: PathBuf,
     /// For logging how full the HS queue is.
     pub hs_queue: flume::Sender<ReceivedBatch>,
+    /// Batches the receiver rejected that the ledger must hear of as skipped.
+    rejected: flume::Receiver<pb::TrainedBatch>,
     /// Held-out acceptance-length evaluation, when configured.
     pub eval: Option<PeriodicEval>,
     /// Every batch trained in this checkpoint lineage, in order.
@@ -163,12 +178,57 @@ pub struct TrainLoop {
     pub trained_set: TrainedSet,
     /// Trained batches not yet reported to the coordinator.
     unreported: Vec<pb::TrainedBatch>,
+    /// A checkpoint written and not yet reported (its report failed).
+    unreported_checkpoint: Option<Checkpoint>,
+    /// When to send lost reports again, and the delays after that.
+    report_retry: Retry,
+    /// A failed checkpoint write to try again, and when.
+    checkpoint_retry: Option<Retry>,
+    /// The coordinator said every batch of the run is trained.
+    all_trained: bool,
     last_checkpoint_step: u64,
     /// How many of `trained` the last checkpoint holds.
     checkpointed: usize,
     bad_in_a_row: u32,
     /// Fraction of the current log window spent waiting for input.
     input_wait: f32,
+}
+
+/// The next attempt of something that failed, with exponential backoff.
+struct Retry {
+    at: Instant,
+    delays: backon::ExponentialBackoff,
+}
+
+impl Retry {
+    fn new() -> Self {
+        Self { at: Instant::now(), delays: Self::delays() }
+    }
+
+    fn delays() -> backon::ExponentialBackoff {
+        backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(500))
+            .with_max_delay(Duration::from_secs(30))
+            .with_jitter()
+            .without_max_times()
+            .build()
+    }
+
+    fn due(&self) -> bool {
+        Instant::now() >= self.at
+    }
+
+    /// Schedules the next attempt; returns its delay.
+    fn failed(&mut self) -> Duration {
+        let d = self.delays.next().unwrap_or(Duration::from_secs(30));
+        self.at = Instant::now() + d;
+        d
+    }
+
+    fn succeeded(&mut self) {
+        self.delays = Self::delays();
+        self.at = Instant::now();
+    }
 }
 
 /// Window of throughput accounting for the log line.
@@ -178,12 +238,16 @@ struct Window {
     wait: Duration,
 }
 
+/// Why a checkpoint directory cannot be resumed from.
+struct NotResumable(String);
+
 impl TrainLoop {
     pub fn new(
         trainer: Trainer,
         session: Arc<Session>,
         rt: tokio::runtime::Handle,
         hs_queue: flume::Sender<ReceivedBatch>,
+        rejected: flume::Receiver<pb::TrainedBatch>,
     ) -> Self {
         let checkpoint_dir = PathBuf::from(&session.config.checkpoint.dir);
         Self {
@@ -192,10 +256,15 @@ impl TrainLoop {
             rt,
             checkpoint_dir,
             hs_queue,
+            rejected,
             eval: None,
             trained: Vec::new(),
             trained_set: TrainedSet::default(),
             unreported: Vec::new(),
+            unreported_checkpoint: None,
+            report_retry: Retry::new(),
+            checkpoint_retry: None,
+            all_trained: false,
             last_checkpoint_step: 0,
             checkpointed: 0,
             bad_in_a_row: 0,
@@ -203,41 +272,156 @@ impl TrainLoop {
         }
     }
 
-    /// Restores the latest checkpoint, if any, and tells the coordinator
-    /// where this drafter starts, so that uncommitted work is redone.
+    /// One control RPC, bounded by the RPC timeout.
+    fn rpc<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, tonic::Status> {
+        self.rt.block_on(with_timeout(self.session.rpc_timeout(), call))
+    }
+
+    /// Starts from what the coordinator's ledger committed, and tells it
+    /// where this drafter starts so that the work it does not hold is
+    /// redone. Tries, in order: checkpoints on disk at or after the newest
+    /// commit (a newer one whose report was lost is committed now), then
+    /// older committed ones; each must match its manifest (and the content
+    /// the ledger recorded). Damaged or refused ones are set aside. A fresh
+    /// start is allowed only while nothing is committed.
     pub fn resume(&mut self) -> anyhow::Result<()> {
-        let mut path = String::new();
-        if let Some(dir) = latest_checkpoint(&self.checkpoint_dir).kind(ErrorKind::Checkpoint)? {
-            let state = restore_checkpoint(&dir, &mut self.trainer).kind(ErrorKind::Checkpoint)?;
-            if !state.run_id.is_empty() && state.run_id != self.session.run_id {
-                return Err(anyhow::anyhow!(
-                    "checkpoint {} belongs to run {} but this is run {}; use another checkpoint.dir",
-                    dir.display(),
-                    state.run_id,
-                    self.session.run_id
-                ))
-                .kind(ErrorKind::Checkpoint);
-            }
-            tracing::info!("resumed from {} at step {} ({} batches)", dir.display(), state.step, state.batch_ids.len());
-            *self.trained_set.lock().expect("trained set lock") = state.batch_ids.iter().copied().collect();
-            self.trained = state.batch_ids;
-            self.last_checkpoint_step = state.step;
-            self.checkpointed = self.trained.len();
-            path = dir.display().to_string();
+        let root = self.checkpoint_dir.clone();
+        check_writable(&root)
+            .map_err(|e| anyhow::anyhow!("checkpoint.dir {} cannot hold checkpoints: {e}", root.display()))
+            .kind(ErrorKind::Checkpoint)?;
+        for p in remove_stale_temporaries(&root).kind(ErrorKind::Checkpoint)? {
+            tracing::info!("removed {}, left by an interrupted checkpoint write", p.display());
         }
+        let req = pb::ListCheckpointsRequest {
+            run_id: self.session.run_id.clone(),
+            instance_id: self.session.instance_id.clone(),
+        };
+        let committed = self
+            .rpc(self.session.client().list_checkpoints(req))
+            .map_err(|s| anyhow::anyhow!("asking the coordinator for the committed checkpoints: {}", s.message()))
+            .kind(ErrorKind::PeerLost)?
+            .checkpoints;
+        let newest = committed.first().map_or(0, |c| c.step);
+        let mut candidates: Vec<PathBuf> = step_dirs(&root)
+            .kind(ErrorKind::Checkpoint)?
+            .into_iter()
+            .filter(|(step, _)| *step >= newest)
+            .map(|(_, dir)| dir)
+            .collect();
+        for c in &committed {
+            let dir = root.join(&c.name);
+            if !candidates.contains(&dir) {
+                candidates.push(dir);
+            }
+        }
+        let mut tried = Vec::new();
+        for dir in candidates {
+            match self.try_resume_from(&dir, &committed)? {
+                Ok(()) => {
+                    if !tried.is_empty() {
+                        tracing::warn!("resumed from {} after passing over: {}", dir.display(), tried.join("; "));
+                    }
+                    point_latest(&root, &dir).kind(ErrorKind::Checkpoint)?;
+                    return Ok(());
+                }
+                Err(NotResumable(why)) => {
+                    tracing::warn!("not resuming from {}: {why}", dir.display());
+                    if dir.exists() {
+                        let aside = set_aside(&dir).kind(ErrorKind::Checkpoint)?;
+                        tracing::warn!("set {} aside as {}", dir.display(), aside.display());
+                    }
+                    tried.push(format!("{}: {why}", dir.display()));
+                }
+            }
+        }
+        if let Some(n) = committed.first() {
+            return Err(anyhow::anyhow!(
+                "the ledger committed checkpoints up to step {} ({}), but none of them is intact in {}{}; refusing \
+                 to start from random weights and lose that training (is checkpoint.dir the run's volume?)",
+                n.step,
+                n.name,
+                root.display(),
+                if tried.is_empty() { String::new() } else { format!(" (tried: {})", tried.join("; ")) }
+            ))
+            .kind(ErrorKind::Checkpoint);
+        }
+        // A fresh run: the coordinator checks that nothing is committed.
+        self.report_start(None, Vec::new())
+            .map_err(|s| anyhow::anyhow!("starting from scratch: {}", s.message()))
+            .kind(ErrorKind::Checkpoint)?;
+        Ok(())
+    }
+
+    /// Resumes from `dir` if it is intact, of this run, and the coordinator
+    /// accepts it; `Ok(Err(why))` when it cannot be resumed from.
+    fn try_resume_from(
+        &mut self,
+        dir: &Path,
+        committed: &[pb::CommittedCheckpoint],
+    ) -> anyhow::Result<Result<(), NotResumable>> {
+        if !dir.exists() {
+            return Ok(Err(NotResumable("missing".into())));
+        }
+        let ck = match verify_checkpoint(dir) {
+            Ok(ck) => ck,
+            Err(e) => return Ok(Err(NotResumable(e.to_string()))),
+        };
+        if let Some(c) = committed.iter().find(|c| c.step == ck.step)
+            && c.content_hash != ck.content_hash
+        {
+            return Ok(Err(NotResumable(format!(
+                "its content {} is not the {} the ledger committed",
+                short(&ck.content_hash),
+                short(&c.content_hash)
+            ))));
+        }
+        let state = match read_trainer_state(dir) {
+            Ok(s) => s,
+            Err(e) => return Ok(Err(NotResumable(e.to_string()))),
+        };
+        if !state.run_id.is_empty() && state.run_id != self.session.run_id {
+            return Ok(Err(NotResumable(format!("it belongs to run {}, not {}", state.run_id, self.session.run_id))));
+        }
+        match self.report_start(Some(&ck), state.batch_ids.clone()) {
+            Ok(()) => {}
+            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                return Ok(Err(NotResumable(format!("the coordinator refused it: {}", s.message()))));
+            }
+            Err(s) => {
+                return Err(anyhow::anyhow!("reporting the starting checkpoint: {}", s.message()))
+                    .kind(ErrorKind::PeerLost);
+            }
+        }
+        let state = restore_checkpoint(dir, &mut self.trainer).kind(ErrorKind::Checkpoint)?;
+        tracing::info!(
+            "resumed from {} at step {} ({} batches, content {})",
+            dir.display(),
+            state.step,
+            state.batch_ids.len(),
+            short(&ck.content_hash)
+        );
+        *self.trained_set.lock().expect("trained set lock") = state.batch_ids.iter().copied().collect();
+        self.trained = state.batch_ids;
+        self.last_checkpoint_step = state.step;
+        self.checkpointed = self.trained.len();
+        Ok(Ok(()))
+    }
+
+    /// Tells the coordinator this drafter starts from `ck` (None: nothing).
+    fn report_start(&self, ck: Option<&Checkpoint>, batch_ids: Vec<u64>) -> Result<(), tonic::Status> {
         let req = pb::ReportCheckpointRequest {
             run_id: self.session.run_id.clone(),
             instance_id: self.session.instance_id.clone(),
-            step: self.trainer.step(),
-            path,
-            batch_ids: self.trained.clone(),
+            step: ck.map_or(0, |c| c.step),
+            path: ck.map_or_else(String::new, |c| c.dir.display().to_string()),
+            batch_ids,
             resumed: true,
+            content_hash: ck.map_or_else(String::new, |c| c.content_hash.clone()),
         };
-        self.rt
-            .block_on(with_timeout(self.session.rpc_timeout(), self.session.client().report_checkpoint(req)))
-            .map_err(|s| anyhow::anyhow!("reporting the starting checkpoint: {}", s.message()))
-            .kind(ErrorKind::PeerLost)?;
-        Ok(())
+        self.rpc(self.session.client().report_checkpoint(req)).map(|_| ())
     }
 
     /// Trains until every batch is trained or the role stops. This thread
@@ -249,6 +433,7 @@ impl TrainLoop {
         let mut win = Window { started: Instant::now(), tokens: 0, wait: Duration::ZERO };
         let world = replica.world();
         loop {
+            self.take_rejected()?;
             let wait_start = Instant::now();
             let (own, flags) = replica.step(&mut self.trainer, &stop)?;
             let step_seconds = own.busy.as_secs_f64();
@@ -257,6 +442,8 @@ impl TrainLoop {
                 break;
             }
             if !flags.any_batch {
+                // No batch now: catch up on what failed before.
+                self.catch_up()?;
                 continue;
             }
             // Exactly one report per replica for every step anyone took.
@@ -311,17 +498,7 @@ impl TrainLoop {
                 self.bad_in_a_row = 0;
             }
             for reason in skipped_reasons {
-                self.bad_in_a_row += 1;
-                tracing::warn!("skipped {reason} ({} in a row)", self.bad_in_a_row);
-                if self.bad_in_a_row >= c.training.max_bad_batches_in_a_row {
-                    return Err(anyhow::anyhow!(
-                        "{} batches in a row had non-finite features, loss or gradients (last: {reason}); \
-                         training.max_bad_batches_in_a_row = {}",
-                        self.bad_in_a_row,
-                        c.training.max_bad_batches_in_a_row
-                    ))
-                    .kind(ErrorKind::NonFinite);
-                }
+                self.count_bad(&reason, ErrorKind::NonFinite)?;
             }
             let step = self.trainer.step();
             if let Some(m) = &metrics
@@ -353,7 +530,7 @@ impl TrainLoop {
                 self.hs_queue.len(),
                 step_seconds,
             );
-            let all_trained = self.report_trained(metrics.as_ref(), step_tokens)?;
+            let delivered = self.report_trained(metrics.as_ref(), step_tokens)?;
             if step > 0 && step.is_multiple_of(c.checkpoint.interval_steps) && step != self.last_checkpoint_step {
                 self.checkpoint()?;
             }
@@ -361,21 +538,12 @@ impl TrainLoop {
                 && metrics.is_some()
                 && e.every > 0
                 && step.is_multiple_of(e.every)
-                && !all_trained
+                && !self.all_trained
             {
                 e.run(step, &self.trainer);
             }
-            if all_trained {
-                if let Some(e) = self.eval.as_ref().filter(|e| e.every > 0) {
-                    e.run(step, &self.trainer);
-                }
-                if self.trained.len() > self.checkpointed {
-                    tracing::info!("every batch of the run is trained: final checkpoint");
-                    self.checkpoint()?;
-                }
-                // The coordinator now completes the run and stops every
-                // role; replicas leave together at the next agreement.
-                stop.stopped_blocking();
+            if delivered.is_none() || self.all_trained {
+                self.catch_up()?;
             }
         }
         // Stopped: a signal (SIGTERM from Kubernetes, Ctrl-C) checkpoints
@@ -387,14 +555,70 @@ impl TrainLoop {
         Ok(())
     }
 
+    /// What is owed when no batch comes (or the run is trained): reports
+    /// that did not get through, a checkpoint write to retry, and, once
+    /// every batch is trained, the final checkpoint.
+    fn catch_up(&mut self) -> anyhow::Result<()> {
+        let owes_reports = !self.unreported.is_empty() || self.unreported_checkpoint.is_some();
+        if owes_reports && self.report_retry.due() {
+            if self.flush_reports()? {
+                self.report_retry.succeeded();
+            } else {
+                let d = self.report_retry.failed();
+                tracing::debug!("the coordinator did not take the reports; again in {d:?}");
+            }
+        }
+        let retry_due = self.checkpoint_retry.as_ref().is_some_and(Retry::due);
+        let final_due = self.all_trained && self.trained.len() > self.checkpointed && self.checkpoint_retry.is_none();
+        if retry_due || final_due {
+            if final_due {
+                if let Some(e) = self.eval.as_ref().filter(|e| e.every > 0) {
+                    e.run(self.trainer.step(), &self.trainer);
+                }
+                tracing::info!("every batch of the run is trained: final checkpoint");
+            }
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// Batches the receiver rejected on arrival, reported as skipped.
+    fn take_rejected(&mut self) -> anyhow::Result<()> {
+        while let Ok(b) = self.rejected.try_recv() {
+            if self.trained_set.lock().expect("trained set lock").contains(&b.batch_id) {
+                continue;
+            }
+            self.record(b.batch_id);
+            let reason = b.skip_reason.clone();
+            self.unreported.push(b);
+            self.count_bad(&reason, ErrorKind::BadBatch)?;
+        }
+        Ok(())
+    }
+
+    /// One more bad batch in a row; too many fail the run.
+    fn count_bad(&mut self, reason: &str, kind: ErrorKind) -> anyhow::Result<()> {
+        self.bad_in_a_row += 1;
+        let max = self.session.config.training.max_bad_batches_in_a_row;
+        tracing::warn!("skipped {reason} ({} in a row)", self.bad_in_a_row);
+        if self.bad_in_a_row >= max {
+            return Err(anyhow::anyhow!(
+                "{} batches in a row could not be trained (last: {reason}); training.max_bad_batches_in_a_row = {max}",
+                self.bad_in_a_row
+            ))
+            .kind(kind);
+        }
+        Ok(())
+    }
+
     fn record(&mut self, id: u64) {
         self.trained.push(id);
         self.trained_set.lock().expect("trained set lock").insert(id);
     }
 
-    /// Reports trained batches; true when the coordinator says every batch
-    /// of the run is trained. Unreachable coordinator: keep them for later.
-    fn report_trained(&mut self, m: Option<&dflash_models::StepMetrics>, tokens: u64) -> anyhow::Result<bool> {
+    /// Reports trained batches. `Some(all trained)` when the coordinator
+    /// took them; `None` when it could not be reached (they stay owed).
+    fn report_trained(&mut self, m: Option<&dflash_models::StepMetrics>, tokens: u64) -> anyhow::Result<Option<bool>> {
         let m = m.cloned().unwrap_or_default();
         let req = pb::ReportTrainedRequest {
             run_id: self.session.run_id.clone(),
@@ -407,21 +631,41 @@ impl TrainLoop {
             tokens,
             input_wait_fraction: self.input_wait,
         };
-        match self.rt.block_on(with_timeout(self.session.rpc_timeout(), self.session.client().report_trained(req))) {
+        match self.rpc(self.session.client().report_trained(req)) {
             Ok(r) => {
                 self.unreported.clear();
-                Ok(r.all_trained)
+                self.all_trained |= r.all_trained;
+                Ok(Some(r.all_trained))
             }
             Err(s) if s.code() == tonic::Code::FailedPrecondition => {
                 Err(anyhow::anyhow!("coordinator: {}", s.message())).kind(ErrorKind::Protocol)
             }
             Err(s) => {
                 tracing::warn!("could not report progress ({}); will retry", s.message());
-                Ok(false)
+                Ok(None)
             }
         }
     }
 
+    /// Sends every owed report: trained batches first (a checkpoint may
+    /// commit only what the ledger knows is trained), then the checkpoint.
+    /// True when nothing is owed any more.
+    fn flush_reports(&mut self) -> anyhow::Result<bool> {
+        if !self.unreported.is_empty() && self.report_trained(None, 0)?.is_none() {
+            return Ok(false);
+        }
+        if let Some(ck) = self.unreported_checkpoint.clone() {
+            if !self.report_checkpoint(&ck)? {
+                return Ok(false);
+            }
+            self.unreported_checkpoint = None;
+        }
+        Ok(true)
+    }
+
+    /// Writes a checkpoint and reports it. A failed write (a full disk)
+    /// is not fatal: the last good checkpoint stays, the coordinator hears
+    /// of the failure, and the write is tried again with backoff.
     fn checkpoint(&mut self) -> anyhow::Result<()> {
         let t0 = Instant::now();
         let state = TrainerState {
@@ -431,36 +675,69 @@ impl TrainLoop {
             run_id: self.session.run_id.clone(),
         };
         let keep = self.session.config.checkpoint.keep_last as usize;
-        let dir = save_checkpoint(&self.checkpoint_dir, &self.trainer, &state, keep).kind(ErrorKind::Checkpoint)?;
-        self.last_checkpoint_step = state.step;
-        self.checkpointed = self.trained.len();
-        tracing::info!("checkpoint {} written in {:.2} s", dir.display(), t0.elapsed().as_secs_f64());
-        // Trained batches must be known to the ledger before they commit.
-        self.report_trained(None, 0)?;
-        self.report_checkpoint(dir)
+        match save_checkpoint(&self.checkpoint_dir, &self.trainer, &state, keep) {
+            Ok(ck) => {
+                self.checkpoint_retry = None;
+                self.last_checkpoint_step = state.step;
+                self.checkpointed = self.trained.len();
+                tracing::info!(
+                    "checkpoint {} written in {:.2} s (content {})",
+                    ck.dir.display(),
+                    t0.elapsed().as_secs_f64(),
+                    short(&ck.content_hash)
+                );
+                self.unreported_checkpoint = Some(ck);
+                if !self.flush_reports()? {
+                    self.report_retry.failed();
+                }
+            }
+            Err(e) => {
+                let retry = self.checkpoint_retry.get_or_insert_with(Retry::new);
+                let delay = retry.failed();
+                let err = anyhow::anyhow!(
+                    "checkpoint of step {} failed: {e}; training goes on, the last good checkpoint (step {}) stays, \
+                     retrying in {:.1} s",
+                    state.step,
+                    self.last_checkpoint_step,
+                    delay.as_secs_f64()
+                );
+                tracing::error!("{err}");
+                dflash_telemetry::metrics().errors.with_label_values(&[ErrorKind::CheckpointWrite.as_str()]).inc();
+                self.rt.block_on(self.session.report_error(ErrorKind::CheckpointWrite, &err, ""));
+            }
+        }
+        Ok(())
     }
 
-    fn report_checkpoint(&mut self, dir: PathBuf) -> anyhow::Result<()> {
+    /// True when the coordinator took the report; false when it could not
+    /// be reached (the checkpoint stays owed).
+    fn report_checkpoint(&mut self, ck: &Checkpoint) -> anyhow::Result<bool> {
         let req = pb::ReportCheckpointRequest {
             run_id: self.session.run_id.clone(),
             instance_id: self.session.instance_id.clone(),
-            step: self.last_checkpoint_step,
-            path: dir.display().to_string(),
-            batch_ids: self.trained.clone(),
+            step: ck.step,
+            path: ck.dir.display().to_string(),
+            batch_ids: self.trained[..self.checkpointed].to_vec(),
             resumed: false,
+            content_hash: ck.content_hash.clone(),
         };
-        match self.rt.block_on(with_timeout(self.session.rpc_timeout(), self.session.client().report_checkpoint(req))) {
-            Ok(_) => Ok(()),
+        match self.rpc(self.session.client().report_checkpoint(req)) {
+            Ok(_) => Ok(true),
             Err(s) if s.code() == tonic::Code::FailedPrecondition => {
                 Err(anyhow::anyhow!("coordinator: {}", s.message())).kind(ErrorKind::Protocol)
             }
             Err(s) => {
-                // The checkpoint is on disk; a restart reports it again.
-                tracing::warn!("could not report checkpoint {}: {}", dir.display(), s.message());
-                Ok(())
+                // The checkpoint is on disk; the report is sent again.
+                tracing::warn!("could not report checkpoint {}: {}; will retry", ck.dir.display(), s.message());
+                Ok(false)
             }
         }
     }
+}
+
+/// The first hex digits of a hash, for messages.
+fn short(hash: &str) -> &str {
+    &hash[..hash.len().min(12)]
 }
 
 /// The leader's view of one step, for the metrics endpoint.

@@ -222,8 +222,16 @@ impl Sender {
                 send_batch(tx, &batch, chunk).await;
             }
             _ => {
-                return Err(anyhow::anyhow!("drafter rejected batch {}: {}", ack.batch_id, ack.reason))
-                    .kind(ErrorKind::Protocol);
+                // The drafter will never take this batch as it is: drop it
+                // (the drafter reports it to the ledger as skipped when it is
+                // the plan's batch with bad contents) and go on.
+                let batch = self.unacked.remove(pos).expect("position is valid");
+                self.held.lock().expect("held lock").remove(&batch.meta.batch_id);
+                self.export_gauges();
+                dflash_telemetry::metrics().batches.with_label_values(&["rejected"]).inc();
+                let err = anyhow::anyhow!("drafter rejected batch {}: {}", ack.batch_id, ack.reason);
+                tracing::error!("{err}");
+                self.session.report_error(ErrorKind::BadBatch, &err, "").await;
             }
         }
         Ok(())

@@ -32,6 +32,7 @@ pub fn load_dataset(session: &Session) -> anyhow::Result<Dataset> {
     let opts = LoadOptions {
         max_seq_len: c.data.max_seq_len as usize,
         skip_malformed: c.data.on_malformed == MalformedPolicy::Skip,
+        max_skipped_fraction: c.data.max_skipped_fraction,
     };
     let ds = Dataset::load(Path::new(&c.data.train_path), &tok, &opts).kind(ErrorKind::Data)?;
     tracing::info!("dataset {}: {}", c.data.train_path, ds.report);
