@@ -203,12 +203,26 @@ impl RunConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{DeviceList, DevicesSection};
 
     fn valid() -> RunConfig {
         let mut c = RunConfig::default();
         c.model.target_path = "m".into();
         c.data.train_path = "d.jsonl".into();
         c
+    }
+
+    #[test]
+    fn overlapping_gpu_lists_are_refused_unless_shared_on_purpose() {
+        let mut c = valid();
+        c.devices.target = DeviceList::cuda([0, 1]);
+        c.devices.drafter = DeviceList::cuda([1, 2]);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("devices.drafter") && err.contains("[1]") && err.contains("share_gpus"), "{err}");
+        c.devices.share_gpus = true;
+        c.validate().unwrap();
+        c.devices = DevicesSection { target: DeviceList::cpu(), drafter: DeviceList::cpu(), share_gpus: false };
+        c.validate().unwrap();
     }
 
     #[test]

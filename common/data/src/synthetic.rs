@@ -170,4 +170,51 @@ mod tests {
             .unwrap();
         assert_eq!(ds.report.malformed_skipped, 1);
     }
+
+    #[test]
+    fn bytes_that_are_not_utf8_name_their_line_and_follow_the_skip_policy() {
+        let (dir, tok) = tokenizer();
+        let path = dir.path().join("d.jsonl");
+        write_synthetic_dataset(&path, 5, 1).unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.extend_from_slice(b"{\"messages\": [{\"role\": \"user\", \"content\": \"caf\xe9\"}]}\n");
+        std::fs::write(&path, &bytes).unwrap();
+        let err = Dataset::load(&path, &tok, &LoadOptions::strict(40)).err().unwrap().to_string();
+        assert!(err.contains("d.jsonl:6:") && err.contains("not UTF-8"), "{err}");
+        let skip = LoadOptions { skip_malformed: true, max_skipped_fraction: 0.5, ..LoadOptions::strict(40) };
+        let ds = Dataset::load(&path, &tok, &skip).unwrap();
+        assert_eq!((ds.report.malformed_skipped, ds.report.lines), (1, 6));
+    }
+
+    #[test]
+    fn a_file_that_is_mostly_malformed_fails_even_under_the_skip_policy() {
+        let (dir, tok) = tokenizer();
+        let path = dir.path().join("d.jsonl");
+        write_synthetic_dataset(&path, 2, 1).unwrap();
+        let mut text = std::fs::read_to_string(&path).unwrap();
+        for _ in 0..8 {
+            text.push_str("not json\n");
+        }
+        std::fs::write(&path, text).unwrap();
+        let skip = LoadOptions { skip_malformed: true, max_skipped_fraction: 0.5, ..LoadOptions::strict(40) };
+        let err = Dataset::load(&path, &tok, &skip).err().unwrap().to_string();
+        assert!(err.contains("8 of 10 lines are malformed") && err.contains("d.jsonl:3:"), "{err}");
+    }
+
+    #[test]
+    fn an_overlong_line_is_cut_before_tokenizing_to_the_same_tokens() {
+        let (dir, tok) = tokenizer();
+        let path = dir.path().join("d.jsonl");
+        let long: String = (0..200_000).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        let msgs = vec![Message::new("user", "hi"), Message::new("assistant", long.clone())];
+        let line = serde_json::json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": long}]});
+        std::fs::write(&path, format!("{line}\n")).unwrap();
+        let max = 64;
+        assert!(line.to_string().len() > 2 * tok.text_budget(max), "the line must be long enough to be cut");
+        let ds = Dataset::load(&path, &tok, &LoadOptions::strict(max)).unwrap();
+        let whole = tok.encode_conversation(&msgs).unwrap();
+        assert_eq!(ds.samples[0].input_ids, whole.input_ids[..max]);
+        assert_eq!(ds.samples[0].loss_mask, whole.loss_mask[..max]);
+        assert_eq!(ds.report.truncated, 1);
+    }
 }

@@ -9,7 +9,8 @@
 //! | `device`        | CUDA unavailable, out of memory                      | fatal    |
 //! | `protocol`      | wrong protocol version, wrong run id                 | fatal    |
 //! | `non_finite`    | NaN/Inf in features or loss, K batches in a row      | fatal (single batches are skipped and reported) |
-//! | `checkpoint`    | cannot read a checkpoint; none intact that the ledger committed | fatal |
+//! | `checkpoint`    | cannot read a checkpoint (another drafter shape, an I/O error) | fatal |
+//! | `checkpoint_unavailable` | no intact checkpoint the ledger committed is reachable (volume not mounted, files damaged) | the drafter exits and the run waits for one that has them (`faults.drafter_absence_timeout_ms`) |
 //! | `checkpoint_write` | a checkpoint write failed (full disk, I/O error)  | retried with backoff; training goes on and the last good checkpoint stays |
 //! | `bad_batch`     | a received batch fails its checks against the plan (unknown id, other samples, token ids outside the vocabulary) | rejected and reported as skipped; K in a row fail the run |
 //! | `internal`      | a worker thread panicked                             | fatal    |
@@ -29,6 +30,7 @@ pub enum ErrorKind {
     Protocol,
     NonFinite,
     Checkpoint,
+    CheckpointUnavailable,
     CheckpointWrite,
     BadBatch,
     Internal,
@@ -42,7 +44,11 @@ impl ErrorKind {
     pub fn is_retryable(self) -> bool {
         matches!(
             self,
-            ErrorKind::Transport | ErrorKind::CorruptBatch | ErrorKind::CheckpointWrite | ErrorKind::BadBatch
+            ErrorKind::Transport
+                | ErrorKind::CorruptBatch
+                | ErrorKind::CheckpointUnavailable
+                | ErrorKind::CheckpointWrite
+                | ErrorKind::BadBatch
         )
     }
 
@@ -55,6 +61,7 @@ impl ErrorKind {
             ErrorKind::Protocol => "protocol",
             ErrorKind::NonFinite => "non_finite",
             ErrorKind::Checkpoint => "checkpoint",
+            ErrorKind::CheckpointUnavailable => "checkpoint_unavailable",
             ErrorKind::CheckpointWrite => "checkpoint_write",
             ErrorKind::BadBatch => "bad_batch",
             ErrorKind::Internal => "internal",
@@ -106,6 +113,7 @@ mod tests {
         assert!(ErrorKind::CorruptBatch.is_retryable());
         assert!(ErrorKind::CheckpointWrite.is_retryable());
         assert!(ErrorKind::BadBatch.is_retryable());
+        assert!(ErrorKind::CheckpointUnavailable.is_retryable(), "the run waits for a drafter that has them");
         assert!(!ErrorKind::Checkpoint.is_retryable());
         assert!(!ErrorKind::NonFinite.is_retryable());
         assert!(!ErrorKind::Protocol.is_retryable());

@@ -1,8 +1,11 @@
 //! The one-machine launcher behind `dflash up`: prepares assets, starts the
 //! three roles as separate processes on loopback ports, prefixes their logs,
-//! and stops them together.
+//! restarts a drafter or target that is killed (as Kubernetes would), and
+//! stops them together. Every role binds port 0 and the launcher learns
+//! the port from the role's own log line, so no port is chosen by binding
+//! and releasing it (another process could take it in between).
 
-use std::net::TcpListener;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -62,20 +65,42 @@ pub struct UpArgs {
     pub security: dflash_role::SecurityArgs,
 }
 
+/// Restarts of one killed role within one `dflash up`.
+const MAX_RESTARTS: u32 = 10;
+
+/// Log lines the launcher watches for: where a role listens.
+const LISTENING: &str = "listening on ";
+const METRICS: &str = "metrics on ";
+
 pub struct Launcher {
     config: ConfigFlags,
     up: UpArgs,
     bin_dir: PathBuf,
+    /// Lines of the roles' output that say where they listen.
+    tap: tokio::sync::mpsc::Sender<(&'static str, String)>,
+    tapped: tokio::sync::Mutex<Tapped>,
+}
+
+/// The watched lines received so far, and the channel they come in on.
+struct Tapped {
+    rx: tokio::sync::mpsc::Receiver<(&'static str, String)>,
+    seen: Vec<(&'static str, String)>,
+}
+
+/// How to start a role (again).
+#[derive(Clone)]
+struct Spec {
+    name: &'static str,
+    program: PathBuf,
+    args: Vec<String>,
+    /// Started again when killed by a signal.
+    restart: bool,
 }
 
 struct Role {
-    name: &'static str,
+    spec: Spec,
     child: Child,
-}
-
-/// A free loopback port (bound and released; the role binds it next).
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    restarts: u32,
 }
 
 fn bin(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
@@ -86,26 +111,46 @@ fn bin(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
-/// Forwards a child's output line by line with a role prefix.
-fn prefix_lines(name: &'static str, stream: impl tokio::io::AsyncRead + Unpin + Send + 'static) {
+/// Forwards a child's output line by line with a role prefix, and the
+/// lines that say where it listens to `tap`.
+fn prefix_lines(
+    name: &'static str,
+    stream: impl tokio::io::AsyncRead + Unpin + Send + 'static,
+    tap: tokio::sync::mpsc::Sender<(&'static str, String)>,
+) {
     tokio::spawn(async move {
         let mut lines = BufReader::new(stream).lines();
         while let Ok(Some(line)) = lines.next_line().await {
             println!("[{name:<11}] {line}");
+            if line.contains(LISTENING) || line.contains(METRICS) {
+                let _ = tap.try_send((name, line));
+            }
         }
     });
+}
+
+/// The address after `marker` in a log line ("... listening on 127.0.0.1:4711 (plain)").
+fn address_after<'a>(line: &'a str, marker: &str) -> Option<&'a str> {
+    let rest = line.split_once(marker)?.1;
+    Some(rest.split_whitespace().next()?.trim_end_matches(['.', ',']))
 }
 
 impl Launcher {
     pub fn new(config: ConfigFlags, up: UpArgs) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating the dflash binary")?;
         let bin_dir = exe.parent().context("dflash has no parent folder")?.to_path_buf();
-        Ok(Self { config, up, bin_dir })
+        let (tap, tapped) = tokio::sync::mpsc::channel(64);
+        Ok(Self { config, up, bin_dir, tap, tapped: tokio::sync::Mutex::new(Tapped { rx: tapped, seen: Vec::new() }) })
     }
 
     fn spawn(&self, name: &'static str, program: &Path, args: &[String]) -> anyhow::Result<Role> {
+        self.start(Spec { name, program: program.to_path_buf(), args: args.to_vec(), restart: false })
+    }
+
+    fn start(&self, spec: Spec) -> anyhow::Result<Role> {
+        let (name, program) = (spec.name, &spec.program);
         let mut cmd = Command::new(program);
-        cmd.args(args)
+        cmd.args(&spec.args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -124,9 +169,38 @@ impl Launcher {
             cmd.env_remove(v);
         }
         let mut child = cmd.spawn().with_context(|| format!("starting {}", program.display()))?;
-        prefix_lines(name, child.stdout.take().expect("piped"));
-        prefix_lines(name, child.stderr.take().expect("piped"));
-        Ok(Role { name, child })
+        prefix_lines(name, child.stdout.take().expect("piped"), self.tap.clone());
+        prefix_lines(name, child.stderr.take().expect("piped"), self.tap.clone());
+        Ok(Role { spec, child, restarts: 0 })
+    }
+
+    /// Waits (up to a minute) for `role` to log the address it listens on
+    /// after `marker`; fails if a role exits first.
+    async fn wait_for_address(&self, role: &'static str, marker: &str, roles: &mut [Role]) -> anyhow::Result<String> {
+        let mut tapped = self.tapped.lock().await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let found = tapped.seen.iter().find_map(|(name, line)| {
+                (*name == role).then(|| address_after(line, marker)).flatten().map(str::to_string)
+            });
+            if let Some(addr) = found {
+                return Ok(addr);
+            }
+            for r in roles.iter_mut() {
+                if let Some(status) = r.child.try_wait()? {
+                    anyhow::bail!("{} exited ({status}) before {role} was listening", r.spec.name);
+                }
+            }
+            let wait = deadline.min(tokio::time::Instant::now() + Duration::from_millis(200));
+            match tokio::time::timeout_at(wait, tapped.rx.recv()).await {
+                Ok(Some(line)) => tapped.seen.push(line),
+                Ok(None) => anyhow::bail!("the roles' output closed"),
+                Err(_) if tokio::time::Instant::now() >= deadline => {
+                    anyhow::bail!("{role} did not say where it listens within 60 s")
+                }
+                Err(_) => {}
+            }
+        }
     }
 
     /// Runs a tool to completion, its output prefixed.
@@ -240,12 +314,8 @@ impl Launcher {
                 counts.total()
             );
         }
-        let coord_port = free_port()?;
-        let drafter_port = free_port()?;
-        let target_health = free_port()?;
         let sec = &self.up.security;
         let scheme = if sec.tls_cert.is_some() { "https" } else { "http" };
-        let coord_url = format!("{scheme}://127.0.0.1:{coord_port}");
         // TLS files go to every role by flag; the token by environment.
         let mut tls_args: Vec<String> = Vec::new();
         for (flag, path) in [("--tls-cert", &sec.tls_cert), ("--tls-key", &sec.tls_key), ("--tls-ca", &sec.tls_ca)] {
@@ -253,53 +323,58 @@ impl Launcher {
                 tls_args.extend([flag.to_string(), p.display().to_string()]);
             }
         }
-        let mut metrics_urls = Vec::new();
-        let mut metrics_args = |name: &str| -> anyhow::Result<Vec<String>> {
-            if !self.up.metrics {
-                return Ok(vec![]);
-            }
-            let port = free_port()?;
-            metrics_urls.push(format!("{name} http://127.0.0.1:{port}/metrics"));
-            Ok(vec!["--metrics-listen".into(), format!("127.0.0.1:{port}")])
-        };
+        let metrics_args: Vec<String> =
+            if self.up.metrics { vec!["--metrics-listen".into(), "127.0.0.1:0".into()] } else { vec![] };
         let mut coord_args = self.config.to_args();
         coord_args.extend([
             "--listen".into(),
-            format!("127.0.0.1:{coord_port}"),
+            "127.0.0.1:0".into(),
             "--ledger".into(),
             self.up.workdir.join("ledger.sqlite").display().to_string(),
         ]);
         coord_args.extend(tls_args.iter().cloned());
-        coord_args.extend(metrics_args("coordinator")?);
+        coord_args.extend(metrics_args.iter().cloned());
         let mut roles = vec![self.spawn("coordinator", &bin(&self.bin_dir, "dflash-coordinator")?, &coord_args)?];
+        let coord_addr = self.wait_for_address("coordinator", LISTENING, &mut roles).await?;
+        let coord_url = format!("{scheme}://{coord_addr}");
         let mut drafter_args = vec![
             "serve".into(),
             "--coordinator".into(),
             coord_url.clone(),
             "--listen".into(),
-            format!("127.0.0.1:{drafter_port}"),
+            "127.0.0.1:0".into(),
+            // Port 0 here means the port the drafter bound.
             "--advertise".into(),
-            format!("{scheme}://127.0.0.1:{drafter_port}"),
+            format!("{scheme}://127.0.0.1:0"),
             "--threads".into(),
             self.up.drafter_threads.to_string(),
         ];
         drafter_args.extend(tls_args.iter().cloned());
-        drafter_args.extend(metrics_args("drafter")?);
-        roles.push(self.spawn("drafter", &bin(&self.bin_dir, "dflash-drafter")?, &drafter_args)?);
+        drafter_args.extend(metrics_args.iter().cloned());
+        let drafter =
+            Spec { name: "drafter", program: bin(&self.bin_dir, "dflash-drafter")?, args: drafter_args, restart: true };
+        roles.push(self.start(drafter)?);
         let mut target_args = vec![
             "serve".into(),
             "--coordinator".into(),
             coord_url.clone(),
             "--health-listen".into(),
-            format!("127.0.0.1:{target_health}"),
+            "127.0.0.1:0".into(),
             "--threads".into(),
             self.up.target_threads.to_string(),
         ];
         target_args.extend(tls_args.iter().cloned());
-        target_args.extend(metrics_args("target")?);
-        roles.push(self.spawn("target", &bin(&self.bin_dir, "dflash-target")?, &target_args)?);
-        if !metrics_urls.is_empty() {
-            eprintln!("[dflash     ] metrics: {}", metrics_urls.join(", "));
+        target_args.extend(metrics_args.iter().cloned());
+        let target =
+            Spec { name: "target", program: bin(&self.bin_dir, "dflash-target")?, args: target_args, restart: true };
+        roles.push(self.start(target)?);
+        if self.up.metrics {
+            let mut urls = Vec::new();
+            for role in ["coordinator", "drafter", "target"] {
+                let addr = self.wait_for_address(role, METRICS, &mut roles).await?;
+                urls.push(format!("{role} {addr}"));
+            }
+            eprintln!("[dflash     ] metrics: {}", urls.join(", "));
         }
         let progress = (self.up.progress_every_s > 0).then(|| {
             let every = Duration::from_secs(self.up.progress_every_s);
@@ -309,7 +384,7 @@ impl Launcher {
                 crate::progress::report(&coord_url, &security, every).await
             })
         });
-        let code = supervise(roles, Duration::from_secs(self.up.grace_s)).await?;
+        let code = self.supervise(roles, Duration::from_secs(self.up.grace_s)).await?;
         if let Some(p) = progress {
             p.abort();
         }
@@ -328,60 +403,96 @@ fn terminate(roles: &[Role]) {
     }
 }
 
-/// Waits for the roles. The coordinator ends the run; every other role
-/// follows it. A failing role or Ctrl-C stops all of them (SIGTERM, then
-/// SIGKILL after `grace`).
-async fn supervise(mut roles: Vec<Role>, grace: Duration) -> anyhow::Result<i32> {
-    let mut failed = false;
-    let mut stopping: Option<tokio::time::Instant> = None;
-    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    while !roles.is_empty() {
-        let deadline = stopping.map(|t| t + grace);
-        tokio::select! {
-            _ = &mut ctrl_c, if stopping.is_none() => {
-                eprintln!("[dflash     ] interrupted: stopping every role");
-                terminate(&roles);
-                stopping = Some(tokio::time::Instant::now());
-                failed = true;
-            }
-            _ = sigterm.recv(), if stopping.is_none() => {
-                terminate(&roles);
-                stopping = Some(tokio::time::Instant::now());
-                failed = true;
-            }
-            _ = tokio::time::sleep_until(deadline.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(3600))), if deadline.is_some() => {
-                for r in &mut roles {
-                    eprintln!("[dflash     ] {} did not stop within {grace:?}: killing it", r.name);
-                    let _ = r.child.start_kill();
-                }
-                stopping = Some(tokio::time::Instant::now() + Duration::from_secs(3600));
-            }
-            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-        }
-        let mut i = 0;
-        while i < roles.len() {
-            if let Some(status) = roles[i].child.try_wait()? {
-                let r = roles.remove(i);
-                if status.success() {
-                    eprintln!("[dflash     ] {} exited", r.name);
-                } else {
-                    eprintln!("[dflash     ] {} exited with {status}", r.name);
+impl Launcher {
+    /// Waits for the roles. The coordinator ends the run; every other role
+    /// follows it. A drafter or target killed by a signal (SIGKILL, the OOM
+    /// killer) is started again, at most [`MAX_RESTARTS`] times: it resumes
+    /// from its checkpoint or its leases. A role that fails (exits with an
+    /// error it reported), or Ctrl-C, stops all of them (SIGTERM, then
+    /// SIGKILL after `grace`).
+    async fn supervise(&self, mut roles: Vec<Role>, grace: Duration) -> anyhow::Result<i32> {
+        let mut failed = false;
+        let mut stopping: Option<tokio::time::Instant> = None;
+        let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+        let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        while !roles.is_empty() {
+            let deadline = stopping.map(|t| t + grace);
+            tokio::select! {
+                _ = &mut ctrl_c, if stopping.is_none() => {
+                    eprintln!("[dflash     ] interrupted: stopping every role");
+                    terminate(&roles);
+                    stopping = Some(tokio::time::Instant::now());
                     failed = true;
                 }
-                if (r.name == "coordinator" || !status.success()) && stopping.is_none() {
+                _ = sigterm.recv(), if stopping.is_none() => {
+                    terminate(&roles);
+                    stopping = Some(tokio::time::Instant::now());
+                    failed = true;
+                }
+                _ = tokio::time::sleep_until(deadline.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(3600))), if deadline.is_some() => {
+                    for r in &mut roles {
+                        eprintln!("[dflash     ] {} did not stop within {grace:?}: killing it", r.spec.name);
+                        let _ = r.child.start_kill();
+                    }
+                    stopping = Some(tokio::time::Instant::now() + Duration::from_secs(3600));
+                }
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+            let mut i = 0;
+            while i < roles.len() {
+                let Some(status) = roles[i].child.try_wait()? else {
+                    i += 1;
+                    continue;
+                };
+                let name = roles[i].spec.name;
+                if let Some(sig) = status.signal()
+                    && roles[i].spec.restart
+                    && stopping.is_none()
+                    && roles[i].restarts < MAX_RESTARTS
+                {
+                    let restarts = roles[i].restarts + 1;
+                    eprintln!(
+                        "[dflash     ] {name} was killed (signal {sig}): starting it again ({restarts} of {MAX_RESTARTS})"
+                    );
+                    let mut again = self.start(roles[i].spec.clone())?;
+                    again.restarts = restarts;
+                    roles[i] = again;
+                    i += 1;
+                    continue;
+                }
+                let r = roles.remove(i);
+                if status.success() {
+                    eprintln!("[dflash     ] {name} exited");
+                } else {
+                    eprintln!("[dflash     ] {name} exited with {status}");
+                    failed = true;
+                }
+                if (name == "coordinator" || !status.success()) && stopping.is_none() {
                     // The run is over (or broken): give the others the grace
                     // period to notice and stop by themselves, then signal.
                     stopping = Some(tokio::time::Instant::now());
-                    let others: Vec<&str> = roles.iter().map(|r| r.name).collect();
-                    if !others.is_empty() && !status.success() {
+                    if !roles.is_empty() && !status.success() {
                         terminate(&roles);
                     }
                 }
-            } else {
-                i += 1;
+                drop(r);
             }
         }
+        Ok(if failed { 1 } else { 0 })
     }
-    Ok(if failed { 1 } else { 0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_read_from_the_roles_log_lines() {
+        let line =
+            "2026-12-01T10:00:00Z  INFO dflash_coordinator: coordinator listening on 127.0.0.1:40123 (plain text)";
+        assert_eq!(address_after(line, LISTENING), Some("127.0.0.1:40123"));
+        let line = "INFO dflash_telemetry::metrics: metrics on http://127.0.0.1:9999/metrics";
+        assert_eq!(address_after(line, METRICS), Some("http://127.0.0.1:9999/metrics"));
+        assert_eq!(address_after("nothing here", LISTENING), None);
+    }
 }

@@ -426,18 +426,25 @@ impl Ledger {
                         let state: Option<String> = q.query_row([id as i64], |r| r.get(0)).optional().map_err(wrap)?;
                         match state.as_deref() {
                             Some("committed") => {}
-                            // A batch of an unreported checkpoint may be in
-                            // any state short of committed: its targets may
-                            // even be computing it again (a duplicate the
-                            // drafter will not train twice).
-                            Some("pending" | "leased" | "sent" | "trained") => {
+                            // A batch the drafter trained was acknowledged to
+                            // it (sent; or still leased, when the target's
+                            // report of the acknowledgement was lost too). A
+                            // pending batch was not: refused, so no client
+                            // can commit work nobody did by claiming it.
+                            Some("leased" | "sent" | "trained") => {
                                 commit.execute(params![id as i64, s.step as i64, by]).map_err(wrap)?;
                                 out.newly_committed += 1;
                             }
-                            _ => {
+                            other => {
                                 return Err(LedgerError::Refused(format!(
-                                    "checkpoint {} (step {}) holds batch {id}, which is not in the plan",
-                                    s.name, s.step
+                                    "checkpoint {} (step {}) holds batch {id}, which {}",
+                                    s.name,
+                                    s.step,
+                                    if other.is_some() {
+                                        "no drafter was given (pending)"
+                                    } else {
+                                        "is not in the plan"
+                                    }
                                 )));
                             }
                         }

@@ -140,7 +140,16 @@ async fn run(args: Args) -> anyhow::Result<i32> {
     let server_stop = stop.clone();
     let server = tokio::spawn(
         security
-            .server(tonic::transport::Server::builder())?
+            // A request that is not complete within the RPC timeout (a
+            // half-sent body) is answered CANCELLED; streams the server
+            // sends (WatchEvents) are not affected. Keepalives find dead
+            // connections.
+            .server(
+                tonic::transport::Server::builder()
+                    .timeout(Duration::from_millis(run.config.faults.rpc_timeout_ms))
+                    .http2_keepalive_interval(Some(Duration::from_secs(10)))
+                    .http2_keepalive_timeout(Some(Duration::from_secs(20))),
+            )?
             .trace_fn(|req| dflash_telemetry::rpc_span(req.uri().path()))
             .add_service(health_service)
             .add_service(service)

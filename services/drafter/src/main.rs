@@ -59,7 +59,8 @@ struct ServeArgs {
     /// Address for the hidden-state stream and grpc.health.v1.
     #[arg(long, env = "DFLASH_LISTEN", default_value = "0.0.0.0:50052")]
     listen: SocketAddr,
-    /// URL targets use to reach this drafter (default: http(s)://<hostname>:<port>).
+    /// URL targets use to reach this drafter (default: http(s)://<hostname>:<port>;
+    /// a port of 0 stands for the port bound).
     #[arg(long, env = "DFLASH_ADVERTISE")]
     advertise: Option<String>,
     /// Also serve grpc.health.v1 in plain text here (for probes that cannot
@@ -115,7 +116,12 @@ async fn serve(args: ServeArgs) -> i32 {
         }
     };
     let port = listener.local_addr().map(|a| a.port()).unwrap_or(args.listen.port());
-    let endpoint = args.advertise.clone().unwrap_or_else(|| {
+    // An advertised port 0 is the port just bound (`--listen ...:0`).
+    let advertise = args.advertise.as_ref().map(|a| match a.strip_suffix(":0") {
+        Some(base) => format!("{base}:{port}"),
+        None => a.clone(),
+    });
+    let endpoint = advertise.unwrap_or_else(|| {
         let host = hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "127.0.0.1".into());
         let scheme = if args.role.security.tls_cert.is_some() { "https" } else { "http" };
         format!("{scheme}://{host}:{port}")

@@ -346,7 +346,7 @@ impl TrainLoop {
                 root.display(),
                 if tried.is_empty() { String::new() } else { format!(" (tried: {})", tried.join("; ")) }
             ))
-            .kind(ErrorKind::Checkpoint);
+            .kind(ErrorKind::CheckpointUnavailable);
         }
         // A fresh run: the coordinator checks that nothing is committed.
         self.report_start(None, Vec::new())
@@ -542,9 +542,10 @@ impl TrainLoop {
             {
                 e.run(step, &self.trainer);
             }
-            if delivered.is_none() || self.all_trained {
-                self.catch_up()?;
+            if delivered.is_none() {
+                self.report_retry.failed();
             }
+            self.catch_up()?;
         }
         // Stopped: a signal (SIGTERM from Kubernetes, Ctrl-C) checkpoints
         // first so that no trained step is lost.

@@ -1,0 +1,160 @@
+//! Checkpoints a resume can trust: every file covered by a manifest of
+//! sizes and sha256, damage found and named before anything is trained on
+//! it, and what failed or killed writes leave behind cleaned up.
+
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
+use std::path::Path;
+
+use dflash_models::blocks::BlockSettings;
+use dflash_models::checkpoint::{
+    MANIFEST, TrainerState, remove_stale_temporaries, restore_checkpoint, save_checkpoint, set_aside, step_dirs,
+    verify_checkpoint,
+};
+use dflash_models::optim::{AdamWSettings, LrSchedule};
+use dflash_models::synthetic::synthetic_target_config;
+use dflash_models::{DeviceBatch, Drafter, DrafterConfig, StepOutcome, TrainSettings, Trainer};
+use tch::{Device, Kind, Tensor};
+
+fn trainer(seed: i64) -> Trainer {
+    let tc = synthetic_target_config(2);
+    tch::manual_seed(seed);
+    let dc = DrafterConfig::for_target(&tc, 1, 4, 3, vec![0, 1]);
+    let drafter = Drafter::new(dc, Device::Cpu, Kind::Float);
+    tch::manual_seed(1);
+    let embed = Tensor::randn([tc.vocab_size, tc.hidden_size], (Kind::Float, Device::Cpu));
+    let head = Tensor::randn([tc.vocab_size, tc.hidden_size], (Kind::Float, Device::Cpu)) * 0.1;
+    let settings = TrainSettings {
+        blocks: BlockSettings { block_size: 4, mask_token_id: 3, gamma: 4.0, anchors_per_sequence: 6 },
+        schedule: LrSchedule::new(1e-2, 100, 0.0, 0.0),
+        adamw: AdamWSettings { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
+        grad_clip: 0.0,
+        max_blocks_per_micro_batch: 64,
+        loss_chunk_blocks: 3,
+        attention_chunk_blocks: 4,
+        context_pad_multiple: 1,
+        seed: 5,
+    };
+    Trainer::new(drafter, embed, head, settings)
+}
+
+fn batch(id: u64) -> DeviceBatch {
+    let lens = [23u32, 17];
+    let t: usize = lens.iter().map(|&l| l as usize).sum();
+    tch::manual_seed(id as i64);
+    DeviceBatch {
+        batch_id: id,
+        features: Tensor::randn([t as i64, 2 * 64], (Kind::Float, Device::Cpu)),
+        input_ids: (0..t as u32).map(|i| 20 + (i * 7) % 200).collect(),
+        loss_mask: vec![1; t],
+        seq_lengths: lens.to_vec(),
+        landing: None,
+        trace_context: Default::default(),
+    }
+}
+
+fn trained(steps: u64) -> Trainer {
+    let mut t = trainer(11);
+    for i in 0..steps {
+        assert!(matches!(t.train_batch(&batch(i)), StepOutcome::Trained(_)));
+    }
+    t
+}
+
+fn state(t: &Trainer) -> TrainerState {
+    TrainerState { step: t.step(), batch_ids: (0..t.step()).collect(), run_config: String::new(), run_id: "r".into() }
+}
+
+fn params(t: &Trainer) -> Vec<(String, Tensor)> {
+    t.drafter.named_parameters()
+}
+
+#[test]
+fn a_checkpoint_restores_exactly_and_its_content_hash_is_stable() {
+    let root = tempfile::tempdir().unwrap();
+    let t = trained(3);
+    let ck = save_checkpoint(root.path(), &t, &state(&t), 0).unwrap();
+    assert_eq!(ck.dir, root.path().join("step-00000003"));
+    let verified = verify_checkpoint(&ck.dir).unwrap();
+    assert_eq!(verified, ck, "the hash written is the hash verified");
+    let mut fresh = trainer(99);
+    let s = restore_checkpoint(&ck.dir, &mut fresh).unwrap();
+    assert_eq!((s.step, fresh.step()), (3, 3));
+    for ((n, a), (_, b)) in params(&t).iter().zip(params(&fresh)) {
+        assert!(a.equal(&b), "{n} differs after a restore");
+    }
+    // The same training written twice has the same content.
+    let root2 = tempfile::tempdir().unwrap();
+    assert_eq!(save_checkpoint(root2.path(), &t, &state(&t), 0).unwrap().content_hash, ck.content_hash);
+}
+
+#[test]
+fn damaged_or_incomplete_checkpoints_are_named() {
+    let t = trained(1);
+    for (file, damage) in [
+        ("model.safetensors", "truncate"),
+        ("optimizer.safetensors", "truncate"),
+        ("trainer_state.json", "edit"),
+        ("config.json", "remove"),
+        (MANIFEST, "remove"),
+    ] {
+        let root = tempfile::tempdir().unwrap();
+        let ck = save_checkpoint(root.path(), &t, &state(&t), 0).unwrap();
+        let p = ck.dir.join(file);
+        match damage {
+            "truncate" => {
+                let len = std::fs::metadata(&p).unwrap().len();
+                std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(len - 1).unwrap();
+            }
+            "edit" => {
+                let text = std::fs::read_to_string(&p).unwrap().replace("\"step\":1", "\"step\":7");
+                std::fs::write(&p, text).unwrap();
+            }
+            _ => std::fs::remove_file(&p).unwrap(),
+        }
+        let err = verify_checkpoint(&ck.dir).unwrap_err().to_string();
+        assert!(err.contains(file), "{file} ({damage}): {err}");
+    }
+}
+
+#[test]
+fn failed_writes_leave_nothing_behind_and_earlier_checkpoints_stay() {
+    let root = tempfile::tempdir().unwrap();
+    let t = trained(2);
+    let first = save_checkpoint(root.path(), &t, &state(&t), 0).unwrap();
+    // A later write that fails once its files are written: a file stands
+    // where its step directory must go.
+    let t3 = trained(3);
+    let tmp = root.path().join(format!(".tmp-step-00000003-{}", std::process::id()));
+    std::fs::write(root.path().join("step-00000003"), b"not a directory").unwrap();
+    assert!(save_checkpoint(root.path(), &t3, &state(&t3), 0).is_err());
+    assert!(!tmp.exists(), "the failed write removed its temporary folder");
+    verify_checkpoint(&first.dir).unwrap();
+    std::fs::remove_file(root.path().join("step-00000003")).unwrap();
+
+    // What a killed write leaves is cleaned at the next start.
+    std::fs::create_dir_all(root.path().join(".tmp-step-00000009-4242")).unwrap();
+    std::fs::write(root.path().join(".latest.tmp"), b"step-00000009").unwrap();
+    let removed = remove_stale_temporaries(root.path()).unwrap();
+    assert_eq!(removed.len(), 2);
+    assert!(remove_stale_temporaries(root.path()).unwrap().is_empty());
+}
+
+#[test]
+fn unusable_checkpoints_are_set_aside_out_of_resuming_and_pruning() {
+    let root = tempfile::tempdir().unwrap();
+    let t = trained(1);
+    let a = save_checkpoint(root.path(), &t, &state(&t), 0).unwrap();
+    let t2 = trained(2);
+    let b = save_checkpoint(root.path(), &t2, &state(&t2), 0).unwrap();
+    let names = |root: &Path| step_dirs(root).unwrap().into_iter().map(|(s, _)| s).collect::<Vec<_>>();
+    assert_eq!(names(root.path()), vec![2, 1], "newest first");
+    let aside = set_aside(&b.dir).unwrap();
+    assert_eq!(aside.file_name().unwrap(), "unusable-step-00000002");
+    assert_eq!(names(root.path()), vec![1]);
+    // Pruning keeps the newest step directories, never counting set-aside ones.
+    let t3 = trained(3);
+    save_checkpoint(root.path(), &t3, &state(&t3), 1).unwrap();
+    assert_eq!(names(root.path()), vec![3]);
+    assert!(aside.is_dir() && !a.dir.exists());
+}
