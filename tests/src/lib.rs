@@ -65,7 +65,7 @@ impl Workspace {
 
     fn prepare(samples: usize, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let status = Command::new(bin("dflash-target"))
+        let status = Command::new(bin("dflash"))
             .args(["prepare-synthetic", "--model-dir"])
             .arg(dir.path().join("model"))
             .arg("--dataset")

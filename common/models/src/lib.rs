@@ -10,6 +10,7 @@ pub mod cuda;
 pub mod decoder;
 pub mod dp;
 pub mod drafter;
+pub mod evaluation;
 pub mod generate;
 pub mod gguf;
 pub mod gpu;

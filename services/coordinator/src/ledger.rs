@@ -274,11 +274,13 @@ impl Ledger {
         let wrap = |source| LedgerError::Sqlite { path: path.clone(), source };
         let tx = self.conn.transaction().map_err(wrap)?;
         for id in batch_ids {
-            // A replayed batch may be trained before its target's ReportSent
-            // arrives, so leased batches count too.
+            // The drafter's word is what counts: a replayed batch may be
+            // trained before its target's ReportSent arrives (leased), and a
+            // target may be presumed dead after sending a batch but before
+            // reporting it (its leases went back to pending).
             tx.execute(
                 "UPDATE batches SET state = 'trained', trained_step = ?2, trains = trains + 1, holder = NULL, \
-                 lease_expires_ms = NULL, trained_by = ?3 WHERE batch_id = ?1 AND state IN ('leased', 'sent')",
+                 lease_expires_ms = NULL, trained_by = ?3 WHERE batch_id = ?1 AND state IN ('pending', 'leased', 'sent')",
                 params![*id as i64, step as i64, by],
             )
             .map_err(wrap)?;
@@ -685,6 +687,18 @@ mod tests {
         l.commit_checkpoint("d", &ckpt(1, "h"), &[0, 1]).unwrap();
         l.commit_checkpoint("d", &ckpt(1, "h"), &[0, 1]).unwrap();
         assert!(l.audit().unwrap().iter().all(|a| a.commits == 1 && a.trains == 1));
+    }
+
+    #[test]
+    fn a_batch_trained_after_its_target_was_presumed_dead_commits() {
+        let (_d, mut l) = ledger(2);
+        l.lease("t0", 2, 0, 50).unwrap();
+        // t0 sent batch 0 and was cut off before reporting it: its leases
+        // go back to pending, and then the drafter reports training it.
+        assert_eq!(l.release_holder("t0").unwrap(), 2);
+        l.mark_trained("d", &[0], 1).unwrap();
+        l.commit_checkpoint("d", &ckpt(1, "h"), &[0]).unwrap();
+        assert_eq!(l.counts().unwrap(), Counts { pending: 1, leased: 0, sent: 0, trained: 0, committed: 1 });
     }
 
     #[test]

@@ -2,9 +2,7 @@
 //! of role instances, health, and the run's fate.
 
 pub mod flow;
-pub mod launcher;
 pub mod ledger;
 pub mod plan;
-pub mod progress;
 pub mod run;
 pub mod service;

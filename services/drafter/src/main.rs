@@ -2,14 +2,6 @@
 //! targets, queues and prefetches them, trains the DFlash drafter and
 //! checkpoints it.
 
-mod bench;
-mod bench_transport;
-mod data_plane;
-mod eval;
-mod prefetch;
-mod receiver;
-mod train_loop;
-
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -27,9 +19,10 @@ use dflash_telemetry::ErrorKind;
 use tch::Kind;
 use tonic_health::ServingStatus;
 
-use crate::prefetch::Prefetcher;
-use crate::receiver::{DrafterService, Expected, Landing};
-use crate::train_loop::{ReplicaStep, TrainLoop, follow};
+use dflash_drafter::prefetch::{self, Prefetcher};
+use dflash_drafter::receiver::{self, DrafterService, Expected, Landing};
+use dflash_drafter::train_loop::{ReplicaStep, TrainLoop, follow};
+use dflash_drafter::{data_plane, periodic_eval};
 
 #[derive(Parser, Debug)]
 #[command(name = "dflash-drafter", version, about = "The dflash drafter service")]
@@ -42,12 +35,6 @@ struct Cli {
 enum Command {
     /// Join a run: receive target features, train, checkpoint.
     Serve(ServeArgs),
-    /// Measure acceptance length by real speculative decoding on held-out prompts.
-    Eval(eval::EvalArgs),
-    /// Benchmark the training step (time, samples/s, MFU) on random weights.
-    BenchStep(bench::BenchStepArgs),
-    /// Benchmark the hidden-state gRPC stream against raw TCP on loopback.
-    BenchTransport(bench_transport::BenchTransportArgs),
     /// Check a gRPC server's grpc.health.v1 status; exit 0 when SERVING.
     Health(dflash_role::HealthArgs),
 }
@@ -84,22 +71,8 @@ fn main() {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
             rt.block_on(serve(args))
         }
-        Command::Eval(args) => report(eval::run(&args)),
-        Command::BenchStep(args) => report(bench::run(&args)),
-        Command::BenchTransport(args) => report(bench_transport::run(&args)),
     };
     std::process::exit(code);
-}
-
-/// Exit code of a tool command, logging its error.
-fn report(r: anyhow::Result<()>) -> i32 {
-    match r {
-        Ok(()) => 0,
-        Err(e) => {
-            tracing::error!("{}", format_chain(&e));
-            1
-        }
-    }
 }
 
 async fn serve(args: ServeArgs) -> i32 {
@@ -286,7 +259,8 @@ async fn start(
     // this drafter will not have before any target sends it more.
     let rt = tokio::runtime::Handle::current();
     let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone(), skipped_rx);
-    train.eval = tokio::task::block_in_place(|| eval::PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
+    train.eval =
+        tokio::task::block_in_place(|| periodic_eval::PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
     tokio::task::block_in_place(|| train.resume())?;
     let resumed_step = train.trainer.step();
     let k = c.model.target_layer_ids.len() as u64;

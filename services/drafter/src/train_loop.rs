@@ -25,7 +25,7 @@ use dflash_proto as pb;
 use dflash_role::{KindExt, Session, StopCause, with_timeout};
 use dflash_telemetry::ErrorKind;
 
-use crate::eval::PeriodicEval;
+use crate::periodic_eval::PeriodicEval;
 use crate::receiver::ReceivedBatch;
 
 /// Batch ids trained in this checkpoint lineage.

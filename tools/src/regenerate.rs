@@ -1,4 +1,4 @@
-//! `dflash-target regenerate`: the target answers a dataset's prompts
+//! `dflash regenerate`: the target answers a dataset's prompts
 //! itself (greedy, batched, KV cache) and the answers become the training
 //! data, as every public DFlash recipe does.
 

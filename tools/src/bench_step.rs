@@ -1,4 +1,4 @@
-//! `dflash-drafter bench-step`: drafter training-step time, samples/s and
+//! `dflash bench-step`: drafter training-step time, samples/s and
 //! MFU on random weights of a named target shape, for several anchor counts
 //! and attention chunkings. Prints a table and writes JSON.
 

@@ -226,22 +226,14 @@ impl Launcher {
                     s("--dataset"),
                     config.data.train_path.clone(),
                 ];
-                self.tool("prepare", "dflash-target", &args).await
+                self.tool("prepare", "dflash", &args).await
             }
             Prepare::Smollm2Chitchat => {
-                self.tool(
-                    "prepare",
-                    "dflash-target",
-                    &[s("prepare-smollm2"), s("--out"), config.model.target_path.clone()],
-                )
-                .await?;
+                self.tool("prepare", "dflash", &[s("prepare-smollm2"), s("--out"), config.model.target_path.clone()])
+                    .await?;
                 let data_dir = Path::new(&config.data.train_path).parent().unwrap_or(Path::new(".")).to_path_buf();
-                self.tool(
-                    "prepare",
-                    "dflash-target",
-                    &[s("prepare-corpora"), s("--out"), data_dir.display().to_string()],
-                )
-                .await?;
+                self.tool("prepare", "dflash", &[s("prepare-corpora"), s("--out"), data_dir.display().to_string()])
+                    .await?;
                 if Path::new(&config.data.train_path).is_file() {
                     return Ok(());
                 }
@@ -258,7 +250,7 @@ impl Launcher {
                     s("--output"),
                     config.data.train_path.clone(),
                 ];
-                self.tool("regenerate", "dflash-target", &args).await
+                self.tool("regenerate", "dflash", &args).await
             }
         }
     }
@@ -286,7 +278,7 @@ impl Launcher {
             "--json".into(),
             self.up.workdir.join("eval.json").display().to_string(),
         ];
-        self.tool("eval", "dflash-drafter", &args).await
+        self.tool("eval", "dflash", &args).await
     }
 
     /// Runs the roles until the run ends, one fails, or Ctrl-C. Returns the
@@ -296,7 +288,7 @@ impl Launcher {
         std::fs::create_dir_all(&self.up.workdir).with_context(|| format!("creating {}", self.up.workdir.display()))?;
         let ledger_path = self.up.workdir.join("ledger.sqlite");
         if ledger_path.is_file() {
-            let counts = crate::ledger::Ledger::open(&ledger_path)?.counts()?;
+            let counts = dflash_coordinator::ledger::Ledger::open(&ledger_path)?.counts()?;
             if counts.total() > 0 && counts.committed == counts.total() {
                 eprintln!(
                     "[dflash     ] the run in {} is complete ({} batches committed); evaluating its last checkpoint. \

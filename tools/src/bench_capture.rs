@@ -1,4 +1,4 @@
-//! `dflash-target bench-capture`: target capture throughput and MFU on a
+//! `dflash bench-capture`: target capture throughput and MFU on a
 //! random-weight target of a named shape, and the step time with
 //! postprocessing off, asynchronous (the service's pipeline) and
 //! synchronous. Prints a table and writes JSON.
@@ -16,9 +16,9 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tch::{Device, Tensor};
 
-use crate::forward::{CudaFeed, ForwardLoop, compute_kind};
-use crate::postprocess::{self, GpuCopy, PostprocessSink, Postprocessor};
-use crate::work::WorkItem;
+use dflash_target::forward::{CudaFeed, ForwardLoop, compute_kind};
+use dflash_target::postprocess::{self, GpuCopy, PostprocessSink, Postprocessor};
+use dflash_target::work::WorkItem;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -214,16 +214,16 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                         sync_device(device);
                         t0 = Instant::now();
                         if let Some(ctx) = &cuda {
-                            gpu_t0 = Some(crate::upload::GpuBusy::mark(ctx)?);
+                            gpu_t0 = Some(dflash_target::upload::GpuBusy::mark(ctx)?);
                         }
                     }
                     let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
                     match &upload {
                         Some(feed) => {
                             let mut ids = feed.upload.upload(&w.input_ids, &stop)?;
-                            let start = crate::upload::GpuBusy::mark(&feed.ctx)?;
+                            let start = dflash_target::upload::GpuBusy::mark(&feed.ctx)?;
                             let _ = model.capture_packed(ids.tensor(), &lens, &layer_ids);
-                            off_events.push((start, crate::upload::GpuBusy::mark(&feed.ctx)?));
+                            off_events.push((start, dflash_target::upload::GpuBusy::mark(&feed.ctx)?));
                             ids.release_after_torch_work()?;
                             // Waits for the forward before this one.
                             previous = Some(ids);
@@ -237,7 +237,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                 }
                 drop(previous);
                 if let (Some(ctx), Some(start)) = (&cuda, &gpu_t0) {
-                    let end = crate::upload::GpuBusy::mark(ctx)?;
+                    let end = dflash_target::upload::GpuBusy::mark(ctx)?;
                     sync_device(device);
                     gpu_window_ms = start.elapsed_ms(&end).ok().map(|ms| f64::from(ms) / a.batches as f64);
                     timeline_ms =
@@ -275,14 +275,14 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     workers.push(std::thread::spawn(move || postprocess::worker(post, cap_rx, host_tx, s)));
                     PostprocessSink::Queue(cap_tx)
                 };
-                let stats = std::sync::Arc::new(crate::forward::ForwardStats::new(1));
+                let stats = std::sync::Arc::new(dflash_target::forward::ForwardStats::new(1));
                 let fl = ForwardLoop {
                     stats: stats.clone(),
                     model,
                     layer_ids: layer_ids.clone(),
                     label: "bench".into(),
                     cuda: cuda_feed(&cuda, device, a.batch_tokens, 4)?,
-                    cache: crate::feature_cache::FeatureCache::new(0),
+                    cache: dflash_target::feature_cache::FeatureCache::new(0),
                 };
                 let s = stop.clone();
                 let fwd = std::thread::spawn(move || fl.run(work_rx, sink, s));

@@ -1,4 +1,4 @@
-//! `dflash-drafter bench-transport`: the hidden-state gRPC stream (the real
+//! `dflash bench-transport`: the hidden-state gRPC stream (the real
 //! drafter receiver: reassembly, CRC32C, queue, acknowledgements, credits)
 //! against raw TCP moving the same bytes on the same host.
 
@@ -13,7 +13,7 @@ use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use crate::receiver::{DrafterService, Expected, Landing};
+use dflash_drafter::receiver::{DrafterService, Expected, Landing};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchTransportArgs {
@@ -95,9 +95,9 @@ async fn grpc(
     // The plan every received batch is checked against, as in a run.
     let t = tokens_of(payload.len(), hidden) as u32;
     let share = |s: usize| batches / streams + usize::from(s < batches % streams);
-    let plan: crate::receiver::Plan = (0..streams)
+    let plan: dflash_drafter::receiver::Plan = (0..streams)
         .flat_map(|s| (0..share(s)).map(move |i| batch_id(s, i)))
-        .map(|id| (id, crate::receiver::Planned { epoch: 0, sample_ids: vec![id], sample_lengths: vec![t] }))
+        .map(|id| (id, dflash_drafter::receiver::Planned { epoch: 0, sample_ids: vec![id], sample_lengths: vec![t] }))
         .collect();
     let (skipped, _skipped_rx) = flume::bounded(1);
     let service = DrafterService {
@@ -120,7 +120,7 @@ async fn grpc(
     let server_stop = stop.clone();
     let server = tokio::spawn(
         transport::data_server()
-            .add_service(crate::data_plane::DataPlane::new(service))
+            .add_service(dflash_drafter::data_plane::DataPlane::new(service))
             .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
                 server_stop.stopped().await
             }),

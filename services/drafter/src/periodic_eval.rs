@@ -1,0 +1,74 @@
+//! Evaluation during training: held-out prompts decoded by real
+//! speculative decoding with the drafter being trained.
+
+use std::path::Path;
+
+use anyhow::Context;
+use dflash_data::ChatTokenizer;
+use dflash_models::evaluation::{EvalPrompt, EvalReport, evaluate, read_prompts};
+use dflash_models::{LoadScope, TargetModel};
+use tch::{Device, Kind};
+
+/// Evaluation during training: every `eval.interval_steps` steps (and at
+/// the end) the drafter being trained decodes held-out prompts with the
+/// full target, and tau goes to the log.
+pub struct PeriodicEval {
+    target: TargetModel,
+    prompts: Vec<EvalPrompt>,
+    max_new_tokens: usize,
+    stop_ids: Vec<u32>,
+    pub every: u64,
+}
+
+impl PeriodicEval {
+    /// None when `eval.prompts_path` is empty or `eval.interval_steps` is 0.
+    pub fn load(c: &dflash_config::RunConfig, device: Device, kind: Kind) -> anyhow::Result<Option<Self>> {
+        let e = &c.eval;
+        if e.prompts_path.is_empty() || e.interval_steps == 0 {
+            return Ok(None);
+        }
+        let dir = Path::new(&c.model.target_path);
+        let tok = ChatTokenizer::from_dir(dir)?;
+        let prompts =
+            read_prompts(Path::new(&e.prompts_path), &tok, 0, e.max_prompts as usize).context("eval.prompts_path")?;
+        let target = TargetModel::load(dir, device, kind, LoadScope::Full)?;
+        tracing::info!(
+            "periodic evaluation: {} prompts from {}, every {} steps",
+            prompts.len(),
+            e.prompts_path,
+            e.interval_steps
+        );
+        Ok(Some(Self {
+            target,
+            prompts,
+            max_new_tokens: e.max_new_tokens as usize,
+            stop_ids: tok.stop_ids,
+            every: e.interval_steps,
+        }))
+    }
+
+    /// Runs the evaluation and logs tau.
+    pub fn run(&self, step: u64, trainer: &dflash_models::Trainer) -> EvalReport {
+        let r = evaluate(
+            &format!("step {step}"),
+            &self.target,
+            &trainer.drafter,
+            trainer.embed(),
+            trainer.lm_head(),
+            &self.prompts,
+            self.max_new_tokens,
+            &self.stop_ids,
+            None,
+        );
+        let cats: Vec<String> = r.per_category.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
+        dflash_telemetry::metrics().acceptance_length.with_label_values(&["eval"]).set(r.tau);
+        tracing::info!(
+            "eval at step {step}: acceptance length tau {:.3} over {} prompts ({:.1} tok/s; {})",
+            r.tau,
+            self.prompts.len(),
+            r.tokens_per_s,
+            cats.join(", ")
+        );
+        r
+    }
+}

@@ -1,0 +1,13 @@
+//! The target service: the frozen target forward with layer capture per
+//! device (`forward`, its CUDA ids upload in `upload`, reuse of earlier
+//! epochs in `feature_cache`), the postprocess pool (`postprocess`), the
+//! hidden-state senders (`sender`), and the lease loop feeding them
+//! (`work`). `inspect` checks a model directory the way the service loads it.
+
+pub mod feature_cache;
+pub mod forward;
+pub mod inspect;
+pub mod postprocess;
+pub mod sender;
+pub mod upload;
+pub mod work;
