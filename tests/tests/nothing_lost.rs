@@ -231,14 +231,21 @@ fn only_the_drafter_that_trained_a_batch_can_commit_it() {
         // A target may not report for the drafter.
         c.register(register(pb::Role::Target, "t-evil")).await.unwrap();
         let e = c.report_checkpoint(report("t-evil", false, 1)).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert_eq!(
+            dflash_proto::CoordinatorError::from_status(&e),
+            Some(dflash_proto::CoordinatorError::NotCurrentDrafter("t-evil".into())),
+            "{e:?}"
+        );
         // A drafter that trained nothing commits nothing, also by claiming
         // a checkpoint that holds every batch.
         c.register(register(pb::Role::Drafter, "d-evil")).await.unwrap();
         let e = c.report_checkpoint(report("d-evil", false, 1)).await.unwrap_err();
         assert!(e.message().contains("has not trained"), "{e:?}");
         let e = c.report_checkpoint(report("d-evil", true, 1000)).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert!(
+            matches!(dflash_proto::CoordinatorError::from_status(&e), Some(dflash_proto::CoordinatorError::Refused(_))),
+            "{e:?}"
+        );
         let s = c.status(pb::StatusRequest {}).await.unwrap().into_inner();
         assert_eq!((s.state, s.ledger.unwrap().committed), (pb::RunState::Running as i32, 0));
     });

@@ -114,6 +114,7 @@ async fn grpc(
         stall_timeout: Duration::from_secs(30),
         streams: std::sync::Arc::new(tokio::sync::Semaphore::new(streams)),
         max_streams: streams,
+        stages: dflash_role::Stages::new(stop.clone()),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;

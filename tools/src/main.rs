@@ -172,7 +172,12 @@ async fn status(coordinator: &str, security: &SecurityArgs) -> anyhow::Result<()
         );
     }
     for e in &s.errors {
-        println!("  error [{}] {}: {}", e.kind, e.instance_id, e.causes.join(": "));
+        println!(
+            "  error [{}] {}: {}",
+            dflash_telemetry::ErrorKind::from_proto(e.kind()),
+            e.instance_id,
+            e.causes.join(": ")
+        );
     }
     Ok(())
 }

@@ -2,11 +2,15 @@
 
 /// Protocol version spoken by this build. A peer speaking another version is
 /// refused with a clear error at registration or stream start.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The hidden-state RPC's HTTP path (package, service, method of `drafter.proto`),
 /// for the data plane that serves and calls it below tonic's codec.
 pub const STREAM_HIDDEN_STATES_PATH: &str = "/dflash.v1.Drafter/StreamHiddenStates";
+
+pub mod error;
+
+pub use error::{CoordinatorError, DrafterError};
 
 #[allow(clippy::all, missing_docs)]
 pub mod v1 {

@@ -18,4 +18,4 @@ pub use session::{
     format_chain, kind_of, lazy_channel, with_timeout,
 };
 pub use stages::Stages;
-pub use stop::{Stop, StopCause, send_until_stop};
+pub use stop::{Stop, StopCause, recv_until_stop, send_until_stop};

@@ -8,14 +8,15 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use dflash_config::RunConfig;
 use dflash_proto as pb;
+use dflash_proto::CoordinatorError;
 use dflash_proto::coordinator_client::CoordinatorClient;
-use dflash_telemetry::ErrorKind;
+use dflash_telemetry::{ErrorKind, Reaction};
 use tokio::sync::watch;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::security::{ClientAuth, Security, SecurityArgs};
-use crate::{Stop, StopCause};
+use crate::{Stages, Stop, StopCause};
 
 /// A Coordinator API client that sends the shared token.
 pub type CoordinatorConn = CoordinatorClient<InterceptedService<Channel, ClientAuth>>;
@@ -111,20 +112,20 @@ impl Session {
         let security = args.security.load()?;
         let mut client = coordinator_client(&args.coordinator, &security)?;
         let deadline = Instant::now() + Duration::from_secs(args.connect_timeout_s);
+        let mut delays = dflash_telemetry::retry_delays();
         let resp = loop {
             let attempt = with_timeout(Duration::from_secs(10), client.register(request.clone())).await;
-            match attempt {
+            let s = match attempt {
                 Ok(r) => break r,
+                Err(s) => s,
+            };
+            let refusal = CoordinatorError::from_status(&s);
+            match dflash_telemetry::on_coordinator_error(refusal.as_ref()) {
                 // The coordinator answered and refused: no retry will help.
-                Err(s)
-                    if matches!(
-                        s.code(),
-                        tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition | tonic::Code::Unauthenticated
-                    ) =>
-                {
+                Reaction::Fail | Reaction::RunOver(_) => {
                     anyhow::bail!("the coordinator at {} refused registration: {}", args.coordinator, s.message());
                 }
-                Err(s) if Instant::now() >= deadline => {
+                _ if Instant::now() >= deadline => {
                     anyhow::bail!(
                         "cannot reach the coordinator at {} within {} s: {}",
                         args.coordinator,
@@ -132,10 +133,11 @@ impl Session {
                         s.message()
                     );
                 }
-                Err(s) => {
+                _ => {
                     tracing::debug!("coordinator not ready ({}); retrying", s.message());
+                    let delay = delays.next().unwrap_or(Duration::from_secs(5));
                     tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        _ = tokio::time::sleep(delay) => {}
                         _ = stop.stopped() => anyhow::bail!("stopped while registering"),
                     }
                 }
@@ -164,10 +166,10 @@ impl Session {
         let mut req = self.request.clone();
         req.devices = devices;
         with_timeout(self.rpc_timeout, self.client().register(req)).await.map_err(|s| {
-            if s.code() == tonic::Code::FailedPrecondition {
+            if let Some(CoordinatorError::RunOver { state, message, .. }) = CoordinatorError::from_status(&s) {
                 // The run ended while this role was starting: stop for the
                 // run's reason, as its event stream would have said.
-                self.stop.stop(run_over_cause(s.message()));
+                self.stop.stop(run_over_cause(state, message));
             }
             anyhow::anyhow!("re-registering with devices: {}", s.message())
         })?;
@@ -195,10 +197,11 @@ impl Session {
     }
 
     /// Starts the metrics endpoint when `--metrics-listen` is set.
-    pub async fn serve_metrics(&self, args: &RoleArgs) -> anyhow::Result<()> {
+    pub async fn serve_metrics(&self, args: &RoleArgs, stages: &Stages) -> anyhow::Result<()> {
         if let Some(addr) = args.metrics_listen {
             let stop = self.stop.clone();
-            dflash_telemetry::serve_metrics(addr, async move { stop.stopped().await }).await?;
+            let server = dflash_telemetry::serve_metrics(addr, async move { stop.stopped().await }).await?;
+            stages.spawn_task("metrics", server);
         }
         Ok(())
     }
@@ -210,11 +213,12 @@ impl Session {
     /// `load` returns (tokens produced so far, busy fraction) for targets.
     pub fn spawn_heartbeat(
         self: &Arc<Self>,
+        stages: &Stages,
         held: impl Fn() -> Vec<u64> + Send + Sync + 'static,
         load: impl Fn() -> (u64, f32) + Send + Sync + 'static,
     ) {
         let this = Arc::clone(self);
-        tokio::spawn(async move {
+        stages.spawn_task("heartbeat", async move {
             let f = &this.config.faults;
             let period = Duration::from_millis(f.heartbeat_interval_ms);
             let give_up = Duration::from_millis(f.coordinator_timeout_ms);
@@ -223,7 +227,7 @@ impl Session {
             loop {
                 tokio::select! {
                     _ = tokio::time::sleep(period) => {}
-                    _ = this.stop.stopped() => return,
+                    _ = this.stop.stopped() => return Ok(()),
                 }
                 let (tokens_produced, busy_fraction) = load();
                 let req = pb::HeartbeatRequest {
@@ -233,9 +237,15 @@ impl Session {
                     tokens_produced,
                     busy_fraction,
                 };
-                match with_timeout(this.rpc_timeout, client.heartbeat(req)).await {
-                    Ok(_) => last_ok = Instant::now(),
-                    Err(s) if s.code() == tonic::Code::NotFound => {
+                let s = match with_timeout(this.rpc_timeout, client.heartbeat(req)).await {
+                    Ok(_) => {
+                        last_ok = Instant::now();
+                        continue;
+                    }
+                    Err(s) => s,
+                };
+                match dflash_telemetry::on_coordinator_error(CoordinatorError::from_status(&s).as_ref()) {
+                    Reaction::Register => {
                         tracing::warn!("the coordinator does not know this instance (restarted?): registering again");
                         match with_timeout(this.rpc_timeout, client.register(this.request.clone())).await {
                             Ok(r) if r.run_id == this.run_id => last_ok = Instant::now(),
@@ -244,16 +254,20 @@ impl Session {
                                     "the coordinator now runs run {} instead of {}",
                                     r.run_id, this.run_id
                                 )));
-                                return;
+                                return Ok(());
                             }
                             Err(e) => tracing::warn!("re-registration failed: {}", e.message()),
                         }
                     }
-                    Err(s) if s.code() == tonic::Code::FailedPrecondition => {
-                        this.stop.stop(StopCause::Fatal(format!("coordinator: {}", s.message())));
-                        return;
+                    Reaction::RunOver(state) => {
+                        this.stop.stop(run_over_cause(state, s.message().to_string()));
+                        return Ok(());
                     }
-                    Err(s) => {
+                    Reaction::Fail => {
+                        this.stop.stop(StopCause::Fatal(format!("coordinator: {}", s.message())));
+                        return Ok(());
+                    }
+                    Reaction::Retry => {
                         tracing::debug!("heartbeat failed: {}", s.message());
                         if last_ok.elapsed() > give_up {
                             this.stop.stop(StopCause::PeerLost(format!(
@@ -261,7 +275,7 @@ impl Session {
                                 give_up.as_secs(),
                                 s.message()
                             )));
-                            return;
+                            return Ok(());
                         }
                     }
                 }
@@ -271,22 +285,24 @@ impl Session {
 
     /// Watches run events; returns the drafter endpoint as it changes.
     /// A stop event stops the role with the coordinator's reason.
-    pub fn spawn_event_watch(self: &Arc<Self>) -> watch::Receiver<Option<String>> {
+    pub fn spawn_event_watch(self: &Arc<Self>, stages: &Stages) -> watch::Receiver<Option<String>> {
         let (tx, rx) = watch::channel(None);
         let this = Arc::clone(self);
-        tokio::spawn(async move {
+        stages.spawn_task("event-watch", async move {
             let mut client = this.client();
+            let mut delays = dflash_telemetry::retry_delays();
             loop {
                 let req = pb::WatchEventsRequest { run_id: this.run_id.clone(), instance_id: this.instance_id.clone() };
                 let stream = tokio::select! {
                     r = with_timeout(this.rpc_timeout, client.watch_events(req)) => r,
-                    _ = this.stop.stopped() => return,
+                    _ = this.stop.stopped() => return Ok(()),
                 };
                 if let Ok(mut stream) = stream {
+                    delays = dflash_telemetry::retry_delays();
                     loop {
                         let msg = tokio::select! {
                             m = stream.message() => m,
-                            _ = this.stop.stopped() => return,
+                            _ = this.stop.stopped() => return Ok(()),
                         };
                         match msg {
                             Ok(Some(ev)) => this.handle_event(ev, &tx),
@@ -294,10 +310,11 @@ impl Session {
                         }
                     }
                 }
-                // Reconnect; the heartbeat decides when the coordinator is lost.
+                // Reconnect with backoff; the heartbeat decides when the
+                // coordinator is lost.
                 tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-                    _ = this.stop.stopped() => return,
+                    _ = tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(5))) => {}
+                    _ = this.stop.stopped() => return Ok(()),
                 }
             }
         });
@@ -335,7 +352,7 @@ impl Session {
             role: self.role as i32,
             instance_id: self.instance_id.clone(),
             device: device.to_string(),
-            kind: kind.as_str().to_string(),
+            kind: dflash_proto::ErrorKind::from(kind) as i32,
             message: causes.first().cloned().unwrap_or_default(),
             causes,
             fatal: !kind.is_retryable(),
@@ -409,15 +426,12 @@ impl<T, E: Into<anyhow::Error>> KindExt<T> for Result<T, E> {
     }
 }
 
-/// The stop cause for a coordinator's "run R is over (STATE): message"
-/// answer (the state names are the protocol's `RunState` names).
-fn run_over_cause(message: &str) -> StopCause {
-    if message.contains(pb::RunState::Completed.as_str_name()) {
-        StopCause::RunCompleted
-    } else if message.contains(pb::RunState::Cancelled.as_str_name()) {
-        StopCause::RunCancelled(message.to_string())
-    } else {
-        StopCause::RunFailed(message.to_string())
+/// The stop cause of a run that is over in `state`.
+fn run_over_cause(state: pb::RunState, message: String) -> StopCause {
+    match state {
+        pb::RunState::Completed => StopCause::RunCompleted,
+        pb::RunState::Cancelled => StopCause::RunCancelled(message),
+        _ => StopCause::RunFailed(message),
     }
 }
 
@@ -446,9 +460,16 @@ mod tests {
 
     #[test]
     fn a_run_that_ended_during_startup_stops_the_role_for_the_runs_reason() {
-        let failed = "run r1 is over (RUN_STATE_FAILED): target t0 [data]: bad sample";
-        assert_eq!(run_over_cause(failed).to_string(), format!("run failed: {failed}"));
-        assert!(matches!(run_over_cause("run r1 is over (RUN_STATE_COMPLETED): done"), StopCause::RunCompleted));
-        assert!(matches!(run_over_cause("run r1 is over (RUN_STATE_CANCELLED): ^C"), StopCause::RunCancelled(_)));
+        let over = |state| {
+            let s =
+                CoordinatorError::RunOver { run_id: "r1".into(), state, message: "bad sample".into() }.into_status();
+            match CoordinatorError::from_status(&s) {
+                Some(CoordinatorError::RunOver { state, message, .. }) => run_over_cause(state, message),
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(over(pb::RunState::Failed), StopCause::RunFailed("bad sample".into()));
+        assert_eq!(over(pb::RunState::Completed), StopCause::RunCompleted);
+        assert!(matches!(over(pb::RunState::Cancelled), StopCause::RunCancelled(_)));
     }
 }

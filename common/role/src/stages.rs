@@ -1,6 +1,7 @@
-//! Running a role's pipeline stages (threads for compute, tasks for I/O)
-//! so that the first failure stops the role with its cause, and stopping
-//! waits for every stage with a bound.
+//! Running a role's pipeline stages (threads for compute, tasks for I/O):
+//! every thread and task a role starts is owned here, so that the first
+//! failure stops the role with its cause and stopping joins every one of
+//! them (with a bound, naming what did not stop).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,6 +18,7 @@ pub struct Stages {
     first_error: Arc<Mutex<Option<anyhow::Error>>>,
     threads: Named<std::thread::JoinHandle<()>>,
     tasks: Named<tokio::task::JoinHandle<()>>,
+    tracker: tokio_util::task::TaskTracker,
 }
 
 impl Stages {
@@ -26,7 +28,13 @@ impl Stages {
             first_error: Arc::new(Mutex::new(None)),
             threads: Arc::new(Mutex::new(Vec::new())),
             tasks: Arc::new(Mutex::new(Vec::new())),
+            tracker: tokio_util::task::TaskTracker::new(),
         }
+    }
+
+    /// The role's stop signal.
+    pub fn stop(&self) -> &Stop {
+        &self.stop
     }
 
     fn fail(&self, name: &str, e: anyhow::Error) {
@@ -67,12 +75,26 @@ impl Stages {
     pub fn spawn_task(&self, name: &str, f: impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static) {
         let this = self.clone();
         let n = name.to_string();
-        let handle = tokio::spawn(async move {
+        let handle = self.tracker.spawn(async move {
             if let Err(e) = f.await {
                 this.fail(&n, e);
             }
         });
-        self.tasks.lock().expect("tasks lock").push((name.to_string(), handle));
+        let mut tasks = self.tasks.lock().expect("tasks lock");
+        // Keep the list to the tasks still running (some stages spawn one
+        // task per connection).
+        tasks.retain(|(_, h)| !h.is_finished());
+        tasks.push((name.to_string(), handle));
+    }
+
+    /// What is still running: (tasks, threads), by name.
+    pub fn running(&self) -> (Vec<String>, Vec<String>) {
+        let names = |v: &[(String, bool)]| v.iter().filter(|(_, done)| !done).map(|(n, _)| n.clone()).collect();
+        let tasks: Vec<(String, bool)> =
+            self.tasks.lock().expect("tasks lock").iter().map(|(n, h)| (n.clone(), h.is_finished())).collect();
+        let threads: Vec<(String, bool)> =
+            self.threads.lock().expect("threads lock").iter().map(|(n, h)| (n.clone(), h.is_finished())).collect();
+        (names(&tasks), names(&threads))
     }
 
     /// The first stage error, if any (taken once).
@@ -84,6 +106,7 @@ impl Stages {
     /// still running then are named in the log (threads are left to the
     /// process exit, tasks are aborted).
     pub async fn join(&self, grace: Duration) {
+        self.tracker.close();
         let deadline = Instant::now() + grace;
         let tasks: Vec<_> = std::mem::take(&mut *self.tasks.lock().expect("tasks lock"));
         for (name, mut h) in tasks {
@@ -102,7 +125,20 @@ impl Stages {
                 let _ = h.join();
             } else {
                 tracing::warn!("thread {name} did not stop within {grace:?}");
+                self.threads.lock().expect("threads lock").push((name, h));
             }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let _ = tokio::time::timeout(left, self.tracker.wait()).await;
+        let (tasks, threads) = self.running();
+        if tasks.is_empty() && threads.is_empty() {
+            tracing::info!("every stage stopped: 0 tasks and 0 threads left running");
+        } else {
+            tracing::warn!(
+                "{} task(s) and {} thread(s) left running: {tasks:?} {threads:?}",
+                tasks.len(),
+                threads.len()
+            );
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Why and when a role stops: one token every task listens to, and the
+//! Why and when a role stops: one token every task listens to (and one
+//! channel every blocking stage selects on beside its input), and the
 //! first cause recorded.
 
 use std::sync::{Arc, Mutex};
@@ -46,10 +47,26 @@ impl std::fmt::Display for StopCause {
 }
 
 /// Shared stop signal: cancelled once, with the first cause kept.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Stop {
     token: CancellationToken,
     cause: Arc<Mutex<Option<StopCause>>>,
+    /// Dropped on stop: every receiver of `stopped` then disconnects, which
+    /// wakes threads blocked in a [`flume::Selector`] at once.
+    sender: Arc<Mutex<Option<flume::Sender<()>>>>,
+    stopped: flume::Receiver<()>,
+}
+
+impl Default for Stop {
+    fn default() -> Self {
+        let (tx, rx) = flume::bounded(1);
+        Self {
+            token: CancellationToken::new(),
+            cause: Arc::default(),
+            sender: Arc::new(Mutex::new(Some(tx))),
+            stopped: rx,
+        }
+    }
 }
 
 impl Stop {
@@ -66,6 +83,7 @@ impl Stop {
             }
         }
         self.token.cancel();
+        self.sender.lock().expect("stop sender lock").take();
     }
 
     pub fn is_stopped(&self) -> bool {
@@ -77,49 +95,75 @@ impl Stop {
         self.token.cancelled().await
     }
 
-    /// Blocks a non-async thread until stopped.
-    pub fn stopped_blocking(&self) {
-        while !self.is_stopped() {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-    }
-
-    pub fn token(&self) -> CancellationToken {
-        self.token.clone()
+    /// A channel that disconnects when the role stops (never carries a
+    /// message): select on it beside a stage's input.
+    pub fn channel(&self) -> &flume::Receiver<()> {
+        &self.stopped
     }
 
     pub fn cause(&self) -> Option<StopCause> {
         self.cause.lock().expect("stop cause lock").clone()
     }
 
-    /// Stops on SIGTERM or SIGINT (what Kubernetes and Ctrl-C send).
-    pub fn stop_on_signals(&self) {
+    /// Stops on SIGTERM or SIGINT (what Kubernetes and Ctrl-C send); run
+    /// it as a stage ([`crate::Stages::spawn_task`]).
+    pub fn on_signals(&self) -> impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static {
         use tokio::signal::unix::{SignalKind, signal};
         let this = self.clone();
-        tokio::spawn(async move {
-            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-                tracing::error!("cannot install signal handlers");
-                return;
-            };
+        async move {
+            let mut term = signal(SignalKind::terminate())?;
+            let mut int = signal(SignalKind::interrupt())?;
             let name = tokio::select! {
                 _ = term.recv() => "SIGTERM",
                 _ = int.recv() => "SIGINT",
-                _ = this.stopped() => return,
+                _ = this.stopped() => return Ok(()),
             };
             tracing::info!("{name} received: stopping");
             this.stop(StopCause::Signal(name));
-        });
+            Ok(())
+        }
     }
 }
 
-/// Blocking send on a bounded queue that gives up when the role stops
-/// (checking every 100 ms); false when the item was not delivered.
-pub fn send_until_stop<T>(tx: &flume::Sender<T>, mut item: T, stop: &Stop) -> bool {
-    loop {
-        match tx.send_timeout(item, std::time::Duration::from_millis(100)) {
-            Ok(()) => return true,
-            Err(flume::SendTimeoutError::Timeout(back)) if !stop.is_stopped() => item = back,
-            Err(_) => return false,
-        }
+/// Blocking send on a bounded queue that gives up when the role stops;
+/// false when the item was not delivered.
+pub fn send_until_stop<T>(tx: &flume::Sender<T>, item: T, stop: &Stop) -> bool {
+    if stop.is_stopped() {
+        return false;
+    }
+    flume::Selector::new().send(tx, item, |r| r.is_ok()).recv(stop.channel(), |_| false).wait()
+}
+
+/// Blocking receive from a stage's input that gives up when the role
+/// stops; None when the input closed or the role stopped.
+pub fn recv_until_stop<T>(rx: &flume::Receiver<T>, stop: &Stop) -> Option<T> {
+    if stop.is_stopped() {
+        return None;
+    }
+    flume::Selector::new().recv(rx, Result::ok).recv(stop.channel(), |_| None).wait()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn blocked_stages_wake_the_moment_the_role_stops() {
+        let stop = Stop::new();
+        let (tx, rx) = flume::bounded::<u32>(1);
+        tx.send(1).unwrap();
+        let (s1, s2, tx2, rx2) = (stop.clone(), stop.clone(), tx.clone(), rx.clone());
+        let sender = std::thread::spawn(move || send_until_stop(&tx2, 2, &s1));
+        let (_keep, empty) = flume::bounded::<u32>(1);
+        let receiver = std::thread::spawn(move || recv_until_stop(&empty, &s2));
+        std::thread::sleep(Duration::from_millis(50));
+        let t0 = Instant::now();
+        stop.stop(StopCause::Signal("test"));
+        assert!(!sender.join().unwrap(), "the full queue's send gave up");
+        assert_eq!(receiver.join().unwrap(), None, "the empty queue's receive gave up");
+        assert!(t0.elapsed() < Duration::from_millis(50), "{:?}", t0.elapsed());
+        assert_eq!(recv_until_stop(&rx2, &stop), None, "a stopped role takes nothing more");
     }
 }

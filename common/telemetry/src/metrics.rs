@@ -139,21 +139,22 @@ pub fn metrics() -> &'static Metrics {
     &METRICS
 }
 
-/// Serves `/metrics` on `addr` until the future `shutdown` completes.
-/// Returns the bound address (port 0 picks one) once listening.
+/// Binds `/metrics` on `addr` (port 0 picks one; the log line names it)
+/// and returns the server, to run as one of the role's stages until
+/// `shutdown` completes.
 pub async fn serve_metrics(
     addr: SocketAddr,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<SocketAddr> {
+) -> anyhow::Result<impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static> {
     let listener =
         tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("metrics endpoint {addr}: {e}"))?;
     let bound = listener.local_addr()?;
     let app = axum::Router::new().route("/metrics", axum::routing::get(|| async { metrics().render() }));
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
-            tracing::warn!("metrics endpoint stopped: {e}");
-        }
-    });
     tracing::info!("metrics on http://{bound}/metrics");
-    Ok(bound)
+    Ok(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(|e| anyhow::anyhow!("metrics endpoint {bound}: {e}"))
+    })
 }

@@ -20,6 +20,8 @@
 
 use std::fmt;
 
+use dflash_proto::{CoordinatorError, DrafterError, RunState};
+
 /// The class of an error, which fixes how it is handled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
@@ -72,6 +74,127 @@ impl ErrorKind {
     }
 }
 
+impl From<ErrorKind> for dflash_proto::ErrorKind {
+    fn from(k: ErrorKind) -> Self {
+        use dflash_proto::ErrorKind as P;
+        match k {
+            ErrorKind::Config => P::Config,
+            ErrorKind::Data => P::Data,
+            ErrorKind::Model => P::Model,
+            ErrorKind::Device => P::Device,
+            ErrorKind::Protocol => P::Protocol,
+            ErrorKind::NonFinite => P::NonFinite,
+            ErrorKind::Checkpoint => P::Checkpoint,
+            ErrorKind::CheckpointUnavailable => P::CheckpointUnavailable,
+            ErrorKind::CheckpointWrite => P::CheckpointWrite,
+            ErrorKind::BadBatch => P::BadBatch,
+            ErrorKind::Internal => P::Internal,
+            ErrorKind::Transport => P::Transport,
+            ErrorKind::CorruptBatch => P::CorruptBatch,
+            ErrorKind::PeerLost => P::PeerLost,
+        }
+    }
+}
+
+impl ErrorKind {
+    /// The kind of an error report (unspecified: internal).
+    pub fn from_proto(k: dflash_proto::ErrorKind) -> Self {
+        use dflash_proto::ErrorKind as P;
+        match k {
+            P::Config => ErrorKind::Config,
+            P::Data => ErrorKind::Data,
+            P::Model => ErrorKind::Model,
+            P::Device => ErrorKind::Device,
+            P::Protocol => ErrorKind::Protocol,
+            P::NonFinite => ErrorKind::NonFinite,
+            P::Checkpoint => ErrorKind::Checkpoint,
+            P::CheckpointUnavailable => ErrorKind::CheckpointUnavailable,
+            P::CheckpointWrite => ErrorKind::CheckpointWrite,
+            P::BadBatch => ErrorKind::BadBatch,
+            P::Transport => ErrorKind::Transport,
+            P::CorruptBatch => ErrorKind::CorruptBatch,
+            P::PeerLost => ErrorKind::PeerLost,
+            P::Internal | P::Unspecified => ErrorKind::Internal,
+        }
+    }
+}
+
+/// What a role does about a failed call to a peer, decided from the
+/// peer's decoded error (None: no answer -- unreachable, a timeout, a
+/// broken connection).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reaction {
+    /// Try again with backoff (until the peer's timeout).
+    Retry,
+    /// Register again (the coordinator restarted), then retry.
+    Register,
+    /// The run is over: stop the role for the run's reason.
+    RunOver(RunState),
+    /// Nothing will help: the role fails with this error.
+    Fail,
+}
+
+/// | coordinator's answer | reaction |
+/// |---|---|
+/// | none (unreachable, timeout) | retry with backoff until `faults.coordinator_timeout_ms` |
+/// | `NotRegistered` | register again, then retry |
+/// | `RunOver` | stop for the run's reason |
+/// | `Ledger` (its storage failed) | retry with backoff |
+/// | `ProtocolVersion`, `WrongRun`, `InvalidRequest`, `NotCurrentDrafter`, `Refused` | fail |
+pub fn on_coordinator_error(e: Option<&CoordinatorError>) -> Reaction {
+    match e {
+        None | Some(CoordinatorError::Ledger(_)) => Reaction::Retry,
+        Some(CoordinatorError::NotRegistered(_)) => Reaction::Register,
+        Some(CoordinatorError::RunOver { state, .. }) => Reaction::RunOver(*state),
+        Some(
+            CoordinatorError::ProtocolVersion { .. }
+            | CoordinatorError::WrongRun { .. }
+            | CoordinatorError::InvalidRequest { .. }
+            | CoordinatorError::NotCurrentDrafter(_)
+            | CoordinatorError::Refused(_),
+        ) => Reaction::Fail,
+    }
+}
+
+/// | drafter's answer on a hidden-state stream | reaction |
+/// |---|---|
+/// | none (unreachable, reset) | reconnect with backoff; unacknowledged batches are replayed |
+/// | `TooManyStreams`, `Stalled`, `HelloTimeout`, `Stopping` | reconnect with backoff |
+/// | `ProtocolVersion`, `WrongRun`, `BadInstanceId`, `NoHello`, `MessageTooLarge`, `Malformed`, `Compressed`, `UnknownMethod` | fail: this target sends what the drafter cannot take |
+pub fn on_drafter_error(e: Option<&DrafterError>) -> Reaction {
+    match e {
+        None
+        | Some(
+            DrafterError::TooManyStreams { .. }
+            | DrafterError::Stalled { .. }
+            | DrafterError::HelloTimeout { .. }
+            | DrafterError::Stopping,
+        ) => Reaction::Retry,
+        Some(
+            DrafterError::ProtocolVersion { .. }
+            | DrafterError::WrongRun { .. }
+            | DrafterError::BadInstanceId(_)
+            | DrafterError::NoHello
+            | DrafterError::MessageTooLarge { .. }
+            | DrafterError::Malformed(_)
+            | DrafterError::Compressed
+            | DrafterError::UnknownMethod(_),
+        ) => Reaction::Fail,
+    }
+}
+
+/// Retry delays of the written policy: exponential from 200 ms, capped at
+/// 5 s, with jitter so that restarted peers do not come back in step.
+pub fn retry_delays() -> impl Iterator<Item = std::time::Duration> {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(std::time::Duration::from_millis(200))
+        .with_max_delay(std::time::Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
 impl fmt::Display for ErrorKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -100,6 +223,35 @@ mod tests {
     #[derive(Debug, thiserror::Error)]
     #[error("reading shard model-00002.safetensors")]
     struct Outer(#[source] std::io::Error);
+
+    #[test]
+    fn reactions_follow_the_table() {
+        assert_eq!(on_coordinator_error(None), Reaction::Retry);
+        assert_eq!(on_coordinator_error(Some(&CoordinatorError::NotRegistered("t".into()))), Reaction::Register);
+        let over = CoordinatorError::RunOver { run_id: "r".into(), state: RunState::Cancelled, message: "^C".into() };
+        assert_eq!(on_coordinator_error(Some(&over)), Reaction::RunOver(RunState::Cancelled));
+        assert_eq!(on_coordinator_error(Some(&CoordinatorError::Ledger("io".into()))), Reaction::Retry);
+        assert_eq!(on_coordinator_error(Some(&CoordinatorError::Refused("no".into()))), Reaction::Fail);
+        assert_eq!(on_drafter_error(Some(&DrafterError::TooManyStreams { max: 2 })), Reaction::Retry);
+        assert_eq!(on_drafter_error(Some(&DrafterError::Stalled { ms: 1 })), Reaction::Retry);
+        assert_eq!(
+            on_drafter_error(Some(&DrafterError::WrongRun { got: "a".into(), trains: "b".into() })),
+            Reaction::Fail
+        );
+        let mut last = std::time::Duration::ZERO;
+        for d in retry_delays().take(12) {
+            assert!(d <= std::time::Duration::from_secs(10), "capped: {d:?}");
+            last = d;
+        }
+        assert!(last >= std::time::Duration::from_secs(5), "grows to the cap: {last:?}");
+    }
+
+    #[test]
+    fn kinds_round_trip_through_the_protocol() {
+        for k in [ErrorKind::Config, ErrorKind::CheckpointUnavailable, ErrorKind::BadBatch, ErrorKind::PeerLost] {
+            assert_eq!(ErrorKind::from_proto(k.into()), k);
+        }
+    }
 
     #[test]
     fn chain_lists_outermost_first() {

@@ -14,7 +14,7 @@ use dflash_coordinator::plan::plan_run;
 use dflash_coordinator::run::Run;
 use dflash_coordinator::service::CoordinatorService;
 use dflash_proto::coordinator_server::CoordinatorServer;
-use dflash_role::{HealthArgs, SecurityArgs, Stop, format_chain};
+use dflash_role::{HealthArgs, SecurityArgs, Stages, Stop, format_chain};
 use tonic::service::interceptor::InterceptedService;
 use tonic_health::ServingStatus;
 
@@ -113,61 +113,55 @@ async fn run(args: Args) -> anyhow::Result<i32> {
     }
 
     let stop = Stop::new();
-    stop.stop_on_signals();
+    // Every task of the coordinator is one of its stages, joined on stop.
+    let stages = Stages::new(stop.clone());
+    stages.spawn_task("signals", stop.on_signals());
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::Serving).await;
     health.set_serving::<CoordinatorServer<CoordinatorService>>().await;
     if let Some(addr) = args.health_listen {
-        let (service, stop) = (health_service.clone(), stop.clone());
-        tokio::spawn(async move {
-            if let Err(e) = dflash_role::serve_health(addr, service, stop).await {
-                tracing::error!("health endpoint: {e:#}");
-            }
-        });
+        stages.spawn_task("health", dflash_role::serve_health(addr, health_service.clone(), stop.clone()));
     }
     if let Some(addr) = args.metrics_listen {
         let stop = stop.clone();
-        dflash_telemetry::serve_metrics(addr, async move { stop.stopped().await }).await?;
+        stages.spawn_task("metrics", dflash_telemetry::serve_metrics(addr, async move { stop.stopped().await }).await?);
     }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     tracing::info!("coordinator listening on {} ({})", listener.local_addr()?, security.summary());
-    let service = InterceptedService::new(
-        CoordinatorServer::new(CoordinatorService { run: Arc::clone(&run) }),
-        security.server_auth(),
-    );
+    let service = CoordinatorService { run: Arc::clone(&run), streams: stages.clone() };
+    let service = InterceptedService::new(CoordinatorServer::new(service), security.server_auth());
     let server_stop = stop.clone();
-    let server = tokio::spawn(
-        security
-            // A request that is not complete within the RPC timeout (a
-            // half-sent body) is answered CANCELLED; streams the server
-            // sends (WatchEvents) are not affected. Keepalives find dead
-            // connections.
-            .server(
-                tonic::transport::Server::builder()
-                    .timeout(Duration::from_millis(run.config.faults.rpc_timeout_ms))
-                    .http2_keepalive_interval(Some(Duration::from_secs(10)))
-                    .http2_keepalive_timeout(Some(Duration::from_secs(20))),
-            )?
-            .trace_fn(|req| dflash_telemetry::rpc_span(req.uri().path()))
-            .add_service(health_service)
-            .add_service(service)
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
-                server_stop.stopped().await
-            }),
-    );
+    let server = security
+        // A request that is not complete within the RPC timeout (a
+        // half-sent body) is answered CANCELLED; streams the server
+        // sends (WatchEvents) are not affected. Keepalives find dead
+        // connections.
+        .server(
+            tonic::transport::Server::builder()
+                .timeout(Duration::from_millis(run.config.faults.rpc_timeout_ms))
+                .http2_keepalive_interval(Some(Duration::from_secs(10)))
+                .http2_keepalive_timeout(Some(Duration::from_secs(20))),
+        )?
+        .trace_fn(|req| dflash_telemetry::rpc_span(req.uri().path()))
+        .add_service(health_service)
+        .add_service(service)
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
+            server_stop.stopped().await
+        });
+    stages.spawn_task("grpc", async move { server.await.context("coordinator gRPC server") });
 
     // Liveness checks until the run ends or the process is told to stop.
     let monitor_run = Arc::clone(&run);
     let monitor_stop = stop.clone();
-    let monitor = tokio::spawn(async move {
+    stages.spawn_task("monitor", async move {
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         let mut last_log = std::time::Instant::now();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
-                _ = monitor_stop.stopped() => return,
+                _ = monitor_stop.stopped() => return Ok(()),
             }
             monitor_run.flow.lock().expect("flow lock").sample(std::time::Instant::now());
             monitor_run.export_metrics();
@@ -201,10 +195,7 @@ async fn run(args: Args) -> anyhow::Result<i32> {
         }
     }
     stop.stop(dflash_role::StopCause::Signal("end of run"));
-    monitor.abort();
-    if tokio::time::timeout(Duration::from_secs(5), server).await.is_err() {
-        tracing::warn!("server did not drain within 5 s");
-    }
+    stages.join(Duration::from_secs(5)).await;
     let (state, message) = run.state();
     Ok(match state {
         dflash_proto::RunState::Completed | dflash_proto::RunState::Running => 0,

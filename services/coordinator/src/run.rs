@@ -220,14 +220,15 @@ impl Run {
         let role = pb::Role::try_from(report.role).unwrap_or(pb::Role::Unspecified).name();
         let device = if report.device.is_empty() { String::new() } else { format!(" on {}", report.device) };
         let chain = report.causes.join(": ");
-        let line = format!("{role} {}{device} [{}]: {chain}", report.instance_id, report.kind);
+        let kind = dflash_telemetry::ErrorKind::from_proto(report.kind());
+        let line = format!("{role} {}{device} [{kind}]: {chain}", report.instance_id);
         if report.fatal {
             tracing::error!("fatal error from {line}");
         } else {
             tracing::warn!("error from {line}");
         }
         let fatal = report.fatal;
-        dflash_telemetry::metrics().errors.with_label_values(&[report.kind.as_str()]).inc();
+        dflash_telemetry::metrics().errors.with_label_values(&[kind.as_str()]).inc();
         {
             let mut errs = self.errors.lock().expect("errors lock");
             if errs.len() == MAX_ERRORS {

@@ -10,35 +10,41 @@ use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use dflash_proto::CoordinatorError;
+
 use crate::ledger::{CheckpointRecord, LedgerError};
 use crate::run::{Run, now_ms};
 
 pub struct CoordinatorService {
     pub run: Arc<Run>,
+    /// Owns the task behind each event stream (joined on shutdown).
+    pub streams: dflash_role::Stages,
 }
 
+/// The one place ledger errors become the coordinator's errors.
 fn ledger_status(e: LedgerError) -> Status {
     match e {
         // A transition the ledger does not allow: the caller's state is
         // not the run's.
         LedgerError::Refused(why) => {
             tracing::warn!("refused: {why}");
-            Status::failed_precondition(why)
+            CoordinatorError::Refused(why).into()
         }
         e => {
             tracing::error!("{e}");
-            Status::internal(e.to_string())
+            CoordinatorError::Ledger(e.to_string()).into()
         }
     }
+}
+
+fn invalid(field: &str, why: impl std::fmt::Display) -> Status {
+    CoordinatorError::InvalidRequest { field: field.into(), why: why.to_string() }.into()
 }
 
 impl CoordinatorService {
     fn check_run(&self, run_id: &str) -> Result<(), Status> {
         if run_id != self.run.run_id {
-            return Err(Status::failed_precondition(format!(
-                "wrong run id \"{run_id}\": this coordinator runs \"{}\"",
-                self.run.run_id
-            )));
+            return Err(CoordinatorError::WrongRun { got: run_id.into(), runs: self.run.run_id.clone() }.into());
         }
         Ok(())
     }
@@ -47,7 +53,7 @@ impl CoordinatorService {
     fn check_instance(&self, run_id: &str, instance_id: &str) -> Result<(), Status> {
         self.check_run(run_id)?;
         if !self.run.touch(instance_id) {
-            return Err(Status::not_found(format!("instance {instance_id} is not registered")));
+            return Err(CoordinatorError::NotRegistered(instance_id.into()).into());
         }
         Ok(())
     }
@@ -65,33 +71,28 @@ impl Coordinator for CoordinatorService {
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
         let req = req.into_inner();
         if req.protocol_version != dflash_proto::PROTOCOL_VERSION {
-            return Err(Status::failed_precondition(format!(
-                "protocol version {} is not supported (this coordinator speaks {})",
-                req.protocol_version,
-                dflash_proto::PROTOCOL_VERSION
-            )));
+            return Err(CoordinatorError::ProtocolVersion {
+                got: req.protocol_version,
+                speaks: dflash_proto::PROTOCOL_VERSION,
+            }
+            .into());
         }
         let role = pb::Role::try_from(req.role).unwrap_or(pb::Role::Unspecified);
         if !matches!(role, pb::Role::Target | pb::Role::Drafter) {
-            return Err(Status::invalid_argument(format!("cannot register role {}", role.name())));
+            return Err(invalid("role", format!("{} cannot register", role.name())));
         }
-        dflash_proto::check_instance_id(&req.instance_id)
-            .map_err(|why| Status::invalid_argument(format!("instance_id {why}")))?;
+        dflash_proto::check_instance_id(&req.instance_id).map_err(|why| invalid("instance_id", why))?;
         for (field, value) in [("host", &req.host), ("version", &req.version), ("endpoint", &req.endpoint)] {
             if value.len() > 1024 || value.chars().any(char::is_control) {
-                return Err(Status::invalid_argument(format!("{field} has control characters or is too long")));
+                return Err(invalid(field, "has control characters or is too long"));
             }
         }
         if req.devices.len() > 64 || req.devices.iter().any(|d| d.len() > 64 || d.chars().any(char::is_control)) {
-            return Err(Status::invalid_argument("devices: at most 64 names of printable characters"));
+            return Err(invalid("devices", "must be at most 64 names of printable characters"));
         }
         let (state, message) = self.run.state();
         if state != pb::RunState::Running {
-            return Err(Status::failed_precondition(format!(
-                "run {} is over ({}): {message}",
-                self.run.run_id,
-                state.as_str_name()
-            )));
+            return Err(CoordinatorError::RunOver { run_id: self.run.run_id.clone(), state, message }.into());
         }
         self.run.register(req);
         Ok(Response::new(pb::RegisterResponse {
@@ -137,26 +138,28 @@ impl Coordinator for CoordinatorService {
         let run = Arc::clone(&self.run);
         let mut rx = run.subscribe();
         let (tx, out) = mpsc::channel(16);
-        tokio::spawn(async move {
+        let stop = self.streams.stop().clone();
+        self.streams.spawn_task("event-stream", async move {
             for ev in run.snapshot_events() {
                 if tx.send(Ok(ev)).await.is_err() {
-                    return;
+                    return Ok(());
                 }
             }
             loop {
                 let ev = tokio::select! {
                     r = rx.recv() => r,
-                    _ = tx.closed() => return,
+                    _ = tx.closed() => return Ok(()),
+                    _ = stop.stopped() => return Ok(()),
                 };
                 let evs = match ev {
                     Ok(ev) => vec![ev],
                     // A slow watcher missed events: send the current state.
                     Err(broadcast::error::RecvError::Lagged(_)) => run.snapshot_events(),
-                    Err(broadcast::error::RecvError::Closed) => return,
+                    Err(broadcast::error::RecvError::Closed) => return Ok(()),
                 };
                 for ev in evs {
                     if tx.send(Ok(ev)).await.is_err() {
-                        return;
+                        return Ok(());
                     }
                 }
             }
@@ -225,10 +228,7 @@ impl Coordinator for CoordinatorService {
                 req.batch_ids.len(),
                 req.drafter_instance
             );
-            return Err(Status::failed_precondition(format!(
-                "drafter {} is not the current drafter",
-                req.drafter_instance
-            )));
+            return Err(CoordinatorError::NotCurrentDrafter(req.drafter_instance).into());
         }
         self.run
             .ledger
@@ -246,7 +246,7 @@ impl Coordinator for CoordinatorService {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
         if !self.run.is_current_drafter(&req.instance_id) {
-            return Err(Status::failed_precondition(format!("{} is not the current drafter", req.instance_id)));
+            return Err(CoordinatorError::NotCurrentDrafter(req.instance_id).into());
         }
         let ids: Vec<u64> = req.batches.iter().map(|b| b.batch_id).collect();
         for b in req.batches.iter().filter(|b| b.skipped) {
@@ -281,7 +281,7 @@ impl Coordinator for CoordinatorService {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
         if !self.run.is_current_drafter(&req.instance_id) {
-            return Err(Status::failed_precondition(format!("{} is not the current drafter", req.instance_id)));
+            return Err(CoordinatorError::NotCurrentDrafter(req.instance_id).into());
         }
         let record = (!req.content_hash.is_empty()).then(|| CheckpointRecord {
             step: req.step,
@@ -313,8 +313,7 @@ impl Coordinator for CoordinatorService {
                     }
                 );
             } else {
-                let record =
-                    record.ok_or_else(|| Status::invalid_argument("a checkpoint report needs its content hash"))?;
+                let record = record.ok_or_else(|| invalid("content_hash", "is required in a checkpoint report"))?;
                 ledger.commit_checkpoint(&req.instance_id, &record, &req.batch_ids).map_err(ledger_status)?;
             }
             ledger.counts().map_err(ledger_status)?

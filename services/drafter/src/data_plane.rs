@@ -14,6 +14,7 @@ use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
 use dflash_proto as pb;
+use dflash_proto::DrafterError;
 use dflash_wire::{Inbound, InboundError, InboundFrames};
 use http_body::Frame;
 use tokio::sync::mpsc;
@@ -54,9 +55,7 @@ impl tower::Service<http::Request<Body>> for DataPlane {
         let service = self.0.clone();
         Box::pin(async move {
             if req.uri().path() != pb::STREAM_HIDDEN_STATES_PATH {
-                return Ok(
-                    Status::unimplemented(format!("{} is not a method of this drafter", req.uri().path())).into_http()
-                );
+                return Ok(Status::from(DrafterError::UnknownMethod(req.uri().path().into())).into_http());
             }
             // Until its hello, a stream may send only small messages: a peer
             // that never says who it is cannot make the drafter buffer
@@ -123,11 +122,11 @@ impl InboundStream {
 }
 
 fn status_of(e: InboundError) -> Status {
-    match e {
-        InboundError::TooLarge { .. } => Status::out_of_range(e.to_string()),
-        InboundError::Compressed => Status::unimplemented(e.to_string()),
-        InboundError::Truncated(_) | InboundError::Decode(_) => Status::invalid_argument(e.to_string()),
-    }
+    Status::from(match e {
+        InboundError::TooLarge { len, limit } => DrafterError::MessageTooLarge { len: len as u64, limit: limit as u64 },
+        InboundError::Compressed => DrafterError::Compressed,
+        InboundError::Truncated(_) | InboundError::Decode(_) => DrafterError::Malformed(e.to_string()),
+    })
 }
 
 /// The response body: each acknowledgement as a gRPC message, then the
@@ -220,6 +219,7 @@ mod tests {
             stall_timeout: stall,
             streams: Arc::clone(&streams),
             max_streams,
+            stages: dflash_role::Stages::new(dflash_role::Stop::new()),
         });
         (dp, Probe { landing, skipped, streams })
     }
@@ -350,8 +350,11 @@ mod tests {
         let (queue, _queued) = flume::bounded(4);
         let (_, status) =
             answer(service(queue.clone()), request(pb::STREAM_HIDDEN_STATES_PATH, vec![hello("other")])).await;
-        assert_eq!(status.code(), tonic::Code::FailedPrecondition);
-        assert!(status.message().contains("wrong run id \"other\""), "{}", status.message());
+        assert_eq!(
+            DrafterError::from_status(&status),
+            Some(DrafterError::WrongRun { got: "other".into(), trains: "run-1".into() }),
+            "the structured error travels in the status: {status:?}"
+        );
         let (_, status) = answer(service(queue.clone()), request("/dflash.v1.Drafter/Nope", vec![])).await;
         assert_eq!(status.code(), tonic::Code::Unimplemented);
         // Names that would fail a thread's creation or forge log lines.
@@ -416,6 +419,12 @@ mod tests {
         drop(held);
         let (_, status) = answer(dp, request(pb::STREAM_HIDDEN_STATES_PATH, vec![hello("run-1")])).await;
         assert_eq!(status.code(), tonic::Code::Ok, "a free permit admits the stream: {status:?}");
+        // The permit goes back once the stream's task has joined its
+        // landing thread, just after the response ends.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while probe.streams.available_permits() < 1 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert_eq!(probe.streams.available_permits(), 1, "the stream's permit came back");
 
         // A first message of 1 MiB (a chunk where the hello should be).

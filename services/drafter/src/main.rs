@@ -80,7 +80,9 @@ async fn serve(args: ServeArgs) -> i32 {
         tch::set_num_threads(args.threads);
     }
     let stop = Stop::new();
-    stop.stop_on_signals();
+    // Every thread and task of the role is one of its stages.
+    let stages = Stages::new(stop.clone());
+    stages.spawn_task("signals", stop.on_signals());
     let listener = match tokio::net::TcpListener::bind(args.listen).await {
         Ok(l) => l,
         Err(e) => {
@@ -108,8 +110,7 @@ async fn serve(args: ServeArgs) -> i32 {
         }
     };
     session.log_config();
-    let stages = Stages::new(stop.clone());
-    let result = match session.serve_metrics(&args.role).await {
+    let result = match session.serve_metrics(&args.role, &stages).await {
         Ok(()) => start(&session, &stages, listener, &endpoint, args.health_listen).await,
         Err(e) => Err(e),
     };
@@ -226,8 +227,8 @@ async fn start(
 ) -> anyhow::Result<()> {
     let c = &session.config;
     let stop = session.stop.clone();
-    session.spawn_heartbeat(Vec::new, || (0, 0.0));
-    let _events = session.spawn_event_watch();
+    session.spawn_heartbeat(stages, Vec::new, || (0, 0.0));
+    let _events = session.spawn_event_watch(stages);
     let devices = c.devices.drafter.devices().to_vec();
     let gpus = c.devices.drafter.cuda_indices();
     if !gpus.is_empty() {
@@ -298,6 +299,7 @@ async fn start(
         stall_timeout: Duration::from_millis(c.faults.stream_stall_timeout_ms),
         streams: Arc::new(tokio::sync::Semaphore::new(c.pipeline.max_target_streams as usize)),
         max_streams: c.pipeline.max_target_streams as usize,
+        stages: stages.clone(),
     };
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::Serving).await;

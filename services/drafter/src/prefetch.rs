@@ -2,8 +2,6 @@
 //! train step, turning SPLIT payloads into the concatenated features (and
 //! adding the configured noise) on the device.
 
-use std::time::Duration;
-
 use dflash_models::DeviceBatch;
 use dflash_models::gpu;
 use dflash_role::Stop;
@@ -95,30 +93,20 @@ impl Prefetcher {
         output: flume::Sender<DeviceBatch>,
         stop: Stop,
     ) -> anyhow::Result<()> {
-        loop {
-            let r = match input.recv_timeout(Duration::from_millis(100)) {
-                Ok(r) => r,
-                Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => continue,
-                Err(_) => return Ok(()),
-            };
+        while let Some(r) = dflash_role::recv_until_stop(&input, &stop) {
             let ReceivedBatch { batch, queue_wait } = r;
             let waited = dflash_telemetry::context_of(&queue_wait);
             drop(queue_wait);
             let m = dflash_telemetry::metrics();
             m.queue_depth.with_label_values(&["hs_queue"]).set(input.len() as i64);
-            let mut item = self.to_device(&batch, &waited)?;
+            let item = self.to_device(&batch, &waited)?;
             // The host payload is dropped here (after the copy), not earlier.
             drop(batch);
-            loop {
-                match output.send_timeout(item, Duration::from_millis(100)) {
-                    Ok(()) => {
-                        m.queue_depth.with_label_values(&["prefetch"]).set(output.len() as i64);
-                        break;
-                    }
-                    Err(flume::SendTimeoutError::Timeout(back)) if !stop.is_stopped() => item = back,
-                    Err(_) => return Ok(()),
-                }
+            if !dflash_role::send_until_stop(&output, item, &stop) {
+                return Ok(());
             }
+            m.queue_depth.with_label_values(&["prefetch"]).set(output.len() as i64);
         }
+        Ok(())
     }
 }

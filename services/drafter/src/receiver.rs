@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use dflash_proto as pb;
+use dflash_proto::DrafterError;
 use dflash_proto::target_message::Msg;
 use dflash_role::Stop;
 use dflash_wire::{Assembled, Assembler, ChunkParts, HostBatch, Inbound, WireError};
@@ -148,6 +149,8 @@ pub struct DrafterService {
     /// Permits for open streams (`pipeline.max_target_streams`).
     pub streams: Arc<tokio::sync::Semaphore>,
     pub max_streams: usize,
+    /// Owns every stream's reading task (the role's stages).
+    pub stages: dflash_role::Stages,
 }
 
 fn ack(batch_id: u64, status: pb::AckStatus, reason: String) -> Result<pb::DrafterMessage, Status> {
@@ -203,31 +206,24 @@ impl DrafterService {
     ) -> Result<mpsc::Receiver<Result<pb::DrafterMessage, Status>>, Status> {
         let hello = match tokio::time::timeout(self.hello_timeout, incoming.next()).await {
             Ok(Ok(Some(Inbound::Message(pb::TargetMessage { msg: Some(Msg::Hello(h)) })))) => h,
-            Ok(Ok(_)) => return Err(Status::invalid_argument("the first message of a stream must be a hello")),
+            Ok(Ok(_)) => return Err(DrafterError::NoHello.into()),
             Ok(Err(s)) => return Err(s),
-            Err(_) => return Err(Status::deadline_exceeded("no hello within the RPC timeout")),
+            Err(_) => return Err(DrafterError::HelloTimeout { ms: self.hello_timeout.as_millis() as u64 }.into()),
         };
         if hello.protocol_version != dflash_proto::PROTOCOL_VERSION {
-            return Err(Status::failed_precondition(format!(
-                "protocol version {} is not supported (this drafter speaks {})",
-                hello.protocol_version,
-                dflash_proto::PROTOCOL_VERSION
-            )));
+            return Err(DrafterError::ProtocolVersion {
+                got: hello.protocol_version,
+                speaks: dflash_proto::PROTOCOL_VERSION,
+            }
+            .into());
         }
         if hello.run_id != self.run_id {
-            return Err(Status::failed_precondition(format!(
-                "wrong run id \"{}\": this drafter trains run \"{}\"",
-                hello.run_id, self.run_id
-            )));
+            return Err(DrafterError::WrongRun { got: hello.run_id, trains: self.run_id.clone() }.into());
         }
         let target = hello.target_instance;
-        dflash_proto::check_instance_id(&target)
-            .map_err(|why| Status::invalid_argument(format!("the hello's target_instance {why}")))?;
+        dflash_proto::check_instance_id(&target).map_err(DrafterError::BadInstanceId)?;
         let Ok(permit) = Arc::clone(&self.streams).try_acquire_owned() else {
-            return Err(Status::resource_exhausted(format!(
-                "the drafter serves at most {} streams at once (pipeline.max_target_streams)",
-                self.max_streams
-            )));
+            return Err(DrafterError::TooManyStreams { max: self.max_streams as u64 }.into());
         };
         incoming.allow_messages_up_to(dflash_role::transport::MAX_MESSAGE_BYTES);
         tracing::info!("target {target} connected");
@@ -240,7 +236,7 @@ impl DrafterService {
                 credits: self.credits,
             })),
         };
-        tx.send(Ok(welcome)).await.map_err(|_| Status::cancelled("stream closed"))?;
+        tx.send(Ok(welcome)).await.map_err(|_| DrafterError::Stopping)?;
         let mid_batch = Arc::new(AtomicBool::new(false));
         let lander = Lander {
             target: target.clone(),
@@ -255,11 +251,13 @@ impl DrafterService {
             receiving: None,
             mid_batch: Arc::clone(&mid_batch),
         };
+        let name = format!("stream-{target}");
         let stream =
             Stream { target, incoming, acks: tx, stop: self.stop.clone(), stall: self.stall_timeout, mid_batch };
-        tokio::spawn(async move {
+        self.stages.spawn_task(&name, async move {
             receive(stream, lander).await;
             drop(permit);
+            Ok(())
         });
         Ok(rx)
     }
@@ -290,18 +288,38 @@ const LANDING_DEPTH: usize = 4;
 /// previous chunks into their payload buffers and checks them, so reading
 /// the socket and landing run on two cores.
 async fn receive(s: Stream, lander: Lander) {
-    let Stream { target, mut incoming, acks, stop, stall, mid_batch } = s;
+    let (messages, mut landed) = start_landing(&s.target, lander);
+    let Some(messages) = messages else {
+        let _ = s.acks.send(Err(Status::resource_exhausted("drafter cannot start a landing thread"))).await;
+        return;
+    };
+    if !read_stream(s, messages, &mut landed).await {
+        // The landing thread ends once its input closes (dropped by now)
+        // and its batch is handed on or given up: the stream is over when
+        // it is.
+        let _ = landed.await;
+    }
+}
+
+/// Starts the landing thread of a stream; its input, and a signal that it ended.
+fn start_landing(target: &str, lander: Lander) -> (Option<flume::Sender<Inbound>>, tokio::sync::oneshot::Receiver<()>) {
     let (tx, rx) = flume::bounded(LANDING_DEPTH);
-    let (done_tx, mut done) = tokio::sync::oneshot::channel::<()>();
+    let (done_tx, done) = tokio::sync::oneshot::channel::<()>();
     let spawned = std::thread::Builder::new().name(format!("land-{target}")).spawn(move || {
         lander.run(rx);
         let _ = done_tx.send(());
     });
     if let Err(e) = spawned {
         tracing::error!("cannot start the landing thread for target {target}: {e}");
-        let _ = acks.send(Err(Status::resource_exhausted("drafter cannot start a landing thread"))).await;
-        return;
+        return (None, done);
     }
+    (Some(tx), done)
+}
+
+/// Cuts the stream into messages for the landing thread until it ends;
+/// true when it ended because the landing thread did.
+async fn read_stream(s: Stream, tx: flume::Sender<Inbound>, done: &mut tokio::sync::oneshot::Receiver<()>) -> bool {
+    let Stream { target, mut incoming, acks, stop, stall, mid_batch } = s;
     // A batch in progress holds a landing buffer: it may not wait for its
     // next message forever. Checked a few times per stall period.
     let tick = (stall / 4).max(Duration::from_millis(25));
@@ -313,19 +331,16 @@ async fn receive(s: Stream, lander: Lander) {
                 Err(_) if mid_batch.load(Ordering::Acquire) && last_message.elapsed() >= stall => {
                     tracing::warn!("stream from target {target} stalled mid-batch for {stall:?}: ending it");
                     let _ = acks
-                        .send(Err(Status::deadline_exceeded(format!(
-                            "a batch was in progress and nothing arrived for {} ms (faults.stream_stall_timeout_ms)",
-                            stall.as_millis()
-                        ))))
+                        .send(Err(DrafterError::Stalled { ms: stall.as_millis() as u64 }.into()))
                         .await;
-                    return;
+                    return false;
                 }
                 Err(_) => continue,
             },
-            _ = stop.stopped() => return,
+            _ = stop.stopped() => return false,
             // The lander ended the stream (a closed queue, a dropped ack
             // stream): stop reading.
-            _ = &mut done => return,
+            _ = &mut *done => return true,
         };
         last_message = std::time::Instant::now();
         match msg {
@@ -336,18 +351,18 @@ async fn receive(s: Stream, lander: Lander) {
                     _ = stop.stopped() => false,
                 };
                 if !sent {
-                    return;
+                    return false;
                 }
             }
             Ok(None) => {
                 tracing::info!("target {target} closed its stream");
-                return;
+                return false;
             }
             Err(s) => {
                 // E.g. a message over the size limit: tell the target why.
                 tracing::warn!("stream from target {target} broke: {}", s.message());
                 let _ = acks.send(Err(s)).await;
-                return;
+                return false;
             }
         }
     }

@@ -387,7 +387,7 @@ impl TrainLoop {
         }
         match self.report_start(Some(&ck), state.batch_ids.clone()) {
             Ok(()) => {}
-            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+            Err(s) if refused(&s) => {
                 return Ok(Err(NotResumable(format!("the coordinator refused it: {}", s.message()))));
             }
             Err(s) => {
@@ -638,9 +638,7 @@ impl TrainLoop {
                 self.all_trained |= r.all_trained;
                 Ok(Some(r.all_trained))
             }
-            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
-                Err(anyhow::anyhow!("coordinator: {}", s.message())).kind(ErrorKind::Protocol)
-            }
+            Err(s) if refused(&s) => Err(anyhow::anyhow!("coordinator: {}", s.message())).kind(ErrorKind::Protocol),
             Err(s) => {
                 tracing::warn!("could not report progress ({}); will retry", s.message());
                 Ok(None)
@@ -724,9 +722,7 @@ impl TrainLoop {
         };
         match self.rpc(self.session.client().report_checkpoint(req)) {
             Ok(_) => Ok(true),
-            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
-                Err(anyhow::anyhow!("coordinator: {}", s.message())).kind(ErrorKind::Protocol)
-            }
+            Err(s) if refused(&s) => Err(anyhow::anyhow!("coordinator: {}", s.message())).kind(ErrorKind::Protocol),
             Err(s) => {
                 // The checkpoint is on disk; the report is sent again.
                 tracing::warn!("could not report checkpoint {}: {}; will retry", ck.dir.display(), s.message());
@@ -734,6 +730,13 @@ impl TrainLoop {
             }
         }
     }
+}
+
+/// Whether the coordinator refused a report for good (the written policy
+/// says no retry helps); else it is sent again.
+fn refused(s: &tonic::Status) -> bool {
+    let e = dflash_proto::CoordinatorError::from_status(s);
+    dflash_telemetry::on_coordinator_error(e.as_ref()) == dflash_telemetry::Reaction::Fail
 }
 
 /// The first hex digits of a hash, for messages.

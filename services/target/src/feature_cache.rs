@@ -42,6 +42,10 @@ impl FeatureCache {
         self.entries.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
     /// The batch's layers (`[T, H]` each, sequences in batch order) when
     /// every one of its sequences is cached; None otherwise.
     pub fn assemble(&self, sample_ids: &[u64]) -> Option<Vec<Tensor>> {

@@ -137,13 +137,7 @@ impl ForwardLoop {
         let started = Instant::now();
         let mut busy = Duration::ZERO;
         let mut gpu_busy = GpuBusy::default();
-        loop {
-            let work = match input.recv_timeout(Duration::from_millis(100)) {
-                Ok(w) => w,
-                Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => continue,
-                Err(_) => break,
-            };
-            let mut work = work;
+        while let Some(mut work) = dflash_role::recv_until_stop(&input, &stop) {
             let span = dflash_telemetry::batch_span("forward", &work.trace, work.batch_id);
             let entered = span.enter();
             let t0 = Instant::now();

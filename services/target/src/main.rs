@@ -76,7 +76,9 @@ async fn serve(args: ServeArgs) -> i32 {
         tch::set_num_threads(args.threads);
     }
     let stop = Stop::new();
-    stop.stop_on_signals();
+    // Every thread and task of the role is one of its stages.
+    let stages = Stages::new(stop.clone());
+    stages.spawn_task("signals", stop.on_signals());
     let announce = Announce { role: pb::Role::Target, devices: vec![], endpoint: String::new() };
     let session = match Session::register(&args.role, announce, stop.clone()).await {
         Ok(s) => s,
@@ -86,7 +88,6 @@ async fn serve(args: ServeArgs) -> i32 {
         }
     };
     session.log_config();
-    let stages = Stages::new(stop.clone());
     let result = start(&session, &stages, &args).await;
     if result.is_ok() {
         stop.stopped().await;
@@ -108,16 +109,17 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     let c = &session.config;
     let stop = session.stop.clone();
     stages.spawn_task("health", dflash_role::serve_health_only(args.health_listen, stop.clone()));
-    session.serve_metrics(&args.role).await?;
+    session.serve_metrics(&args.role, stages).await?;
     let held: HeldBatches = Arc::new(Mutex::new(BTreeSet::new()));
     let held_for_heartbeat = Arc::clone(&held);
     let stats = Arc::new(forward::ForwardStats::new(c.devices.target.devices().len()));
     let load_stats = Arc::clone(&stats);
     session.spawn_heartbeat(
+        stages,
         move || held_for_heartbeat.lock().expect("held lock").iter().copied().collect(),
         move || load_stats.load(),
     );
-    let drafter_endpoint = session.spawn_event_watch();
+    let drafter_endpoint = session.spawn_event_watch(stages);
 
     let dataset = Arc::new(tokio::task::block_in_place(|| work::load_dataset(session))?);
     let layer_ids: Vec<i64> = c.model.target_layer_ids.iter().map(|&i| i as i64).collect();
@@ -214,7 +216,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     // The in-flight limit is split across the streams.
     let streams = c.pipeline.streams_per_target as usize;
     let window = (c.pipeline.max_inflight_batches as usize).div_ceil(streams);
-    let reports = sender::spawn_reporter(Arc::clone(session));
+    let reports = sender::spawn_reporter(Arc::clone(session), stages);
     for i in 0..streams {
         let s = sender::Sender::new(
             Arc::clone(session),

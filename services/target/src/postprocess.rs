@@ -2,11 +2,9 @@
 //! payload in the configured layout (PACKED: [T, k*H] with noise; SPLIT:
 //! k x [T, H]), owned by the batch until its bytes have left.
 
-use std::time::Duration;
-
 use bytes::Bytes;
 use dflash_models::gpu;
-use dflash_role::{Stop, send_until_stop};
+use dflash_role::{Stop, recv_until_stop, send_until_stop};
 use dflash_wire::{BatchMeta, DType, HostBatch, Layout};
 use tch::{Kind, Tensor};
 
@@ -163,14 +161,10 @@ pub fn worker(
     output: flume::Sender<HostBatch>,
     stop: Stop,
 ) -> anyhow::Result<()> {
-    loop {
-        let c = match input.recv_timeout(Duration::from_millis(100)) {
-            Ok(c) => c,
-            Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => continue,
-            Err(_) => return Ok(()),
-        };
+    while let Some(c) = recv_until_stop(&input, &stop) {
         if !send_until_stop(&output, p.process(c)?, &stop) {
             return Ok(());
         }
     }
+    Ok(())
 }

@@ -37,13 +37,18 @@ pub struct Sender {
     reports: mpsc::Sender<(u64, String)>,
     /// `stream-<i>`, for metrics.
     label: String,
+    /// The current stream got the drafter's welcome (backoff resets).
+    welcomed: bool,
 }
 
 /// Starts the task that reports acknowledged batches to the coordinator;
 /// every stream of a target shares it.
-pub fn spawn_reporter(session: Arc<Session>) -> mpsc::Sender<(u64, String)> {
+pub fn spawn_reporter(session: Arc<Session>, stages: &dflash_role::Stages) -> mpsc::Sender<(u64, String)> {
     let (reports, rx) = mpsc::channel(256);
-    tokio::spawn(report_sent(session, rx));
+    stages.spawn_task("report-sent", async move {
+        report_sent(session, rx).await;
+        Ok(())
+    });
     reports
 }
 
@@ -66,12 +71,14 @@ impl Sender {
             unacked: VecDeque::new(),
             reports,
             label: format!("stream-{index}"),
+            welcomed: false,
         }
     }
 
     /// Runs until the role stops.
     pub async fn run(mut self) -> anyhow::Result<()> {
         let stop = self.session.stop.clone();
+        let mut delays = dflash_telemetry::retry_delays();
         loop {
             // Wait for a drafter to exist.
             let endpoint = loop {
@@ -86,6 +93,10 @@ impl Sender {
             match self.connection(&endpoint).await? {
                 StreamEnd::Stopped => return Ok(()),
                 StreamEnd::Reconnect(why) => {
+                    if std::mem::take(&mut self.welcomed) {
+                        // The stream worked: the next wait starts short.
+                        delays = dflash_telemetry::retry_delays();
+                    }
                     let bytes: usize = self.unacked.iter().map(|b| b.payload.len()).sum();
                     tracing::warn!(
                         "stream to drafter {endpoint} ended ({why}); {} unacknowledged batch(es), {:.1} MiB, kept for replay",
@@ -93,7 +104,7 @@ impl Sender {
                         bytes as f64 / (1 << 20) as f64
                     );
                     tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        _ = tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(5))) => {}
                         _ = stop.stopped() => return Ok(()),
                     }
                 }
@@ -125,20 +136,14 @@ impl Sender {
         .await
         {
             Ok(s) => s,
-            Err(s) if matches!(s.code(), tonic::Code::FailedPrecondition | tonic::Code::Unauthenticated) => {
-                return Err(anyhow::anyhow!("drafter {endpoint} refused the stream: {}", s.message()))
-                    .kind(ErrorKind::Protocol);
-            }
-            Err(s) => return Ok(StreamEnd::Reconnect(s.message().to_string())),
+            Err(s) => return refused_or_retry(endpoint, &s),
         };
         let welcome = match tokio::time::timeout(self.session.rpc_timeout(), responses.message()).await {
             Ok(Ok(Some(pb::DrafterMessage { msg: Some(Msg::Welcome(w)) }))) => w,
-            Ok(Err(s)) if s.code() == tonic::Code::FailedPrecondition => {
-                return Err(anyhow::anyhow!("drafter {endpoint} refused the stream: {}", s.message()))
-                    .kind(ErrorKind::Protocol);
-            }
+            Ok(Err(s)) => return refused_or_retry(endpoint, &s),
             other => return Ok(StreamEnd::Reconnect(format!("no welcome from the drafter: {other:?}"))),
         };
+        self.welcomed = true;
         let credits = (welcome.credits.max(1) as usize).min(self.window);
         let drafter = welcome.drafter_instance;
         let chunk = self.session.config.pipeline.chunk_bytes as usize;
@@ -236,6 +241,19 @@ impl Sender {
         }
         Ok(())
     }
+}
+
+/// What a failed stream start means, by the written policy: a refusal no
+/// retry helps fails the target; anything else reconnects with backoff.
+fn refused_or_retry(endpoint: &str, s: &tonic::Status) -> anyhow::Result<StreamEnd> {
+    let refusal = dflash_proto::DrafterError::from_status(s);
+    let fail = s.code() == tonic::Code::Unauthenticated
+        || dflash_telemetry::on_drafter_error(refusal.as_ref()) == dflash_telemetry::Reaction::Fail;
+    if fail {
+        return Err(anyhow::anyhow!("drafter {endpoint} refused the stream: {}", s.message()))
+            .kind(ErrorKind::Protocol);
+    }
+    Ok(StreamEnd::Reconnect(s.message().to_string()))
 }
 
 /// Sends one batch's messages; false if the stream is gone. The header

@@ -9,8 +9,9 @@ use anyhow::Context;
 use dflash_config::MalformedPolicy;
 use dflash_data::{ChatTokenizer, Dataset, LoadOptions};
 use dflash_proto as pb;
+use dflash_proto::CoordinatorError;
 use dflash_role::{HeldBatches, KindExt, Session, with_timeout};
-use dflash_telemetry::ErrorKind;
+use dflash_telemetry::{ErrorKind, Reaction};
 
 /// One leased batch, tokenized and packed: the forward loop's input.
 #[derive(Clone, Debug)]
@@ -84,6 +85,7 @@ pub async fn lease_loop(
 ) -> anyhow::Result<()> {
     let mut client = session.client();
     let stop = session.stop.clone();
+    let mut delays = dflash_telemetry::retry_delays();
     loop {
         if stop.is_stopped() {
             return Ok(());
@@ -111,11 +113,21 @@ pub async fn lease_loop(
                 continue;
             }
             Ok(r) if r.exhausted => Duration::from_millis(1000),
-            Ok(r) => Duration::from_millis(r.retry_after_ms.max(50) as u64),
-            Err(s) => {
-                tracing::debug!("lease request failed: {}", s.message());
-                Duration::from_millis(500)
+            Ok(r) => {
+                delays = dflash_telemetry::retry_delays();
+                Duration::from_millis(r.retry_after_ms.max(50) as u64)
             }
+            Err(s) => match dflash_telemetry::on_coordinator_error(CoordinatorError::from_status(&s).as_ref()) {
+                // The heartbeat registers again and stops the role when the
+                // run is over or the coordinator gone; leasing waits.
+                Reaction::Retry | Reaction::Register | Reaction::RunOver(_) => {
+                    tracing::debug!("lease request failed: {}", s.message());
+                    delays.next().unwrap_or(Duration::from_secs(5))
+                }
+                Reaction::Fail => {
+                    return Err(anyhow::anyhow!("leasing work: {}", s.message())).kind(ErrorKind::Protocol);
+                }
+            },
         };
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
