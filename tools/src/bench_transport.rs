@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dflash_proto as pb;
-use dflash_role::{Stop, transport};
+use dflash_role::Stop;
+use dflash_wire::rpc::{HiddenStateService, open_hidden_state_stream, transport};
 use dflash_wire::{BatchMeta, DType, HostBatch, Layout, batch_messages};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -121,7 +122,7 @@ async fn grpc(
     let server_stop = stop.clone();
     let server = tokio::spawn(
         transport::data_server()
-            .add_service(dflash_drafter::data_plane::DataPlane::new(service))
+            .add_service(HiddenStateService::new(service))
             .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
                 server_stop.stopped().await
             }),
@@ -133,7 +134,7 @@ async fn grpc(
         let (payload, credits, chunk) = (payload.clone(), a.credits, a.chunk_mib << 20);
         let url = format!("http://{addr}");
         tasks.push(tokio::spawn(async move {
-            let channel = transport::data_endpoint(&url)?.connect().await?;
+            let channel = transport::data_endpoint(&url).map_err(anyhow::Error::msg)?.connect().await?;
             let (tx, rx) = mpsc::channel(16);
             tx.send(pb::TargetMessage {
                 msg: Some(pb::target_message::Msg::Hello(pb::StreamHello {
@@ -143,13 +144,8 @@ async fn grpc(
                 })),
             })
             .await?;
-            let mut acks = dflash_role::data_stream::open_hidden_state_stream(
-                channel,
-                Ok::<tonic::Request<()>, tonic::Status>,
-                rx,
-            )
-            .await?
-            .into_inner();
+            let mut acks =
+                open_hidden_state_stream(channel, Ok::<tonic::Request<()>, tonic::Status>, rx).await?.into_inner();
             let _welcome = acks.message().await?;
             let (mut in_flight, mut acked) = (0u32, 0usize);
             for i in 0..share {

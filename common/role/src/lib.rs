@@ -2,14 +2,12 @@
 //! the run config, heartbeat, watch run events, report errors, serve
 //! grpc.health.v1, and stop for one recorded cause.
 
-pub mod data_stream;
 mod health;
 pub mod memory;
 pub mod security;
 mod session;
 mod stages;
 mod stop;
-pub mod transport;
 
 pub use health::{HealthArgs, check_health, serve_health, serve_health_only};
 pub use security::{Security, SecurityArgs};

@@ -3,11 +3,13 @@
 //! A target sends each batch as a header, data chunks and an end marker with
 //! the CRC32C of the payload ([`batch_messages`]); the drafter reassembles and
 //! verifies it ([`Assembler`]). Errors say whether a resend can help
-//! ([`WireError::is_retryable`]).
+//! ([`WireError::is_retryable`]). [`rpc`] carries the messages between the
+//! two: the call, the service and their transport settings.
 
 mod batch;
 mod inbound;
 mod outbound;
+pub mod rpc;
 mod stream;
 
 pub use batch::{BatchMeta, DType, HostBatch, Layout};

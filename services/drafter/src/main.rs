@@ -19,10 +19,11 @@ use dflash_telemetry::ErrorKind;
 use tch::Kind;
 use tonic_health::ServingStatus;
 
+use dflash_drafter::periodic_eval;
 use dflash_drafter::prefetch::{self, Prefetcher};
 use dflash_drafter::receiver::{self, DrafterService, Expected, Landing};
 use dflash_drafter::train_loop::{ReplicaStep, TrainLoop, follow};
-use dflash_drafter::{data_plane, periodic_eval};
+use dflash_wire::rpc::{HiddenStateService, transport};
 
 #[derive(Parser, Debug)]
 #[command(name = "dflash-drafter", version, about = "The dflash drafter service")]
@@ -303,17 +304,17 @@ async fn start(
     };
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::Serving).await;
-    health.set_serving::<data_plane::DataPlane>().await;
+    health.set_serving::<HiddenStateService<DrafterService>>().await;
     if let Some(addr) = health_listen {
         stages.spawn_task("health", dflash_role::serve_health(addr, health_service.clone(), stop.clone()));
     }
     let server_stop = stop.clone();
     let server = session
         .security
-        .server(dflash_role::transport::data_server())?
+        .server(transport::data_server())?
         .add_service(health_service)
         .add_service(tonic::service::interceptor::InterceptedService::new(
-            data_plane::DataPlane::new(service),
+            HiddenStateService::new(service),
             session.security.server_auth(),
         ))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use dflash_proto as pb;
 use dflash_proto::drafter_message::Msg;
-use dflash_role::data_stream::open_hidden_state_stream;
-use dflash_role::{HeldBatches, KindExt, Session, transport, with_timeout};
+use dflash_role::{HeldBatches, KindExt, Session, with_timeout};
 use dflash_telemetry::ErrorKind;
+use dflash_wire::rpc::{open_hidden_state_stream, transport};
 use dflash_wire::{HostBatch, batch_messages};
 use tokio::sync::{mpsc, watch};
 
@@ -115,7 +115,9 @@ impl Sender {
     /// One stream to one drafter: hello, replay, then send and handle acks.
     async fn connection(&mut self, endpoint: &str) -> anyhow::Result<StreamEnd> {
         let stop = self.session.stop.clone();
-        let ep = transport::data_endpoint(endpoint).and_then(|e| self.session.security.endpoint(e));
+        let ep = transport::data_endpoint(endpoint)
+            .map_err(anyhow::Error::msg)
+            .and_then(|e| self.session.security.endpoint(e));
         let channel = match ep.kind(ErrorKind::Config)?.connect().await {
             Ok(c) => c,
             Err(e) => return Ok(StreamEnd::Reconnect(format!("connect: {e}"))),

@@ -1,7 +1,6 @@
-//! The target's end of the hidden-state stream: the `StreamHiddenStates`
-//! call made one layer below tonic's codec, so that chunk payloads reach
-//! the HTTP/2 layer as the slices of the batch they are
-//! ([`dflash_wire::grpc_pieces`]) instead of being copied into an encode
+//! The target's end of `StreamHiddenStates`: the call made one layer below
+//! tonic's codec, so that chunk payloads reach the HTTP/2 layer as the
+//! slices of the batch they are ([`crate::grpc_pieces`]) instead of being copied into an encode
 //! buffer first. Same gRPC on the wire; acknowledgements are decoded by
 //! tonic as usual (they are small).
 
@@ -19,7 +18,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tower::{Service, ServiceExt};
 
-use crate::transport::MAX_MESSAGE_BYTES;
+use super::transport::MAX_MESSAGE_BYTES;
 
 /// Opens a hidden-state stream on `channel` that sends `messages` (hello
 /// first) and returns the drafter's replies. `auth` adds the call's
@@ -71,7 +70,7 @@ impl http_body::Body for OutboundBody {
             return Poll::Ready(Some(Ok(Frame::data(payload))));
         }
         Poll::Ready(ready!(self.messages.poll_recv(cx)).map(|m| {
-            let (head, payload) = dflash_wire::grpc_pieces(m).split();
+            let (head, payload) = crate::grpc_pieces(m).split();
             self.pending = payload;
             Ok(Frame::data(head))
         }))

@@ -26,10 +26,10 @@ pub fn data_server() -> Server {
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
 }
 
-/// Client endpoint of a drafter's data plane.
-pub fn data_endpoint(url: &str) -> anyhow::Result<Endpoint> {
+/// Client endpoint of a drafter's data plane; an error names the URL.
+pub fn data_endpoint(url: &str) -> Result<Endpoint, String> {
     Ok(Endpoint::from_shared(url.to_string())
-        .map_err(|e| anyhow::anyhow!("drafter endpoint {url}: {e}"))?
+        .map_err(|e| format!("drafter endpoint {url}: {e}"))?
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
