@@ -11,12 +11,12 @@ use dflash_models::perf::{matmul_peak, sync_device};
 use dflash_models::synthetic::{SHAPE_PRESETS, shape_preset};
 use dflash_models::{LoadScope, TargetConfig, TargetModel};
 use dflash_role::Stop;
-use dflash_wire::Layout;
+use dflash_wire::{DType, FeatureSpec, Layout};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tch::{Device, Tensor};
 
-use dflash_target::forward::{CudaFeed, ForwardLoop, compute_kind};
+use dflash_target::forward::{CudaFeed, ForwardLoop};
 use dflash_target::postprocess::{self, GpuCopy, PostprocessSink, Postprocessor};
 use dflash_target::work::WorkItem;
 
@@ -47,7 +47,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "off,async,sync")]
     pub modes: String,
     /// SPLIT (per-layer) or PACKED payloads.
-    #[arg(long, default_value = "split")]
+    #[arg(long, default_value = "split", value_parser = ["split", "packed"])]
     pub layout: String,
     /// Also print where one batch's forward time goes, stage by stage.
     #[arg(long)]
@@ -103,6 +103,8 @@ pub fn capture_flops(c: &TargetConfig, layers: i64, lens: &[usize]) -> f64 {
 }
 
 fn make_batches(n: usize, a: &BenchArgs, vocab: i64, seed: u64) -> Vec<WorkItem> {
+    // Nobody renews these: the bench has no coordinator.
+    let leases = dflash_target::leases::Leases::new();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     (0..n)
         .map(|b| {
@@ -125,6 +127,7 @@ fn make_batches(n: usize, a: &BenchArgs, vocab: i64, seed: u64) -> Vec<WorkItem>
                 loss_mask: vec![1; total],
                 input_ids: ids,
                 trace: Default::default(),
+                lease: leases.hold(b as u64),
             }
         })
         .collect()
@@ -153,7 +156,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         "cpu" => Device::Cpu,
         i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
     };
-    let kind = compute_kind("auto", device);
+    let dtype = DType::compute(dflash_config::ComputeDtype::Auto, device.is_cuda());
+    let kind = dflash_models::features::kind_of(dtype);
     if device.is_cuda() {
         // As the target service runs on GPUs.
         dflash_role::memory::keep_freed_memory_mapped();
@@ -247,17 +251,15 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                 t0.elapsed()
             }
             "async" | "sync" => {
-                let mut post = Postprocessor {
+                let spec = FeatureSpec {
+                    dtype,
                     layout,
-                    noise_std: 0.0,
                     layer_ids: layer_ids.iter().map(|&i| i as u32).collect(),
-                    target_instance: "bench".into(),
-                    gpu: None,
-                    stop: stop.clone(),
+                    noise_std: 0.0,
                 };
+                let bytes = spec.payload_bytes(a.batch_tokens, config.hidden_size as usize);
+                let mut post = Postprocessor { spec, target_instance: "bench".into(), gpu: None, stop: stop.clone() };
                 if let Some(ctx) = &cuda {
-                    let bytes =
-                        a.batch_tokens * layer_ids.len() * config.hidden_size as usize * kind.elt_size_in_bytes();
                     post.gpu = Some(GpuCopy {
                         ctx: ctx.clone(),
                         stream: dflash_models::gpu::side_stream(ctx)?,
@@ -283,9 +285,10 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     label: "bench".into(),
                     cuda: cuda_feed(&cuda, device, a.batch_tokens, 4)?,
                     cache: dflash_target::feature_cache::FeatureCache::new(0),
+                    sink,
                 };
                 let s = stop.clone();
-                let fwd = std::thread::spawn(move || fl.run(work_rx, sink, s));
+                let fwd = std::thread::spawn(move || fl.run(work_rx, s));
                 let feeder = std::thread::spawn(move || {
                     for w in batches {
                         if work_tx.send(w).is_err() {

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use dflash_proto as pb;
 use dflash_role::Stop;
 use dflash_wire::rpc::{HiddenStateService, open_hidden_state_stream, transport};
-use dflash_wire::{BatchMeta, DType, HostBatch, Layout, batch_messages};
+use dflash_wire::{BatchMeta, DType, FeatureSpec, HostBatch, Layout, batch_messages};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
@@ -106,7 +106,12 @@ async fn grpc(
         run_id: "bench".into(),
         instance_id: "bench-drafter".into(),
         credits: a.credits,
-        expected: Expected { hidden_size: hidden, layer_ids: vec![0], vocab_size: 2, plan: std::sync::Arc::new(plan) },
+        expected: Expected {
+            spec: FeatureSpec { dtype: DType::Bf16, layout: Layout::Split, layer_ids: vec![0], noise_std: 0.0 },
+            hidden_size: hidden,
+            vocab_size: 2,
+            plan: std::sync::Arc::new(plan),
+        },
         max_payload_bytes: payload.len(),
         queue,
         skipped,

@@ -70,6 +70,11 @@ mod tests {
         let err =
             ConfigLoader::new().env(false).set("pipeline.prefetch_depth", "\"many\"").load().unwrap_err().to_string();
         assert!(err.contains("pipeline.prefetch_depth"), "{err}");
+
+        let err = ConfigLoader::new().env(false).set("model.dtype", "\"fp16\"").load().unwrap_err().to_string();
+        assert!(err.contains("model.dtype") && err.contains("bf16"), "{err}");
+        let c = ConfigLoader::new().env(false).set("model.dtype", "\"bf16\"").load().unwrap();
+        assert_eq!(c.model.dtype, ComputeDtype::Bf16);
     }
 
     #[test]

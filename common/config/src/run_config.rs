@@ -56,13 +56,33 @@ pub struct ModelSection {
     /// Target layers whose residual stream feeds the drafter (HF
     /// `hidden_states[id + 1]`). Empty: spread evenly as DFLASH.md says.
     pub target_layer_ids: Vec<u32>,
-    /// Compute dtype: "auto" (bf16 on CUDA, f32 on CPU), "f32" or "bf16".
-    pub dtype: String,
+    /// Compute dtype of target and drafter; the target ships its features in it.
+    pub dtype: ComputeDtype,
 }
 
 impl Default for ModelSection {
     fn default() -> Self {
-        Self { target_path: String::new(), target_layer_ids: Vec::new(), dtype: "auto".into() }
+        Self { target_path: String::new(), target_layer_ids: Vec::new(), dtype: ComputeDtype::Auto }
+    }
+}
+
+/// The dtype models compute in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum ComputeDtype {
+    /// bf16 on GPUs, f32 on CPUs.
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl std::fmt::Display for ComputeDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ComputeDtype::Auto => "auto",
+            ComputeDtype::F32 => "f32",
+            ComputeDtype::Bf16 => "bf16",
+        })
     }
 }
 

@@ -31,9 +31,6 @@ impl RunConfig {
         c.require(!m.target_path.is_empty(), "model.target_path", || {
             "is required: a Hugging Face model directory".into()
         });
-        c.require(matches!(m.dtype.as_str(), "auto" | "f32" | "bf16"), "model.dtype", || {
-            format!("is \"{}\"; use \"auto\", \"f32\" or \"bf16\"", m.dtype)
-        });
         let otlp = &self.telemetry.otlp_endpoint;
         c.require(
             otlp.is_empty() || otlp.starts_with("http://") || otlp.starts_with("https://"),

@@ -11,6 +11,7 @@ pub mod decoder;
 pub mod dp;
 pub mod drafter;
 pub mod evaluation;
+pub mod features;
 pub mod generate;
 pub mod gguf;
 pub mod gpu;

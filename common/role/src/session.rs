@@ -2,7 +2,7 @@
 //! re-registration after a coordinator restart), heartbeats, the event
 //! watch, and error reports.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -450,9 +450,6 @@ pub fn chain_of(e: &anyhow::Error) -> Vec<String> {
 pub fn format_chain(e: &anyhow::Error) -> String {
     chain_of(e).join(": ")
 }
-
-/// Shared, cheap-to-read set of batch ids (for heartbeats).
-pub type HeldBatches = Arc<Mutex<std::collections::BTreeSet<u64>>>;
 
 #[cfg(test)]
 mod tests {

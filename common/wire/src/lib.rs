@@ -7,12 +7,14 @@
 //! two: the call, the service and their transport settings.
 
 mod batch;
+mod features;
 mod inbound;
 mod outbound;
 pub mod rpc;
 mod stream;
 
 pub use batch::{BatchMeta, DType, HostBatch, Layout};
+pub use features::FeatureSpec;
 pub use inbound::{ChunkParts, Inbound, InboundError, InboundFrames};
 pub use outbound::{Pieces, grpc_message, grpc_pieces};
 pub use stream::{Assembled, Assembler, PayloadBuffer, batch_messages};

@@ -16,14 +16,15 @@ use dflash_models::{Drafter, DrafterConfig, TrainSettings, Trainer};
 use dflash_proto as pb;
 use dflash_role::{Announce, KindExt, RoleArgs, Session, Stages, Stop, StopCause, format_chain};
 use dflash_telemetry::ErrorKind;
-use tch::Kind;
 use tonic_health::ServingStatus;
 
 use dflash_drafter::periodic_eval;
 use dflash_drafter::prefetch::{self, Prefetcher};
 use dflash_drafter::receiver::{self, DrafterService, Expected, Landing};
 use dflash_drafter::train_loop::{ReplicaStep, TrainLoop, follow};
+use dflash_models::features::kind_of;
 use dflash_wire::rpc::{HiddenStateService, transport};
+use dflash_wire::{DType, FeatureSpec};
 
 #[derive(Parser, Debug)]
 #[command(name = "dflash-drafter", version, about = "The dflash drafter service")]
@@ -154,12 +155,7 @@ fn sync_replica(g: &dflash_models::dp::Replica, t: &Trainer) -> anyhow::Result<(
 /// Builds the trainer from the run config and the target's embeddings.
 fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Trainer> {
     let c = &session.config;
-    let kind = match c.model.dtype.as_str() {
-        "f32" => Kind::Float,
-        "bf16" => Kind::BFloat16,
-        _ if device.is_cuda() => Kind::BFloat16,
-        _ => Kind::Float,
-    };
+    let kind = kind_of(DType::compute(c.model.dtype, device.is_cuda()));
     let target_dir = Path::new(&c.model.target_path);
     let (target, embed, lm_head) = dflash_models::load_embeddings(target_dir, device, kind).kind(ErrorKind::Model)?;
     let mask = c.drafter.mask_token_id.context("drafter.mask_token_id is unresolved").kind(ErrorKind::Config)?;
@@ -265,10 +261,8 @@ async fn start(
         tokio::task::block_in_place(|| periodic_eval::PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
     tokio::task::block_in_place(|| train.resume())?;
     let resumed_step = train.trainer.step();
-    let k = c.model.target_layer_ids.len() as u64;
-    // Targets ship their compute dtype: bf16 on GPUs unless f32 is forced.
-    let elem = if !c.devices.target.is_cpu() && c.model.dtype != "f32" { 2 } else { 4 };
-    let max_payload = c.pipeline.token_budget as u64 * k * hidden as u64 * elem;
+    let spec = FeatureSpec::of(c);
+    let max_payload = spec.payload_bytes(c.pipeline.token_budget as usize, hidden as usize) as u64;
     // Payloads live in: the HS queue, prefetch, the train step, and the
     // batches being received; the extra room keeps receiving while the
     // queue is full.
@@ -286,12 +280,7 @@ async fn start(
         run_id: session.run_id.clone(),
         instance_id: session.instance_id.clone(),
         credits: c.pipeline.max_inflight_batches,
-        expected: Expected {
-            hidden_size: hidden as u32,
-            layer_ids: c.model.target_layer_ids.clone(),
-            vocab_size,
-            plan,
-        },
+        expected: Expected { spec: spec.clone(), hidden_size: hidden as u32, vocab_size, plan },
         max_payload_bytes: max_payload as usize,
         queue: hs_tx,
         skipped: skipped_tx,
@@ -346,13 +335,7 @@ async fn start(
             _ => None,
         };
         let (pf_tx, pf_rx) = flume::bounded(c.pipeline.prefetch_depth as usize);
-        let pf = Prefetcher {
-            device: dev,
-            kind,
-            noise_std: c.training.feature_noise_std,
-            gpu: gpu_landing,
-            stop: stop.clone(),
-        };
+        let pf = Prefetcher { device: dev, kind, spec: spec.clone(), gpu: gpu_landing, stop: stop.clone() };
         let (s, hs) = (stop.clone(), hs_rx.clone());
         stages.spawn_thread(&format!("prefetch-{rank}"), move || pf.run(hs, pf_tx, s));
         let join = move || -> anyhow::Result<Option<dflash_models::dp::Replica>> {

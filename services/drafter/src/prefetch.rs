@@ -1,11 +1,12 @@
 //! Prefetch: moves queued batches onto the drafter's device ahead of the
 //! train step, turning SPLIT payloads into the concatenated features (and
-//! adding the configured noise) on the device.
+//! adding the noise the feature spec leaves to the drafter) on the device.
 
 use dflash_models::DeviceBatch;
+use dflash_models::features::{add_uniform_noise, kind_of};
 use dflash_models::gpu;
 use dflash_role::Stop;
-use dflash_wire::{DType, HostBatch, Layout};
+use dflash_wire::{FeatureSpec, HostBatch, Layout};
 use tch::{Device, Kind, Tensor};
 
 use crate::receiver::ReceivedBatch;
@@ -14,7 +15,7 @@ use crate::receiver::ReceivedBatch;
 pub struct Prefetcher {
     pub device: Device,
     pub kind: Kind,
-    pub noise_std: f64,
+    pub spec: FeatureSpec,
     /// On CUDA: the copy stream and the landing buffers on the device.
     pub gpu: Option<GpuLanding>,
     pub stop: Stop,
@@ -28,15 +29,6 @@ pub struct GpuLanding {
     pub buffers: gpu::Pool<gpu::DeviceBuf>,
 }
 
-/// Adds uniform noise with standard deviation `std` (U(-a, a), a = std*sqrt(3)).
-fn add_uniform_noise(t: Tensor, std: f64) -> Tensor {
-    if std == 0.0 {
-        return t;
-    }
-    let a = std * 3f64.sqrt();
-    &t + (t.rand_like() * (2.0 * a) - a)
-}
-
 impl Prefetcher {
     /// `[T, k*H]` features on the device, in the drafter's kind.
     pub fn to_device(&self, b: &HostBatch, trace: &dflash_telemetry::TraceContext) -> anyhow::Result<DeviceBatch> {
@@ -44,11 +36,7 @@ impl Prefetcher {
         let _entered = span.enter();
         let m = &b.meta;
         let (t, k, h) = (m.token_count() as i64, m.layer_ids.len() as i64, m.hidden_size as i64);
-        let kind = match m.dtype {
-            DType::F32 => Kind::Float,
-            DType::Bf16 => Kind::BFloat16,
-            DType::F16 => Kind::Half,
-        };
+        let kind = kind_of(m.dtype);
         let mut landing = None;
         let on_device = match &self.gpu {
             Some(g) => {
@@ -72,7 +60,7 @@ impl Prefetcher {
             // k x [T, H] -> [T, k*H]: the concatenation fc expects.
             Layout::Split => add_uniform_noise(
                 on_device.view([k, t, h]).permute([1, 0, 2]).contiguous().view([t, k * h]),
-                self.noise_std,
+                self.spec.drafter_noise_std(),
             ),
         };
         Ok(DeviceBatch {

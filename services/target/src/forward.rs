@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use dflash_models::TargetModel;
 use dflash_role::Stop;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::feature_cache::FeatureCache;
 use crate::postprocess::PostprocessSink;
@@ -98,7 +98,8 @@ impl ForwardStats {
     }
 }
 
-/// One device's forward loop.
+/// One device's forward loop: takes a work item, computes (or takes from
+/// the cache) its captured layers, hands them to postprocessing.
 pub struct ForwardLoop {
     pub stats: std::sync::Arc<ForwardStats>,
     pub model: TargetModel,
@@ -108,6 +109,8 @@ pub struct ForwardLoop {
     pub cuda: Option<CudaFeed>,
     /// Features of sequences already computed, reused in later epochs.
     pub cache: FeatureCache,
+    /// Where captured batches go.
+    pub sink: PostprocessSink,
 }
 
 /// How a CUDA forward loop gets its inputs onto the device.
@@ -128,46 +131,24 @@ impl CudaFeed {
     }
 }
 
+/// The captured layers of one batch, before they become a [`CapturedBatch`].
+struct Forwarded {
+    layers: Vec<Tensor>,
+    ready: Option<cudarc::driver::CudaEvent>,
+    ids: Option<UploadedIds>,
+    from_cache: bool,
+}
+
 impl ForwardLoop {
     /// Runs until the input closes or the role stops.
-    pub fn run(mut self, input: flume::Receiver<WorkItem>, sink: PostprocessSink, stop: Stop) -> anyhow::Result<()> {
-        let mut batches = 0u64;
-        let mut hits = 0u64;
-        let mut tokens = 0u64;
-        let started = Instant::now();
-        let mut busy = Duration::ZERO;
+    pub fn run(mut self, input: flume::Receiver<WorkItem>, stop: Stop) -> anyhow::Result<()> {
+        let mut progress = LoopProgress::new();
         let mut gpu_busy = GpuBusy::default();
         while let Some(mut work) = dflash_role::recv_until_stop(&input, &stop) {
             let span = dflash_telemetry::batch_span("forward", &work.trace, work.batch_id);
             let entered = span.enter();
             let t0 = Instant::now();
-            let lens: Vec<i64> = work.seq_lengths.iter().map(|&l| l as i64).collect();
-            let cached = self.cache.assemble(&work.sample_ids);
-            let hit = cached.is_some();
-            let (layers, ready, ids) = match (cached, &self.cuda) {
-                (Some(layers), Some(feed)) => (layers, Some(dflash_models::gpu::record_torch_event(&feed.ctx)?), None),
-                (Some(layers), None) => (layers, None, None),
-                (None, Some(feed)) => {
-                    let queued = GpuBusy::mark(&feed.ctx)?;
-                    let mut ids = feed.upload.upload(&work.input_ids, &stop)?;
-                    let start = GpuBusy::mark(&feed.ctx)?;
-                    let layers = self.model.capture_packed(ids.tensor(), &lens, &self.layer_ids);
-                    // Kernel launches are asynchronous: record where the
-                    // forward ends and move on; postprocessing waits on the
-                    // event.
-                    gpu_busy.finish(&feed.ctx, queued, start)?;
-                    ids.release_after_torch_work()?;
-                    (layers, Some(dflash_models::gpu::record_torch_event(&feed.ctx)?), Some(ids))
-                }
-                (None, None) => {
-                    let ids: Vec<i64> = work.input_ids.iter().map(|&i| i as i64).collect();
-                    let ids = Tensor::from_slice(&ids).to_device(self.model.device);
-                    (self.model.capture_packed(&ids, &lens, &self.layer_ids), None, None)
-                }
-            };
-            if !hit {
-                self.cache.insert(&work.sample_ids, &work.seq_lengths, &layers);
-            }
+            let f = self.forward(&work, &mut gpu_busy, &stop)?;
             // On CUDA the loop runs ahead of the GPU: busy time is the GPU's.
             let (spent, timed) = if self.cuda.is_some() {
                 let g = gpu_busy.collect();
@@ -178,46 +159,11 @@ impl ForwardLoop {
             };
             drop(entered);
             work.trace = dflash_telemetry::context_of(&span);
-            let forward_span = self.cuda.is_some().then_some(span);
-            busy += spent;
-            let m = dflash_telemetry::metrics();
-            m.tokens.with_label_values(&["captured"]).inc_by(work.input_ids.len() as u64);
-            m.batches.with_label_values(&["captured"]).inc();
-            if hit {
-                hits += 1;
-                m.batches.with_label_values(&["cache_hit"]).inc();
-            }
-            m.idle_fraction
-                .with_label_values(&["forward"])
-                .set(1.0 - busy.as_secs_f64() / started.elapsed().as_secs_f64().max(1e-9));
-            m.queue_depth.with_label_values(&["work"]).set(input.len() as i64);
-            batches += 1;
-            tokens += work.input_ids.len() as u64;
-            self.stats.tokens.fetch_add(work.input_ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            if self.cuda.is_none() {
-                self.stats.busy_ns.fetch_add(spent.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-                self.stats.timed_forwards.fetch_add(timed, std::sync::atomic::Ordering::Relaxed);
-            }
-            if batches.is_multiple_of(50) {
-                let wall = started.elapsed().as_secs_f64();
-                let cache = if self.cache.enabled() {
-                    format!(
-                        ", {hits} from the feature cache ({} sequences, {} MiB)",
-                        self.cache.len(),
-                        self.cache.used_bytes() >> 20
-                    )
-                } else {
-                    String::new()
-                };
-                tracing::info!(
-                    "{}: {batches} batches, {:.0} tokens/s, forward busy {:.0}%{cache}",
-                    self.label,
-                    tokens as f64 / wall,
-                    100.0 * busy.as_secs_f64() / wall
-                );
-            }
+            self.record(&mut progress, work.input_ids.len() as u64, spent, timed, f.from_cache, input.len());
             tracing::debug!(batch = work.batch_id, "forward queued");
-            if !sink.push(CapturedBatch { work, layers, ready, ids, forward_span }, &stop)? {
+            let forward_span = self.cuda.is_some().then_some(span);
+            let captured = CapturedBatch { work, layers: f.layers, ready: f.ready, ids: f.ids, forward_span };
+            if !self.sink.push(captured, &stop)? {
                 break;
             }
         }
@@ -227,15 +173,100 @@ impl ForwardLoop {
         }
         Ok(())
     }
+
+    /// The batch's captured layers: from the feature cache when every
+    /// sequence is in it, else from a forward (which fills the cache).
+    fn forward(&mut self, work: &WorkItem, gpu_busy: &mut GpuBusy, stop: &Stop) -> anyhow::Result<Forwarded> {
+        let lens: Vec<i64> = work.seq_lengths.iter().map(|&l| l as i64).collect();
+        if let Some(layers) = self.cache.assemble(&work.sample_ids) {
+            let ready = match &self.cuda {
+                Some(feed) => Some(dflash_models::gpu::record_torch_event(&feed.ctx)?),
+                None => None,
+            };
+            return Ok(Forwarded { layers, ready, ids: None, from_cache: true });
+        }
+        let f = match &self.cuda {
+            Some(feed) => {
+                let queued = GpuBusy::mark(&feed.ctx)?;
+                let mut ids = feed.upload.upload(&work.input_ids, stop)?;
+                let start = GpuBusy::mark(&feed.ctx)?;
+                let layers = self.model.capture_packed(ids.tensor(), &lens, &self.layer_ids);
+                // Kernel launches are asynchronous: record where the forward
+                // ends and move on; postprocessing waits on the event.
+                gpu_busy.finish(&feed.ctx, queued, start)?;
+                ids.release_after_torch_work()?;
+                let ready = Some(dflash_models::gpu::record_torch_event(&feed.ctx)?);
+                Forwarded { layers, ready, ids: Some(ids), from_cache: false }
+            }
+            None => {
+                let ids: Vec<i64> = work.input_ids.iter().map(|&i| i as i64).collect();
+                let ids = Tensor::from_slice(&ids).to_device(self.model.device);
+                let layers = self.model.capture_packed(&ids, &lens, &self.layer_ids);
+                Forwarded { layers, ready: None, ids: None, from_cache: false }
+            }
+        };
+        self.cache.insert(&work.sample_ids, &work.seq_lengths, &f.layers);
+        Ok(f)
+    }
+
+    /// Counts one batch in the metrics, the shared stats and the periodic log line.
+    fn record(&self, p: &mut LoopProgress, tokens: u64, spent: Duration, timed: u64, hit: bool, queued: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        p.batches += 1;
+        p.tokens += tokens;
+        p.busy += spent;
+        p.hits += hit as u64;
+        let m = dflash_telemetry::metrics();
+        m.tokens.with_label_values(&["captured"]).inc_by(tokens);
+        m.batches.with_label_values(&["captured"]).inc();
+        if hit {
+            m.batches.with_label_values(&["cache_hit"]).inc();
+        }
+        m.idle_fraction.with_label_values(&["forward"]).set(1.0 - p.busy_fraction());
+        m.queue_depth.with_label_values(&["work"]).set(queued as i64);
+        self.stats.tokens.fetch_add(tokens, Relaxed);
+        if self.cuda.is_none() {
+            self.stats.busy_ns.fetch_add(spent.as_nanos() as u64, Relaxed);
+            self.stats.timed_forwards.fetch_add(timed, Relaxed);
+        }
+        if p.batches.is_multiple_of(50) {
+            let cache = if self.cache.enabled() {
+                format!(
+                    ", {} from the feature cache ({} sequences, {} MiB)",
+                    p.hits,
+                    self.cache.len(),
+                    self.cache.used_bytes() >> 20
+                )
+            } else {
+                String::new()
+            };
+            tracing::info!(
+                "{}: {} batches, {:.0} tokens/s, forward busy {:.0}%{cache}",
+                self.label,
+                p.batches,
+                p.tokens as f64 / p.started.elapsed().as_secs_f64(),
+                100.0 * p.busy_fraction()
+            );
+        }
+    }
 }
 
-/// Kind the target computes in on this device for a config dtype.
-pub fn compute_kind(dtype: &str, device: tch::Device) -> Kind {
-    match dtype {
-        "f32" => Kind::Float,
-        "bf16" => Kind::BFloat16,
-        _ if device.is_cuda() => Kind::BFloat16,
-        _ => Kind::Float,
+/// What one forward loop has done since it started (for its log line).
+struct LoopProgress {
+    batches: u64,
+    hits: u64,
+    tokens: u64,
+    busy: Duration,
+    started: Instant,
+}
+
+impl LoopProgress {
+    fn new() -> Self {
+        Self { batches: 0, hits: 0, tokens: 0, busy: Duration::ZERO, started: Instant::now() }
+    }
+
+    fn busy_fraction(&self) -> f64 {
+        self.busy.as_secs_f64() / self.started.elapsed().as_secs_f64().max(1e-9)
     }
 }
 
@@ -245,9 +276,11 @@ mod tests {
 
     use dflash_models::{LoadScope, TargetModel};
     use dflash_role::Stop;
-    use dflash_wire::{HostBatch, Layout};
+    use dflash_wire::{DType, FeatureSpec, HostBatch, Layout};
+    use tch::Kind;
 
     use super::*;
+    use crate::leases::Leases;
     use crate::postprocess::Postprocessor;
 
     fn item(batch_id: u64, samples: &[(u64, Vec<u32>)]) -> WorkItem {
@@ -259,6 +292,7 @@ mod tests {
             input_ids: samples.iter().flat_map(|s| s.1.iter().copied()).collect(),
             loss_mask: samples.iter().flat_map(|s| vec![1u8; s.1.len()]).collect(),
             trace: Default::default(),
+            lease: Leases::new().hold(batch_id),
         }
     }
 
@@ -270,9 +304,7 @@ mod tests {
             .expect("tiny llama loads");
         let stop = Stop::new();
         let post = Postprocessor {
-            layout: Layout::Split,
-            noise_std: 0.0,
-            layer_ids: vec![0, 1],
+            spec: FeatureSpec { dtype: DType::F32, layout: Layout::Split, layer_ids: vec![0, 1], noise_std: 0.0 },
             target_instance: "test".into(),
             gpu: None,
             stop: stop.clone(),
@@ -286,15 +318,16 @@ mod tests {
             label: "test".into(),
             cuda: None,
             cache: FeatureCache::new(cache_bytes),
+            sink: PostprocessSink::Inline(post, host_tx),
         };
         let before = dflash_telemetry::metrics().batches.with_label_values(&["cache_hit"]).get();
         for w in work {
             work_tx.send(w).expect("queue has room");
         }
         drop(work_tx);
-        fl.run(work_rx, PostprocessSink::Inline(post, host_tx), stop).expect("loop runs");
+        fl.run(work_rx, stop).expect("loop runs");
         let hits = dflash_telemetry::metrics().batches.with_label_values(&["cache_hit"]).get() - before;
-        (host_rx.drain().collect(), hits)
+        (host_rx.drain().map(|o| o.batch).collect(), hits)
     }
 
     fn floats(b: &HostBatch) -> Vec<f32> {

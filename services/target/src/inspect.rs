@@ -11,7 +11,9 @@ use anyhow::Context;
 use dflash_models::{LoadScope, TargetConfig, TargetModel};
 use tch::{Device, Kind, Tensor};
 
-use crate::forward::compute_kind;
+use dflash_config::ComputeDtype;
+use dflash_models::features::kind_of;
+use dflash_wire::DType;
 
 #[derive(clap::Args, Debug)]
 pub struct InspectArgs {
@@ -30,9 +32,9 @@ pub struct InspectArgs {
     /// "cpu" or a GPU index to run `--ids` on.
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Compute dtype: f32 (default), bf16, or auto (bf16 on GPUs).
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    /// Compute dtype (auto: bf16 on GPUs, f32 on CPUs).
+    #[arg(long, value_enum, default_value_t = ComputeDtype::F32)]
+    pub dtype: ComputeDtype,
     /// Drafter layers, for the default captured layer ids shown.
     #[arg(long, default_value_t = 5)]
     pub drafter_layers: u32,
@@ -73,12 +75,7 @@ pub fn run(a: &InspectArgs) -> anyhow::Result<()> {
         "cpu" => Device::Cpu,
         i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
     };
-    let kind = match a.dtype.as_str() {
-        "f32" => Kind::Float,
-        "bf16" => Kind::BFloat16,
-        "auto" => compute_kind("auto", device),
-        other => anyhow::bail!("--dtype {other}: expected f32, bf16 or auto"),
-    };
+    let kind = kind_of(DType::compute(a.dtype, device.is_cuda()));
     let (c, full_bytes) = TargetModel::inspect(&a.model, kind, LoadScope::Full)?;
     let mut capture_ids = dflash_config::default_target_layer_ids(c.num_layers as u32, a.drafter_layers);
     capture_ids.sort_unstable();

@@ -7,6 +7,7 @@
 pub mod feature_cache;
 pub mod forward;
 pub mod inspect;
+pub mod leases;
 pub mod postprocess;
 pub mod sender;
 pub mod upload;

@@ -3,22 +3,23 @@
 //! which checks a model directory the way the service loads it. The tools
 //! (prepare, regenerate, bench-capture) are `dflash` subcommands.
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use dflash_config::Device;
+use dflash_models::features::kind_of;
 use dflash_models::{LoadScope, TargetModel};
 use dflash_proto as pb;
-use dflash_role::{Announce, HeldBatches, KindExt, RoleArgs, Session, Stages, Stop, format_chain};
+use dflash_role::{Announce, KindExt, RoleArgs, Session, Stages, Stop, format_chain};
 use dflash_telemetry::ErrorKind;
-use dflash_wire::Layout;
+use dflash_wire::FeatureSpec;
 
 use dflash_target::feature_cache::FeatureCache;
-use dflash_target::forward::{self, ForwardLoop, compute_kind};
+use dflash_target::forward::{self, ForwardLoop};
+use dflash_target::leases::Leases;
 use dflash_target::postprocess::{self, PostprocessSink, Postprocessor};
 use dflash_target::{inspect, sender, work};
 
@@ -99,31 +100,19 @@ async fn serve(args: ServeArgs) -> i32 {
     session.finish(result).await
 }
 
-/// Hidden size of the target (for sizing buffers before the model loads).
-fn hidden_size(dir: &str) -> anyhow::Result<usize> {
-    Ok(dflash_models::TargetConfig::from_dir(Path::new(dir)).kind(ErrorKind::Model)?.hidden_size as usize)
-}
-
 /// Loads the models and starts every stage.
 async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> anyhow::Result<()> {
     let c = &session.config;
     let stop = session.stop.clone();
     stages.spawn_task("health", dflash_role::serve_health_only(args.health_listen, stop.clone()));
     session.serve_metrics(&args.role, stages).await?;
-    let held: HeldBatches = Arc::new(Mutex::new(BTreeSet::new()));
-    let held_for_heartbeat = Arc::clone(&held);
+    let leases = Leases::new();
     let stats = Arc::new(forward::ForwardStats::new(c.devices.target.devices().len()));
-    let load_stats = Arc::clone(&stats);
-    session.spawn_heartbeat(
-        stages,
-        move || held_for_heartbeat.lock().expect("held lock").iter().copied().collect(),
-        move || load_stats.load(),
-    );
+    let (renew, load_stats) = (leases.clone(), Arc::clone(&stats));
+    session.spawn_heartbeat(stages, move || renew.ids(), move || load_stats.load());
     let drafter_endpoint = session.spawn_event_watch(stages);
 
     let dataset = Arc::new(tokio::task::block_in_place(|| work::load_dataset(session))?);
-    let layer_ids: Vec<i64> = c.model.target_layer_ids.iter().map(|&i| i as i64).collect();
-    let last_layer = *layer_ids.iter().max().expect("resolved by the coordinator");
     let devices = c.devices.target.devices().to_vec();
     let gpus = c.devices.target.cuda_indices();
     if !gpus.is_empty() {
@@ -131,11 +120,8 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
         dflash_models::cuda::set_cudnn_attention(false);
         dflash_role::memory::keep_freed_memory_mapped();
     }
-    let layout = if c.pipeline.split_fc_layers { Layout::Split } else { Layout::Packed };
     let post = Postprocessor {
-        layout,
-        noise_std: c.training.feature_noise_std,
-        layer_ids: c.model.target_layer_ids.clone(),
+        spec: FeatureSpec::of(c),
         target_instance: session.instance_id.clone(),
         gpu: None,
         stop: stop.clone(),
@@ -143,76 +129,13 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     let (work_tx, work_rx) = flume::bounded(devices.len());
     let (host_tx, host_rx) = flume::bounded(1);
     for d in &devices {
-        let device = match d {
-            Device::Cpu => tch::Device::Cpu,
-            Device::Cuda(i) => tch::Device::Cuda(*i as usize),
-        };
-        let kind = compute_kind(&c.model.dtype, device);
-        let cuda = match d {
-            Device::Cpu => None,
-            Device::Cuda(i) => Some(dflash_models::gpu::context(*i as usize).kind(ErrorKind::Device)?),
-        };
-        let mut post = post.clone();
-        if let Some(ctx) = &cuda {
-            // Buffers live in: postprocess, the sender's queue, and the
-            // unacknowledged window; one more so the pipeline never starves.
-            let p = &c.pipeline;
-            let count = (p.target_postprocess_depth.max(1) + p.max_inflight_batches + 2) as usize;
-            let bytes = p.token_budget as usize
-                * layer_ids.len()
-                * hidden_size(&c.model.target_path)?
-                * kind.elt_size_in_bytes();
-            let pool = dflash_models::gpu::pinned_pool(ctx, count, bytes).kind(ErrorKind::Device)?;
-            let stream = dflash_models::gpu::side_stream(ctx).kind(ErrorKind::Device)?;
-            tracing::info!("{d}: {count} pinned buffers of {} MiB for device-to-host copies", bytes >> 20);
-            post.gpu = Some(postprocess::GpuCopy { ctx: ctx.clone(), stream, pool });
-        }
-        let dir = Path::new(&c.model.target_path).to_path_buf();
-        let model = tokio::task::block_in_place(|| {
-            TargetModel::load(&dir, device, kind, LoadScope::CaptureUpTo { last_layer })
-        })
-        .kind(ErrorKind::Model)?;
-        tracing::info!(
-            "{d}: loaded {} of {} layers of the {} target ({kind:?}), capturing {layer_ids:?}, {} layout",
-            model.loaded_layers(),
-            model.config.num_layers,
-            dflash_models::zoo::architecture(model.config.family).hf_architecture(),
-            if layout == Layout::Split { "SPLIT" } else { "PACKED" }
-        );
-        let depth = c.pipeline.target_postprocess_depth as usize;
-        let sink = if depth == 0 {
-            PostprocessSink::Inline(post.clone(), host_tx.clone())
-        } else {
-            let (cap_tx, cap_rx) = flume::bounded(depth);
-            let (p, out, s) = (post.clone(), host_tx.clone(), stop.clone());
-            stages.spawn_thread(&format!("postprocess-{d}"), move || postprocess::worker(p, cap_rx, out, s));
-            PostprocessSink::Queue(cap_tx)
-        };
-        let cuda = match (cuda, d) {
-            (Some(ctx), Device::Cuda(i)) => {
-                // Ids are held by: the loop, the postprocess queue, the worker.
-                let count = depth + 3;
-                Some(
-                    forward::CudaFeed::new(&ctx, *i as usize, c.pipeline.token_budget as usize, count)
-                        .kind(ErrorKind::Device)?,
-                )
-            }
-            _ => None,
-        };
-        let fl = ForwardLoop {
-            stats: Arc::clone(&stats),
-            model,
-            layer_ids: layer_ids.clone(),
-            label: format!("target {d}"),
-            cuda,
-            cache: FeatureCache::new((c.pipeline.target_feature_cache_mib as usize) << 20),
-        };
+        let fl = device_pipeline(session, stages, d, &stats, post.clone(), &host_tx)?;
         let (rx, s) = (work_rx.clone(), stop.clone());
-        stages.spawn_thread(&format!("forward-{d}"), move || fl.run(rx, sink, s));
+        stages.spawn_thread(&format!("forward-{d}"), move || fl.run(rx, s));
     }
     drop(host_tx);
     session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
-    stages.spawn_task("lease", work::lease_loop(Arc::clone(session), dataset, Arc::clone(&held), work_tx));
+    stages.spawn_task("lease", work::lease_loop(Arc::clone(session), dataset, leases, work_tx));
     // The in-flight limit is split across the streams.
     let streams = c.pipeline.streams_per_target as usize;
     let window = (c.pipeline.max_inflight_batches as usize).div_ceil(streams);
@@ -220,7 +143,6 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     for i in 0..streams {
         let s = sender::Sender::new(
             Arc::clone(session),
-            Arc::clone(&held),
             host_rx.clone(),
             drafter_endpoint.clone(),
             window,
@@ -230,4 +152,79 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
         stages.spawn_task(&format!("sender-{i}"), s.run());
     }
     Ok(())
+}
+
+/// One device's model, its postprocess stage (a worker, or inline at depth
+/// 0) feeding `host_tx`, and the forward loop that drives them.
+fn device_pipeline(
+    session: &Session,
+    stages: &Stages,
+    d: &Device,
+    stats: &Arc<forward::ForwardStats>,
+    mut post: Postprocessor,
+    host_tx: &flume::Sender<postprocess::OutboundBatch>,
+) -> anyhow::Result<ForwardLoop> {
+    let c = &session.config;
+    let layer_ids: Vec<i64> = post.spec.layer_ids.iter().map(|&i| i as i64).collect();
+    let last_layer = *layer_ids.iter().max().expect("resolved by the coordinator");
+    let kind = kind_of(post.spec.dtype);
+    let (device, cuda) = match d {
+        Device::Cpu => (tch::Device::Cpu, None),
+        Device::Cuda(i) => {
+            (tch::Device::Cuda(*i as usize), Some(dflash_models::gpu::context(*i as usize).kind(ErrorKind::Device)?))
+        }
+    };
+    if let Some(ctx) = &cuda {
+        // Buffers live in: postprocess, the sender's queue, and the
+        // unacknowledged window; one more so the pipeline never starves.
+        let p = &c.pipeline;
+        let count = (p.target_postprocess_depth.max(1) + p.max_inflight_batches + 2) as usize;
+        let bytes = post.spec.payload_bytes(p.token_budget as usize, hidden_size(&c.model.target_path)?);
+        let pool = dflash_models::gpu::pinned_pool(ctx, count, bytes).kind(ErrorKind::Device)?;
+        let stream = dflash_models::gpu::side_stream(ctx).kind(ErrorKind::Device)?;
+        tracing::info!("{d}: {count} pinned buffers of {} MiB for device-to-host copies", bytes >> 20);
+        post.gpu = Some(postprocess::GpuCopy { ctx: ctx.clone(), stream, pool });
+    }
+    let dir = Path::new(&c.model.target_path).to_path_buf();
+    let model =
+        tokio::task::block_in_place(|| TargetModel::load(&dir, device, kind, LoadScope::CaptureUpTo { last_layer }))
+            .kind(ErrorKind::Model)?;
+    tracing::info!(
+        "{d}: loaded {} of {} layers of the {} target ({kind:?}), capturing {layer_ids:?}, {:?} layout",
+        model.loaded_layers(),
+        model.config.num_layers,
+        dflash_models::zoo::architecture(model.config.family).hf_architecture(),
+        post.spec.layout,
+    );
+    let depth = c.pipeline.target_postprocess_depth as usize;
+    let sink = if depth == 0 {
+        PostprocessSink::Inline(post, host_tx.clone())
+    } else {
+        let (cap_tx, cap_rx) = flume::bounded(depth);
+        let (out, s) = (host_tx.clone(), session.stop.clone());
+        stages.spawn_thread(&format!("postprocess-{d}"), move || postprocess::worker(post, cap_rx, out, s));
+        PostprocessSink::Queue(cap_tx)
+    };
+    let cuda = match (cuda, d) {
+        // Ids are held by: the loop, the postprocess queue, the worker.
+        (Some(ctx), Device::Cuda(i)) => Some(
+            forward::CudaFeed::new(&ctx, *i as usize, c.pipeline.token_budget as usize, depth + 3)
+                .kind(ErrorKind::Device)?,
+        ),
+        _ => None,
+    };
+    Ok(ForwardLoop {
+        stats: Arc::clone(stats),
+        model,
+        layer_ids,
+        label: format!("target {d}"),
+        cuda,
+        cache: FeatureCache::new((c.pipeline.target_feature_cache_mib as usize) << 20),
+        sink,
+    })
+}
+
+/// Hidden size of the target (for sizing buffers before the model loads).
+fn hidden_size(dir: &str) -> anyhow::Result<usize> {
+    Ok(dflash_models::TargetConfig::from_dir(Path::new(dir)).kind(ErrorKind::Model)?.hidden_size as usize)
 }

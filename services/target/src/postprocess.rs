@@ -1,25 +1,32 @@
 //! The postprocess pool: captured layers on the device become a host
-//! payload in the configured layout (PACKED: [T, k*H] with noise; SPLIT:
-//! k x [T, H]), owned by the batch until its bytes have left.
+//! payload in the run's feature layout (PACKED: [T, k*H] with noise;
+//! SPLIT: k x [T, H]), owned by the batch until its bytes have left.
 
 use bytes::Bytes;
+use dflash_models::features::{add_uniform_noise, dtype_of};
 use dflash_models::gpu;
 use dflash_role::{Stop, recv_until_stop, send_until_stop};
-use dflash_wire::{BatchMeta, DType, HostBatch, Layout};
-use tch::{Kind, Tensor};
+use dflash_wire::{BatchMeta, FeatureSpec, HostBatch, Layout};
+use tch::Tensor;
 
 use crate::forward::CapturedBatch;
+use crate::leases::Lease;
 
 /// Turns captured batches into host batches.
 #[derive(Clone)]
 pub struct Postprocessor {
-    pub layout: Layout,
-    pub noise_std: f64,
-    pub layer_ids: Vec<u32>,
+    pub spec: FeatureSpec,
     pub target_instance: String,
     /// On CUDA: where device-to-host copies go.
     pub gpu: Option<GpuCopy>,
     pub stop: Stop,
+}
+
+/// A batch ready for the wire, with the lease the sender holds until the
+/// drafter has it.
+pub struct OutboundBatch {
+    pub batch: HostBatch,
+    pub lease: Lease,
 }
 
 /// The device-to-host path of one GPU: a side stream and a bounded pool of
@@ -29,24 +36,6 @@ pub struct GpuCopy {
     pub ctx: std::sync::Arc<cudarc::driver::CudaContext>,
     pub stream: std::sync::Arc<cudarc::driver::CudaStream>,
     pub pool: gpu::Pool<gpu::PinnedMem>,
-}
-
-/// Adds uniform noise with standard deviation `std` (U(-a, a), a = std*sqrt(3)).
-pub fn add_uniform_noise(t: &Tensor, std: f64) -> Tensor {
-    if std == 0.0 {
-        return t.shallow_clone();
-    }
-    let a = std * 3f64.sqrt();
-    t + (t.rand_like() * (2.0 * a) - a)
-}
-
-fn dtype_of(kind: Kind) -> anyhow::Result<DType> {
-    Ok(match kind {
-        Kind::Float => DType::F32,
-        Kind::BFloat16 => DType::Bf16,
-        Kind::Half => DType::F16,
-        k => anyhow::bail!("cannot ship features of kind {k:?}"),
-    })
 }
 
 /// Contiguous host bytes of a tensor.
@@ -59,6 +48,11 @@ fn host_bytes(t: &Tensor) -> Bytes {
 }
 
 impl Postprocessor {
+    /// PACKED features: the layers concatenated, noised as the spec says.
+    fn packed(&self, c: &CapturedBatch) -> Tensor {
+        add_uniform_noise(Tensor::cat(&c.layers, 1), self.spec.target_noise_std())
+    }
+
     /// Pinned payload of a CUDA batch: wait for the forward on the copy
     /// stream (not on the host), pack if PACKED, copy every layer into one
     /// pooled pinned buffer, and wait for the copy before the device tensors
@@ -74,9 +68,9 @@ impl Postprocessor {
             .ok_or_else(|| anyhow::anyhow!("stopped while waiting for a pinned buffer"))?;
         let took = t0.elapsed();
         let mut buf = gpu::PinnedBuf::new(mem, bytes)?;
-        match self.layout {
+        match self.spec.layout {
             Layout::Packed => {
-                let packed = add_uniform_noise(&Tensor::cat(&c.layers, 1), self.noise_std);
+                let packed = self.packed(c);
                 let done = gpu::record_torch_event(&g.ctx)?;
                 gpu::wait_event(&g.stream, &done)?;
                 buf.copy_from_device_async(0, &packed, &g.stream)?;
@@ -102,16 +96,18 @@ impl Postprocessor {
         Ok(Bytes::from_owner(buf))
     }
 
-    pub fn process(&self, c: CapturedBatch) -> anyhow::Result<HostBatch> {
+    pub fn process(&self, c: CapturedBatch) -> anyhow::Result<OutboundBatch> {
         let span = dflash_telemetry::batch_span("postprocess", &c.work.trace, c.work.batch_id);
         let _entered = span.enter();
         let _guard = tch::no_grad_guard();
         let first = c.layers.first().ok_or_else(|| anyhow::anyhow!("batch {}: no captured layers", c.work.batch_id))?;
         let hidden = first.size()[1] as u32;
-        let dtype = dtype_of(first.kind())?;
-        let payload = match (&self.gpu, self.layout) {
+        let dtype = dtype_of(first.kind()).filter(|&d| d == self.spec.dtype).ok_or_else(|| {
+            anyhow::anyhow!("captured {:?} features; the run ships {:?}", first.kind(), self.spec.dtype)
+        })?;
+        let payload = match (&self.gpu, self.spec.layout) {
             (Some(g), _) => self.gpu_payload(g, &c)?,
-            (None, Layout::Packed) => host_bytes(&add_uniform_noise(&Tensor::cat(&c.layers, 1), self.noise_std)),
+            (None, Layout::Packed) => host_bytes(&self.packed(&c)),
             (None, Layout::Split) => host_bytes(&Tensor::stack(&c.layers, 0)),
         };
         let w = c.work;
@@ -119,17 +115,17 @@ impl Postprocessor {
             batch_id: w.batch_id,
             epoch: w.epoch,
             target_instance: self.target_instance.clone(),
-            layout: self.layout,
+            layout: self.spec.layout,
             dtype,
             seq_lengths: w.seq_lengths,
             input_ids: w.input_ids,
             loss_mask: w.loss_mask,
-            layer_ids: self.layer_ids.clone(),
+            layer_ids: self.spec.layer_ids.clone(),
             hidden_size: hidden,
             sample_ids: w.sample_ids,
             trace_context: dflash_telemetry::context_of(&span),
         };
-        Ok(HostBatch::new(meta, payload)?)
+        Ok(OutboundBatch { batch: HostBatch::new(meta, payload)?, lease: w.lease })
     }
 }
 
@@ -137,7 +133,7 @@ impl Postprocessor {
 /// pool, or (depth 0) postprocessing inline on the forward thread.
 pub enum PostprocessSink {
     Queue(flume::Sender<CapturedBatch>),
-    Inline(Postprocessor, flume::Sender<HostBatch>),
+    Inline(Postprocessor, flume::Sender<OutboundBatch>),
 }
 
 impl PostprocessSink {
@@ -158,7 +154,7 @@ impl PostprocessSink {
 pub fn worker(
     p: Postprocessor,
     input: flume::Receiver<CapturedBatch>,
-    output: flume::Sender<HostBatch>,
+    output: flume::Sender<OutboundBatch>,
     stop: Stop,
 ) -> anyhow::Result<()> {
     while let Some(c) = recv_until_stop(&input, &stop) {

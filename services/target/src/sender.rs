@@ -8,11 +8,13 @@ use std::time::Duration;
 
 use dflash_proto as pb;
 use dflash_proto::drafter_message::Msg;
-use dflash_role::{HeldBatches, KindExt, Session, with_timeout};
+use dflash_role::{KindExt, Session, with_timeout};
 use dflash_telemetry::ErrorKind;
 use dflash_wire::rpc::{open_hidden_state_stream, transport};
 use dflash_wire::{HostBatch, batch_messages};
 use tokio::sync::{mpsc, watch};
+
+use crate::postprocess::OutboundBatch;
 
 /// Why one connection to the drafter ended.
 enum StreamEnd {
@@ -27,13 +29,12 @@ enum StreamEnd {
 /// one stream's per-connection limit does not cap what a GPU produces.
 pub struct Sender {
     pub session: Arc<Session>,
-    pub held: HeldBatches,
-    pub input: flume::Receiver<HostBatch>,
+    pub input: flume::Receiver<OutboundBatch>,
     pub drafter_endpoint: watch::Receiver<Option<String>>,
     /// This stream's share of the target's in-flight limit.
     window: usize,
-    /// Unacknowledged batches, oldest first (at most `window`).
-    unacked: VecDeque<HostBatch>,
+    /// Unacknowledged batches with their leases, oldest first (at most `window`).
+    unacked: VecDeque<OutboundBatch>,
     reports: mpsc::Sender<(u64, String)>,
     /// `stream-<i>`, for metrics.
     label: String,
@@ -55,8 +56,7 @@ pub fn spawn_reporter(session: Arc<Session>, stages: &dflash_role::Stages) -> mp
 impl Sender {
     pub fn new(
         session: Arc<Session>,
-        held: HeldBatches,
-        input: flume::Receiver<HostBatch>,
+        input: flume::Receiver<OutboundBatch>,
         drafter_endpoint: watch::Receiver<Option<String>>,
         window: usize,
         reports: mpsc::Sender<(u64, String)>,
@@ -64,7 +64,6 @@ impl Sender {
     ) -> Self {
         Self {
             session,
-            held,
             input,
             drafter_endpoint,
             window: window.max(1),
@@ -97,7 +96,7 @@ impl Sender {
                         // The stream worked: the next wait starts short.
                         delays = dflash_telemetry::retry_delays();
                     }
-                    let bytes: usize = self.unacked.iter().map(|b| b.payload.len()).sum();
+                    let bytes: usize = self.unacked.iter().map(|o| o.batch.payload.len()).sum();
                     tracing::warn!(
                         "stream to drafter {endpoint} ended ({why}); {} unacknowledged batch(es), {:.1} MiB, kept for replay",
                         self.unacked.len(),
@@ -151,7 +150,7 @@ impl Sender {
         let chunk = self.session.config.pipeline.chunk_bytes as usize;
         tracing::info!("streaming to drafter {drafter} at {endpoint} ({credits} credits)");
         // Replay what the previous drafter (or connection) never acknowledged.
-        let replay: Vec<HostBatch> = self.unacked.iter().cloned().collect();
+        let replay: Vec<HostBatch> = self.unacked.iter().map(|o| o.batch.clone()).collect();
         if !replay.is_empty() {
             tracing::info!("replaying {} unacknowledged batch(es) to {drafter}", replay.len());
         }
@@ -165,9 +164,9 @@ impl Sender {
             let can_send = self.unacked.len() < credits;
             tokio::select! {
                 b = self.input.recv_async(), if can_send => {
-                    let Ok(batch) = b else { break };
-                    let ok = send_batch(&tx, &batch, chunk).await;
-                    self.unacked.push_back(batch);
+                    let Ok(outbound) = b else { break };
+                    let ok = send_batch(&tx, &outbound.batch, chunk).await;
+                    self.unacked.push_back(outbound);
                     self.export_gauges();
                     if !ok {
                         return Ok(StreamEnd::Reconnect("stream closed while sending".into()));
@@ -207,33 +206,32 @@ impl Sender {
         tx: &mpsc::Sender<pb::TargetMessage>,
         chunk: usize,
     ) -> anyhow::Result<()> {
-        let Some(pos) = self.unacked.iter().position(|b| b.meta.batch_id == ack.batch_id) else {
+        let Some(pos) = self.unacked.iter().position(|o| o.batch.meta.batch_id == ack.batch_id) else {
             tracing::warn!("acknowledgement for unknown batch {}", ack.batch_id);
             return Ok(());
         };
         match pb::AckStatus::try_from(ack.status) {
             Ok(pb::AckStatus::Accepted) => {
-                let batch = self.unacked.remove(pos).expect("position is valid");
-                self.held.lock().expect("held lock").remove(&batch.meta.batch_id);
+                // Dropping it gives up its payload and its lease: the
+                // drafter owns the batch now.
+                let OutboundBatch { batch, .. } = self.unacked.remove(pos).expect("position is valid");
                 self.export_gauges();
                 let m = dflash_telemetry::metrics();
                 m.batches.with_label_values(&["sent"]).inc();
                 m.tokens.with_label_values(&["sent"]).inc_by(batch.meta.token_count() as u64);
-                // The payload is released here: the drafter owns the batch.
                 let _ = self.reports.send((batch.meta.batch_id, drafter.to_string())).await;
             }
             Ok(pb::AckStatus::Resend) => {
                 tracing::warn!("drafter asks to resend batch {}: {}", ack.batch_id, ack.reason);
                 dflash_telemetry::metrics().batches.with_label_values(&["resent"]).inc();
-                let batch = self.unacked[pos].clone();
+                let batch = self.unacked[pos].batch.clone();
                 send_batch(tx, &batch, chunk).await;
             }
             _ => {
                 // The drafter will never take this batch as it is: drop it
                 // (the drafter reports it to the ledger as skipped when it is
                 // the plan's batch with bad contents) and go on.
-                let batch = self.unacked.remove(pos).expect("position is valid");
-                self.held.lock().expect("held lock").remove(&batch.meta.batch_id);
+                drop(self.unacked.remove(pos));
                 self.export_gauges();
                 dflash_telemetry::metrics().batches.with_label_values(&["rejected"]).inc();
                 let err = anyhow::anyhow!("drafter rejected batch {}: {}", ack.batch_id, ack.reason);

@@ -10,8 +10,10 @@ use dflash_config::MalformedPolicy;
 use dflash_data::{ChatTokenizer, Dataset, LoadOptions};
 use dflash_proto as pb;
 use dflash_proto::CoordinatorError;
-use dflash_role::{HeldBatches, KindExt, Session, with_timeout};
+use dflash_role::{KindExt, Session, with_timeout};
 use dflash_telemetry::{ErrorKind, Reaction};
+
+use crate::leases::{Lease, Leases};
 
 /// One leased batch, tokenized and packed: the forward loop's input.
 #[derive(Clone, Debug)]
@@ -24,6 +26,8 @@ pub struct WorkItem {
     pub loss_mask: Vec<u8>,
     /// Trace context of the batch's latest stage (the lease, then forward).
     pub trace: dflash_telemetry::TraceContext,
+    /// Renewed while the batch exists; given up when it is dropped.
+    pub lease: Lease,
 }
 
 /// Loads the dataset the coordinator planned from, the same way it did.
@@ -40,9 +44,10 @@ pub fn load_dataset(session: &Session) -> anyhow::Result<Dataset> {
     Ok(ds)
 }
 
-/// Builds the packed batch of a lease, checking the coordinator's lengths
-/// against the local dataset (a different dataset copy is a clear error).
-pub fn work_item(ds: &Dataset, lease: &pb::WorkLease) -> anyhow::Result<WorkItem> {
+/// Builds the packed batch of a granted lease, checking the coordinator's
+/// lengths against the local dataset (a different dataset copy is a clear
+/// error).
+pub fn work_item(ds: &Dataset, lease: &pb::WorkLease, held: Lease) -> anyhow::Result<WorkItem> {
     let mut item = WorkItem {
         batch_id: lease.batch_id,
         epoch: lease.epoch,
@@ -51,6 +56,7 @@ pub fn work_item(ds: &Dataset, lease: &pb::WorkLease) -> anyhow::Result<WorkItem
         input_ids: Vec::new(),
         loss_mask: Vec::new(),
         trace: lease.trace_context.clone(),
+        lease: held,
     };
     for (i, &id) in lease.sample_ids.iter().enumerate() {
         let s = ds
@@ -75,12 +81,12 @@ pub fn work_item(ds: &Dataset, lease: &pb::WorkLease) -> anyhow::Result<WorkItem
 }
 
 /// Leases batches one at a time while the work queue has room, until the
-/// role stops. Leased ids go into `held` (renewed by heartbeats) until the
-/// drafter acknowledges them.
+/// role stops. Each work item owns its lease (renewed by heartbeats) until
+/// the drafter acknowledges the batch.
 pub async fn lease_loop(
     session: Arc<Session>,
     ds: Arc<Dataset>,
-    held: HeldBatches,
+    leases: Leases,
     out: flume::Sender<WorkItem>,
 ) -> anyhow::Result<()> {
     let mut client = session.client();
@@ -102,8 +108,7 @@ pub async fn lease_loop(
         let wait = match resp {
             Ok(r) if !r.leases.is_empty() => {
                 for lease in &r.leases {
-                    held.lock().expect("held lock").insert(lease.batch_id);
-                    let item = work_item(&ds, lease)?;
+                    let item = work_item(&ds, lease, leases.hold(lease.batch_id))?;
                     dflash_telemetry::metrics().queue_depth.with_label_values(&["work"]).set(out.len() as i64 + 1);
                     tokio::select! {
                         r = out.send_async(item) => if r.is_err() { return Ok(()) },

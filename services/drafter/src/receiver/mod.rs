@@ -17,7 +17,7 @@ use dflash_proto::DrafterError;
 use dflash_proto::target_message::Msg;
 use dflash_role::Stop;
 use dflash_wire::rpc::{AckReceiver, AckSender, InboundStream, StreamHandler};
-use dflash_wire::{HostBatch, Inbound, WireError};
+use dflash_wire::{FeatureSpec, HostBatch, Inbound, WireError};
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -49,8 +49,9 @@ pub type Plan = HashMap<u64, Planned>;
 /// What every batch must match.
 #[derive(Clone, Debug)]
 pub struct Expected {
+    /// Layers, dtype and layout of the run's features.
+    pub spec: FeatureSpec,
     pub hidden_size: u32,
-    pub layer_ids: Vec<u32>,
     /// Rows of the target's embedding: every token id must be below it.
     pub vocab_size: u32,
     pub plan: Arc<Plan>,
@@ -117,8 +118,8 @@ impl Expected {
         if m.hidden_size != self.hidden_size {
             return bad(format!("hidden size {} but the drafter expects {}", m.hidden_size, self.hidden_size));
         }
-        if m.layer_ids != self.layer_ids {
-            return bad(format!("layers {:?} but the drafter expects {:?}", m.layer_ids, self.layer_ids));
+        if let Some(why) = self.spec.mismatch(m) {
+            return bad(why);
         }
         if let Some((i, &t)) = m.input_ids.iter().enumerate().find(|&(_, &t)| t >= self.vocab_size) {
             return bad(format!("token id {t} at position {i} is outside the vocabulary ({})", self.vocab_size));

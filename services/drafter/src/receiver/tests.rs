@@ -44,7 +44,12 @@ fn service_with(
         run_id: "run-1".into(),
         instance_id: "drafter-0".into(),
         credits: 2,
-        expected: Expected { hidden_size: 8, layer_ids: vec![0], vocab_size: 16, plan: Arc::new(plan) },
+        expected: Expected {
+            spec: FeatureSpec { dtype: DType::F32, layout: Layout::Split, layer_ids: vec![0], noise_std: 0.0 },
+            hidden_size: 8,
+            vocab_size: 16,
+            plan: Arc::new(plan),
+        },
         max_payload_bytes: 1 << 20,
         queue,
         skipped: skipped_tx,
