@@ -75,11 +75,11 @@ pub enum StepOutcome {
 
 /// The drafter with its frozen target pieces and its optimizer.
 pub struct Trainer {
-    pub drafter: Drafter,
+    pub(crate) drafter: Drafter,
     /// The target's embedding and LM head, on the drafter's device.
     embed: Tensor,
     lm_head: Tensor,
-    pub opt: AdamW,
+    pub(crate) opt: AdamW,
     pub settings: TrainSettings,
 }
 
@@ -114,6 +114,23 @@ impl Trainer {
     /// Optimizer steps taken so far.
     pub fn step(&self) -> u64 {
         self.opt.step
+    }
+
+    /// Sets the step count (a replica that received the leader's state).
+    pub fn set_step(&mut self, step: u64) {
+        self.opt.step = step;
+    }
+
+    pub fn drafter(&self) -> &Drafter {
+        &self.drafter
+    }
+
+    /// Every tensor replicas must hold alike: the parameters, then the
+    /// optimizer's state.
+    pub fn state_tensors(&self) -> Vec<Tensor> {
+        let mut t: Vec<Tensor> = self.drafter.named_parameters().into_iter().map(|(_, p)| p).collect();
+        t.extend(self.opt.state_tensors().into_iter().map(|(_, s)| s));
+        t
     }
 
     pub fn embed(&self) -> &Tensor {

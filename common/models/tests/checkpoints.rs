@@ -66,7 +66,7 @@ fn state(t: &Trainer) -> TrainerState {
 }
 
 fn params(t: &Trainer) -> Vec<(String, Tensor)> {
-    t.drafter.named_parameters()
+    t.drafter().named_parameters()
 }
 
 #[test]

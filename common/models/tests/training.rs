@@ -50,7 +50,7 @@ fn batch() -> DeviceBatch {
 }
 
 fn grads(t: &Trainer) -> Vec<Tensor> {
-    t.drafter.named_parameters().into_iter().map(|(_, p)| p.grad().copy()).collect()
+    t.drafter().named_parameters().into_iter().map(|(_, p)| p.grad().copy()).collect()
 }
 
 fn loss(o: StepOutcome) -> f64 {
@@ -95,12 +95,12 @@ fn non_finite_features_are_skipped_without_touching_the_weights() {
     let b = batch();
     let _ = b.features.get(3).get(5).fill_(f64::NAN);
     let mut t = trainer(2, 1000);
-    let before: Vec<Tensor> = t.drafter.named_parameters().into_iter().map(|(_, p)| p.copy()).collect();
+    let before: Vec<Tensor> = t.drafter().named_parameters().into_iter().map(|(_, p)| p.copy()).collect();
     match t.train_batch(&b) {
         StepOutcome::Skipped(r) => assert!(r.contains("non-finite"), "{r}"),
         StepOutcome::Trained(_) => panic!("trained on NaN features"),
     }
-    for (p, q) in t.drafter.named_parameters().iter().zip(&before) {
+    for (p, q) in t.drafter().named_parameters().iter().zip(&before) {
         assert!(p.1.equal(q));
     }
     assert_eq!(t.step(), 0);

@@ -163,7 +163,7 @@ async fn run(args: Args) -> anyhow::Result<i32> {
                 _ = tick.tick() => {}
                 _ = monitor_stop.stopped() => return Ok(()),
             }
-            monitor_run.flow.lock().expect("flow lock").sample(std::time::Instant::now());
+            let flow = monitor_run.sample_flow();
             monitor_run.export_metrics();
             if let Err(e) = monitor_run.check_liveness() {
                 monitor_run.end(dflash_proto::RunState::Failed, format!("ledger failure: {e}"));
@@ -179,7 +179,7 @@ async fn run(args: Args) -> anyhow::Result<i32> {
                     c.committed,
                     c.total()
                 );
-                tracing::info!("{}", monitor_run.flow.lock().expect("flow lock").summary());
+                tracing::info!("{flow}");
                 last_log = std::time::Instant::now();
             }
         }

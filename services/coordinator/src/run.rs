@@ -10,7 +10,9 @@ use dflash_proto as pb;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
-use crate::ledger::{Counts, Ledger, LedgerError};
+use dflash_data::PlannedBatch;
+
+use crate::ledger::{CheckpointRecord, Counts, Lease, Ledger, LedgerError, Resumed};
 
 /// Errors kept for the status (the newest).
 const MAX_ERRORS: usize = 100;
@@ -58,17 +60,29 @@ pub struct Fate {
     pub message: String,
 }
 
+/// What a drafter's report says about one step, besides its batches.
+#[derive(Clone, Debug, Default)]
+pub struct StepFigures {
+    pub step: u64,
+    pub loss: f32,
+    pub accuracy: f32,
+    pub acceptance_length: f32,
+    pub tokens: u64,
+    pub input_wait_fraction: f32,
+}
+
 /// Everything the coordinator knows, shared by the RPC handlers and the
-/// monitor.
+/// monitor. The state behind its locks is reached through its methods
+/// only, each of which keeps ledger, progress and flow consistent.
 pub struct Run {
     pub run_id: String,
     pub config: RunConfig,
     pub config_toml: String,
-    pub ledger: Mutex<Ledger>,
-    pub registry: Mutex<Registry>,
-    pub progress: Mutex<Progress>,
-    pub errors: Mutex<VecDeque<pb::ErrorReport>>,
-    pub flow: Mutex<crate::flow::Flow>,
+    ledger: Mutex<Ledger>,
+    registry: Mutex<Registry>,
+    progress: Mutex<Progress>,
+    errors: Mutex<VecDeque<pb::ErrorReport>>,
+    flow: Mutex<crate::flow::Flow>,
     fate: Mutex<Fate>,
     events: broadcast::Sender<pb::RunEvent>,
     /// Cancelled when the run reaches a terminal state.
@@ -96,6 +110,110 @@ impl Run {
 
     pub fn lease_ms(&self) -> u64 {
         self.config.faults.lease_timeout_ms
+    }
+
+    fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger.lock().expect("ledger lock")
+    }
+
+    fn flow(&self) -> std::sync::MutexGuard<'_, crate::flow::Flow> {
+        self.flow.lock().expect("flow lock")
+    }
+
+    /// Up to `max` batches leased to target `holder`.
+    pub fn lease(&self, holder: &str, max: u32) -> Result<Vec<Lease>, LedgerError> {
+        self.ledger().lease(holder, max, now_ms(), self.lease_ms())
+    }
+
+    /// A target's heartbeat: its supply figures, and the leases it holds renewed.
+    pub fn target_heartbeat(&self, holder: &str, tokens: u64, busy: f32, held: &[u64]) -> Result<(), LedgerError> {
+        if tokens > 0 || busy > 0.0 {
+            self.flow().target_report(holder, tokens, busy);
+        }
+        if held.is_empty() {
+            return Ok(());
+        }
+        self.ledger().renew(holder, held, now_ms(), self.lease_ms())
+    }
+
+    pub fn mark_sent(&self, holder: &str, batch_ids: &[u64]) -> Result<(), LedgerError> {
+        self.ledger().mark_sent(holder, batch_ids)
+    }
+
+    /// A drafter's step: its batches trained, its figures recorded.
+    pub fn record_trained(&self, by: &str, batch_ids: &[u64], f: &StepFigures) -> Result<(), LedgerError> {
+        self.ledger().mark_trained(by, batch_ids, f.step)?;
+        {
+            let mut p = self.progress.lock().expect("progress lock");
+            p.step = f.step;
+            // Reports of steps that trained nothing (duplicates, skips)
+            // carry no figures; keep the last ones.
+            if f.tokens > 0 {
+                p.loss = f.loss;
+                p.accuracy = f.accuracy;
+                p.acceptance_length = f.acceptance_length;
+            }
+            p.tokens += f.tokens;
+        }
+        self.flow().drafter_report(f.tokens, f.input_wait_fraction);
+        Ok(())
+    }
+
+    /// Every planned batch is trained (or committed).
+    pub fn all_trained(&self) -> bool {
+        let c = self.counts();
+        c.pending + c.leased + c.sent == 0
+    }
+
+    /// Where drafter `by` starts (see [`Ledger::resume`]); returns what it
+    /// changed and the counts after.
+    pub fn resume_drafter(
+        &self,
+        by: &str,
+        start: Option<&CheckpointRecord>,
+        batch_ids: &[u64],
+        step: u64,
+    ) -> Result<(Resumed, Counts), LedgerError> {
+        let mut ledger = self.ledger();
+        let r = ledger.resume(by, start, batch_ids)?;
+        let counts = ledger.counts()?;
+        drop(ledger);
+        self.progress.lock().expect("progress lock").committed_step = step;
+        Ok((r, counts))
+    }
+
+    /// Commits drafter `by`'s checkpoint (see [`Ledger::commit_checkpoint`]);
+    /// returns the counts after.
+    pub fn commit_checkpoint(
+        &self,
+        by: &str,
+        record: &CheckpointRecord,
+        batch_ids: &[u64],
+    ) -> Result<Counts, LedgerError> {
+        let mut ledger = self.ledger();
+        ledger.commit_checkpoint(by, record, batch_ids)?;
+        let counts = ledger.counts()?;
+        drop(ledger);
+        self.progress.lock().expect("progress lock").committed_step = record.step;
+        Ok(counts)
+    }
+
+    /// Committed checkpoints, newest first.
+    pub fn checkpoints(&self) -> Result<Vec<CheckpointRecord>, LedgerError> {
+        self.ledger().checkpoints()
+    }
+
+    /// The plan's batches and its fingerprint.
+    pub fn plan(&self) -> Result<(Vec<PlannedBatch>, String), LedgerError> {
+        let ledger = self.ledger();
+        Ok((ledger.plan()?, ledger.meta("plan_fingerprint")?.unwrap_or_default()))
+    }
+
+    /// One sample of supply and demand (the monitor's tick); the summary.
+    pub fn sample_flow(&self) -> crate::flow::FlowSummary {
+        let mut flow = self.flow();
+        flow.sample(Instant::now());
+        flow.summary()
     }
 
     pub fn subscribe(&self) -> broadcast::Receiver<pb::RunEvent> {

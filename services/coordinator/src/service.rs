@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use dflash_proto::CoordinatorError;
 
 use crate::ledger::{CheckpointRecord, LedgerError};
-use crate::run::{Run, now_ms};
+use crate::run::{Run, StepFigures};
 
 pub struct CoordinatorService {
     pub run: Arc<Run>,
@@ -56,11 +56,6 @@ impl CoordinatorService {
             return Err(CoordinatorError::NotRegistered(instance_id.into()).into());
         }
         Ok(())
-    }
-
-    fn all_trained(&self) -> bool {
-        let c = self.run.counts();
-        c.pending + c.leased + c.sent == 0
     }
 }
 
@@ -105,21 +100,9 @@ impl Coordinator for CoordinatorService {
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
-        if req.tokens_produced > 0 || req.busy_fraction > 0.0 {
-            self.run.flow.lock().expect("flow lock").target_report(
-                &req.instance_id,
-                req.tokens_produced,
-                req.busy_fraction,
-            );
-        }
-        if !req.held_batch_ids.is_empty() {
-            self.run
-                .ledger
-                .lock()
-                .expect("ledger lock")
-                .renew(&req.instance_id, &req.held_batch_ids, now_ms(), self.run.lease_ms())
-                .map_err(ledger_status)?;
-        }
+        self.run
+            .target_heartbeat(&req.instance_id, req.tokens_produced, req.busy_fraction, &req.held_batch_ids)
+            .map_err(ledger_status)?;
         Ok(Response::new(pb::HeartbeatResponse {}))
     }
 
@@ -184,14 +167,8 @@ impl Coordinator for CoordinatorService {
         if !self.run.is_running() {
             return Ok(Response::new(pb::LeaseWorkResponse { leases: vec![], exhausted: true, retry_after_ms: 0 }));
         }
-        let leases = self
-            .run
-            .ledger
-            .lock()
-            .expect("ledger lock")
-            .lease(&req.instance_id, req.max_batches.clamp(1, 64), now_ms(), self.run.lease_ms())
-            .map_err(ledger_status)?;
-        let exhausted = leases.is_empty() && self.all_trained();
+        let leases = self.run.lease(&req.instance_id, req.max_batches.clamp(1, 64)).map_err(ledger_status)?;
+        let exhausted = leases.is_empty() && self.run.all_trained();
         Ok(Response::new(pb::LeaseWorkResponse {
             retry_after_ms: if leases.is_empty() { 200 } else { 0 },
             exhausted,
@@ -230,12 +207,7 @@ impl Coordinator for CoordinatorService {
             );
             return Err(CoordinatorError::NotCurrentDrafter(req.drafter_instance).into());
         }
-        self.run
-            .ledger
-            .lock()
-            .expect("ledger lock")
-            .mark_sent(&req.instance_id, &req.batch_ids)
-            .map_err(ledger_status)?;
+        self.run.mark_sent(&req.instance_id, &req.batch_ids).map_err(ledger_status)?;
         Ok(Response::new(pb::ReportSentResponse {}))
     }
 
@@ -252,26 +224,16 @@ impl Coordinator for CoordinatorService {
         for b in req.batches.iter().filter(|b| b.skipped) {
             tracing::warn!("drafter skipped batch {}: {}", b.batch_id, b.skip_reason);
         }
-        self.run
-            .ledger
-            .lock()
-            .expect("ledger lock")
-            .mark_trained(&req.instance_id, &ids, req.step)
-            .map_err(ledger_status)?;
-        {
-            let mut p = self.run.progress.lock().expect("progress lock");
-            p.step = req.step;
-            // Reports of steps that trained nothing (duplicates, skips)
-            // carry no figures; keep the last ones.
-            if req.tokens > 0 {
-                p.loss = req.loss;
-                p.accuracy = req.accuracy;
-                p.acceptance_length = req.acceptance_length;
-            }
-            p.tokens += req.tokens;
-        }
-        self.run.flow.lock().expect("flow lock").drafter_report(req.tokens, req.input_wait_fraction);
-        Ok(Response::new(pb::ReportTrainedResponse { all_trained: self.all_trained() }))
+        let figures = StepFigures {
+            step: req.step,
+            loss: req.loss,
+            accuracy: req.accuracy,
+            acceptance_length: req.acceptance_length,
+            tokens: req.tokens,
+            input_wait_fraction: req.input_wait_fraction,
+        };
+        self.run.record_trained(&req.instance_id, &ids, &figures).map_err(ledger_status)?;
+        Ok(Response::new(pb::ReportTrainedResponse { all_trained: self.run.all_trained() }))
     }
 
     async fn report_checkpoint(
@@ -288,40 +250,36 @@ impl Coordinator for CoordinatorService {
             name: checkpoint_name(&req.path),
             content_hash: req.content_hash.clone(),
         });
-        let counts = {
-            let mut ledger = self.run.ledger.lock().expect("ledger lock");
-            if req.resumed {
-                let r = ledger.resume(&req.instance_id, record.as_ref(), &req.batch_ids).map_err(ledger_status)?;
-                tracing::info!(
-                    "drafter {} starts from step {} ({}); {} uncommitted batch(es) will be redone{}{}",
-                    req.instance_id,
-                    req.step,
-                    if req.path.is_empty() { "no checkpoint" } else { req.path.as_str() },
-                    r.redo,
-                    if r.uncommitted > 0 {
-                        format!(
-                            ", and {} committed after it (the newer checkpoints were not found intact)",
-                            r.uncommitted
-                        )
-                    } else {
-                        String::new()
-                    },
-                    if r.newly_committed > 0 {
-                        format!("; {} batch(es) of its unreported checkpoint are committed now", r.newly_committed)
-                    } else {
-                        String::new()
-                    }
-                );
-            } else {
-                let record = record.ok_or_else(|| invalid("content_hash", "is required in a checkpoint report"))?;
-                ledger.commit_checkpoint(&req.instance_id, &record, &req.batch_ids).map_err(ledger_status)?;
-            }
-            ledger.counts().map_err(ledger_status)?
-        };
-        self.run.progress.lock().expect("progress lock").committed_step = req.step;
-        if !req.resumed {
+        let counts = if req.resumed {
+            let (r, counts) = self
+                .run
+                .resume_drafter(&req.instance_id, record.as_ref(), &req.batch_ids, req.step)
+                .map_err(ledger_status)?;
+            tracing::info!(
+                "drafter {} starts from step {} ({}); {} uncommitted batch(es) will be redone{}{}",
+                req.instance_id,
+                req.step,
+                if req.path.is_empty() { "no checkpoint" } else { req.path.as_str() },
+                r.redo,
+                if r.uncommitted > 0 {
+                    format!(", and {} committed after it (the newer checkpoints were not found intact)", r.uncommitted)
+                } else {
+                    String::new()
+                },
+                if r.newly_committed > 0 {
+                    format!("; {} batch(es) of its unreported checkpoint are committed now", r.newly_committed)
+                } else {
+                    String::new()
+                }
+            );
+            counts
+        } else {
+            let record = record.ok_or_else(|| invalid("content_hash", "is required in a checkpoint report"))?;
+            let counts =
+                self.run.commit_checkpoint(&req.instance_id, &record, &req.batch_ids).map_err(ledger_status)?;
             tracing::info!("checkpoint at step {} committed: {}", req.step, req.path);
-        }
+            counts
+        };
         let complete = counts.committed == counts.total();
         if complete {
             self.run.end(
@@ -338,7 +296,7 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<pb::ListCheckpointsResponse>, Status> {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
-        let records = self.run.ledger.lock().expect("ledger lock").checkpoints().map_err(ledger_status)?;
+        let records = self.run.checkpoints().map_err(ledger_status)?;
         Ok(Response::new(pb::ListCheckpointsResponse {
             checkpoints: records
                 .into_iter()
@@ -350,9 +308,7 @@ impl Coordinator for CoordinatorService {
     async fn get_plan(&self, req: Request<pb::GetPlanRequest>) -> Result<Response<pb::GetPlanResponse>, Status> {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
-        let ledger = self.run.ledger.lock().expect("ledger lock");
-        let batches = ledger.plan().map_err(ledger_status)?;
-        let fingerprint = ledger.meta("plan_fingerprint").map_err(ledger_status)?.unwrap_or_default();
+        let (batches, fingerprint) = self.run.plan().map_err(ledger_status)?;
         Ok(Response::new(pb::GetPlanResponse {
             fingerprint,
             batches: batches

@@ -1,9 +1,11 @@
 //! The drafter service: the receiver of hidden-state streams (`receiver`,
 //! served by [`dflash_wire::rpc`]), prefetch onto the training device
-//! (`prefetch`), the train loop with its checkpoints and reports
-//! (`train_loop`), and evaluation during training (`periodic_eval`).
+//! (`prefetch`), the train loop with its checkpoints (`train_loop`), its
+//! reports to the coordinator (`reporter`), and evaluation during training
+//! (`periodic_eval`).
 
 pub mod periodic_eval;
 pub mod prefetch;
 pub mod receiver;
+pub mod reporter;
 pub mod train_loop;

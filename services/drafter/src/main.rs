@@ -21,6 +21,7 @@ use tonic_health::ServingStatus;
 use dflash_drafter::periodic_eval;
 use dflash_drafter::prefetch::{self, Prefetcher};
 use dflash_drafter::receiver::{self, DrafterService, Expected, Landing};
+use dflash_drafter::reporter::Reporter;
 use dflash_drafter::train_loop::{ReplicaStep, TrainLoop, follow};
 use dflash_models::features::kind_of;
 use dflash_wire::rpc::{HiddenStateService, transport};
@@ -147,8 +148,7 @@ async fn fetch_plan(session: &Session) -> anyhow::Result<receiver::Plan> {
 
 /// Gives every replica rank 0's weights and optimizer state.
 fn sync_replica(g: &dflash_models::dp::Replica, t: &Trainer) -> anyhow::Result<()> {
-    let mut tensors: Vec<tch::Tensor> = t.drafter.named_parameters().into_iter().map(|(_, p)| p).collect();
-    tensors.extend(t.opt.state_tensors().into_iter().map(|(_, s)| s));
+    let tensors = t.state_tensors();
     g.broadcast_from_rank0(&tensors).kind(ErrorKind::Device)
 }
 
@@ -245,22 +245,25 @@ async fn start(
         .map(|&d| tokio::task::block_in_place(|| build_trainer(session, d)))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let device = tdevs[0];
-    let kind = trainers[0].drafter.kind();
-    let hidden = trainers[0].drafter.config.hidden_size;
+    let kind = trainers[0].drafter().kind();
+    let hidden = trainers[0].drafter().config.hidden_size;
     let (hs_tx, hs_rx) = flume::bounded(c.pipeline.hs_queue_depth as usize);
     // Batches rejected on arrival that the ledger must hear of as skipped.
     let (skipped_tx, skipped_rx) = flume::bounded(256);
     let plan = Arc::new(fetch_plan(session).await?);
-    let vocab_size = trainers[0].drafter.config.vocab_size as u32;
+    let vocab_size = trainers[0].drafter().config.vocab_size as u32;
 
     // Resume before accepting batches, so the coordinator resets the work
     // this drafter will not have before any target sends it more.
     let rt = tokio::runtime::Handle::current();
-    let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone(), skipped_rx);
-    train.eval =
+    let eval =
         tokio::task::block_in_place(|| periodic_eval::PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
+    let (reporter, delivery) = Reporter::start(Arc::clone(session));
+    stages.spawn_task("report-progress", delivery);
+    let queues = (hs_tx.clone(), skipped_rx);
+    let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, queues, eval, reporter);
     tokio::task::block_in_place(|| train.resume())?;
-    let resumed_step = train.trainer.step();
+    let resumed_step = train.trainer().step();
     let spec = FeatureSpec::of(c);
     let max_payload = spec.payload_bytes(c.pipeline.token_budget as usize, hidden as usize) as u64;
     // Payloads live in: the HS queue, prefetch, the train step, and the
@@ -318,7 +321,7 @@ async fn start(
     let world = tdevs.len();
     let group_id = if world > 1 { Some(dflash_models::dp::new_group_id().kind(ErrorKind::Device)?) } else { None };
     let (report_tx, report_rx) = flume::bounded(world * 2);
-    let trained = train.trained_set.clone();
+    let trained = train.trained_set();
     let mut leader = Some(train);
     let mut followers = trainers.into_iter();
     for (rank, &dev) in tdevs.iter().enumerate() {
@@ -350,7 +353,7 @@ async fn start(
             stages.spawn_thread("train-0", move || {
                 replica.group = join()?;
                 if let Some(g) = &replica.group {
-                    sync_replica(g, &train.trainer)?;
+                    sync_replica(g, train.trainer())?;
                     tracing::info!("data-parallel training on {world} GPUs (rank 0 leads)");
                 }
                 train.run(replica, reports)
@@ -362,7 +365,7 @@ async fn start(
                 replica.group = join()?;
                 if let Some(g) = &replica.group {
                     sync_replica(g, &trainer)?;
-                    trainer.opt.step = resumed_step;
+                    trainer.set_step(resumed_step);
                 }
                 follow(trainer, replica, s, reports)
             });

@@ -52,7 +52,7 @@ impl PeriodicEval {
         let r = evaluate(
             &format!("step {step}"),
             &self.target,
-            &trainer.drafter,
+            trainer.drafter(),
             trainer.embed(),
             trainer.lm_head(),
             &self.prompts,

@@ -6,9 +6,9 @@
 //! manifest, or an older committed one when it is damaged; never from
 //! random weights once anything was committed); a checkpoint write that
 //! fails (a full disk) leaves the last good one, is reported and retried
-//! with backoff while training goes on; reports the coordinator did not
-//! receive (it restarted, the network dropped) are sent again until it
-//! does, also when no batch comes any more.
+//! with backoff while training goes on. Reports go through the
+//! [`Reporter`], off this thread; the coordinator gets them again until it
+//! has taken them.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -27,6 +27,7 @@ use dflash_telemetry::ErrorKind;
 
 use crate::periodic_eval::PeriodicEval;
 use crate::receiver::ReceivedBatch;
+use crate::reporter::{Report, Reporter};
 
 /// Batch ids trained in this checkpoint lineage.
 pub type TrainedSet = Arc<Mutex<BTreeSet<u64>>>;
@@ -115,7 +116,7 @@ impl ReplicaStep {
         let agreement = Agreement { any_batch: agreed[1] > 0.0, stopping: agreed[2] > 0.0 };
         if !agreement.stopping && agreed[0] > 0.0 {
             if let Some(g) = &self.group {
-                g.average_gradients(&trainer.drafter.named_parameters(), agreed[0]).kind(ErrorKind::Device)?;
+                g.average_gradients(&trainer.drafter().named_parameters(), agreed[0]).kind(ErrorKind::Device)?;
             }
             match trainer.apply_gradients(pending.take().unwrap_or_default()) {
                 StepOutcome::Trained(m) if contributes => report.outcome = ReplicaOutcome::Trained(m),
@@ -127,7 +128,7 @@ impl ReplicaStep {
                 && trainer.step().is_multiple_of(self.check_every.max(1))
             {
                 let sum =
-                    g.check_identical(&trainer.drafter.named_parameters(), self.device).kind(ErrorKind::Device)?;
+                    g.check_identical(&trainer.drafter().named_parameters(), self.device).kind(ErrorKind::Device)?;
                 if g.rank == 0 {
                     tracing::info!(
                         "step {}: weights identical on all {} replicas (checksum {sum:.6e})",
@@ -161,37 +162,34 @@ pub fn follow(
     }
 }
 
+/// The leader's training: takes each step's reports from the replicas,
+/// accounts for their batches, and hands on (progress to the log and the
+/// [`Reporter`], checkpoints on the interval, on SIGTERM and at the end,
+/// evaluation on its interval).
 pub struct TrainLoop {
-    pub trainer: Trainer,
-    pub session: Arc<Session>,
-    pub rt: tokio::runtime::Handle,
-    pub checkpoint_dir: PathBuf,
+    trainer: Trainer,
+    session: Arc<Session>,
+    rt: tokio::runtime::Handle,
+    checkpoint_dir: PathBuf,
     /// For logging how full the HS queue is.
-    pub hs_queue: flume::Sender<ReceivedBatch>,
+    hs_queue: flume::Sender<ReceivedBatch>,
     /// Batches the receiver rejected that the ledger must hear of as skipped.
     rejected: flume::Receiver<pb::TrainedBatch>,
     /// Held-out acceptance-length evaluation, when configured.
-    pub eval: Option<PeriodicEval>,
+    eval: Option<PeriodicEval>,
+    /// Delivers progress, checkpoints and errors to the coordinator.
+    reporter: Reporter,
     /// Every batch trained in this checkpoint lineage, in order.
     trained: Vec<u64>,
     /// The same ids as a set, shared with the replicas (duplicate check).
-    pub trained_set: TrainedSet,
-    /// Trained batches not yet reported to the coordinator.
-    unreported: Vec<pb::TrainedBatch>,
-    /// A checkpoint written and not yet reported (its report failed).
-    unreported_checkpoint: Option<Checkpoint>,
-    /// When to send lost reports again, and the delays after that.
-    report_retry: Retry,
+    trained_set: TrainedSet,
     /// A failed checkpoint write to try again, and when.
     checkpoint_retry: Option<Retry>,
-    /// The coordinator said every batch of the run is trained.
-    all_trained: bool,
     last_checkpoint_step: u64,
     /// How many of `trained` the last checkpoint holds.
     checkpointed: usize,
     bad_in_a_row: u32,
-    /// Fraction of the current log window spent waiting for input.
-    input_wait: f32,
+    log: ProgressLog,
 }
 
 /// The next attempt of something that failed, with exponential backoff.
@@ -224,18 +222,65 @@ impl Retry {
         self.at = Instant::now() + d;
         d
     }
-
-    fn succeeded(&mut self) {
-        self.delays = Self::delays();
-        self.at = Instant::now();
-    }
 }
 
-/// Window of throughput accounting for the log line.
-struct Window {
+/// One step as the replicas took it: every replica's report.
+struct TakenStep {
+    reports: Vec<ReplicaReport>,
+    /// The leader's compute time in the step.
+    seconds: f64,
+}
+
+/// What one step did, once its batches are accounted for.
+struct StepResult {
+    /// The figures of the first replica that trained (None: nothing trained).
+    metrics: Option<dflash_models::StepMetrics>,
+    tokens: u64,
+    batches: Vec<pb::TrainedBatch>,
+    skipped: Vec<String>,
+}
+
+/// Throughput and input wait over the window of the log line.
+struct ProgressLog {
     started: Instant,
     tokens: u64,
     wait: Duration,
+    /// Fraction of the current window spent waiting for input.
+    input_wait: f32,
+}
+
+impl ProgressLog {
+    fn new() -> Self {
+        Self { started: Instant::now(), tokens: 0, wait: Duration::ZERO, input_wait: 0.0 }
+    }
+
+    fn waited(&mut self, d: Duration) {
+        self.wait += d;
+        let secs = self.started.elapsed().as_secs_f64().max(1e-9);
+        self.input_wait = (self.wait.as_secs_f64() / secs) as f32;
+    }
+
+    /// The step's line every `log_every_steps` (and at step 1); a new window after it.
+    fn step(&mut self, c: &dflash_config::RunConfig, step: u64, m: &dflash_models::StepMetrics, queue: usize) {
+        if !(step.is_multiple_of(c.run.log_every_steps.max(1)) || step == 1) {
+            return;
+        }
+        let secs = self.started.elapsed().as_secs_f64();
+        tracing::info!(
+            "step {step}/{} | loss {:.4} | acc {:.3} | accept {:.2} | lr {:.2e} | grad {:.2} | {:.0} tok/s | queue {}/{} | wait {:.0}%",
+            c.training.total_steps,
+            m.loss,
+            m.accuracy,
+            m.acceptance_length,
+            m.lr,
+            m.grad_norm,
+            self.tokens as f64 / secs,
+            queue,
+            c.pipeline.hs_queue_depth,
+            100.0 * self.wait.as_secs_f64() / secs
+        );
+        *self = Self { input_wait: self.input_wait, ..Self::new() };
+    }
 }
 
 /// Why a checkpoint directory cannot be resumed from.
@@ -246,10 +291,12 @@ impl TrainLoop {
         trainer: Trainer,
         session: Arc<Session>,
         rt: tokio::runtime::Handle,
-        hs_queue: flume::Sender<ReceivedBatch>,
-        rejected: flume::Receiver<pb::TrainedBatch>,
+        queues: (flume::Sender<ReceivedBatch>, flume::Receiver<pb::TrainedBatch>),
+        eval: Option<PeriodicEval>,
+        reporter: Reporter,
     ) -> Self {
         let checkpoint_dir = PathBuf::from(&session.config.checkpoint.dir);
+        let (hs_queue, rejected) = queues;
         Self {
             trainer,
             session,
@@ -257,19 +304,25 @@ impl TrainLoop {
             checkpoint_dir,
             hs_queue,
             rejected,
-            eval: None,
+            eval,
+            reporter,
             trained: Vec::new(),
             trained_set: TrainedSet::default(),
-            unreported: Vec::new(),
-            unreported_checkpoint: None,
-            report_retry: Retry::new(),
             checkpoint_retry: None,
-            all_trained: false,
             last_checkpoint_step: 0,
             checkpointed: 0,
             bad_in_a_row: 0,
-            input_wait: 0.0,
+            log: ProgressLog::new(),
         }
+    }
+
+    pub fn trainer(&self) -> &Trainer {
+        &self.trainer
+    }
+
+    /// The batches trained in this lineage, shared with the replicas.
+    pub fn trained_set(&self) -> TrainedSet {
+        Arc::clone(&self.trained_set)
     }
 
     /// One control RPC, bounded by the RPC timeout.
@@ -429,121 +482,16 @@ impl TrainLoop {
     /// replicas run [`follow`] and send one [`ReplicaReport`] per step.
     pub fn run(mut self, mut replica: ReplicaStep, followers: flume::Receiver<ReplicaReport>) -> anyhow::Result<()> {
         let stop = self.session.stop.clone();
-        let c = self.session.config.clone();
-        let mut win = Window { started: Instant::now(), tokens: 0, wait: Duration::ZERO };
-        let world = replica.world();
         loop {
             self.take_rejected()?;
-            let wait_start = Instant::now();
-            let (own, flags) = replica.step(&mut self.trainer, &stop)?;
-            let step_seconds = own.busy.as_secs_f64();
-            win.wait += wait_start.elapsed().saturating_sub(own.busy);
-            if flags.stopping {
-                break;
-            }
-            if !flags.any_batch {
+            match self.take_step(&mut replica, &followers, &stop)? {
+                Taken::Stopping => break,
                 // No batch now: catch up on what failed before.
-                self.catch_up()?;
-                continue;
-            }
-            // Exactly one report per replica for every step anyone took.
-            let mut reports = vec![own];
-            while reports.len() < world {
-                match followers.recv_timeout(Duration::from_millis(200)) {
-                    Ok(r) => reports.push(r),
-                    Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => {}
-                    Err(_) => anyhow::bail!("a drafter replica stopped answering"),
+                Taken::Nothing => {}
+                Taken::Step(taken) => {
+                    let result = self.account(taken.reports)?;
+                    self.hand_on(result, taken.seconds)?;
                 }
-            }
-            let mut metrics = None;
-            let mut step_tokens = 0u64;
-            let mut skipped_reasons = Vec::new();
-            for r in reports {
-                let Some(id) = r.batch_id else { continue };
-                match r.outcome {
-                    ReplicaOutcome::Duplicate => {
-                        tracing::info!("batch {id} was already trained; not training it again");
-                        dflash_telemetry::metrics().batches.with_label_values(&["duplicate"]).inc();
-                        self.unreported.push(pb::TrainedBatch {
-                            batch_id: id,
-                            skipped: false,
-                            skip_reason: String::new(),
-                        });
-                    }
-                    ReplicaOutcome::Trained(m) => {
-                        self.record(id);
-                        self.unreported.push(pb::TrainedBatch {
-                            batch_id: id,
-                            skipped: false,
-                            skip_reason: String::new(),
-                        });
-                        win.tokens += m.tokens;
-                        step_tokens += m.tokens;
-                        metrics.get_or_insert(m);
-                    }
-                    ReplicaOutcome::Skipped(reason) => {
-                        self.record(id);
-                        self.unreported.push(pb::TrainedBatch {
-                            batch_id: id,
-                            skipped: true,
-                            skip_reason: reason.clone(),
-                        });
-                        skipped_reasons.push(reason);
-                        dflash_telemetry::metrics().batches.with_label_values(&["skipped"]).inc();
-                        dflash_telemetry::metrics().errors.with_label_values(&["non_finite"]).inc();
-                    }
-                }
-            }
-            if metrics.is_some() {
-                self.bad_in_a_row = 0;
-            }
-            for reason in skipped_reasons {
-                self.count_bad(&reason, ErrorKind::NonFinite)?;
-            }
-            let step = self.trainer.step();
-            if let Some(m) = &metrics
-                && (step.is_multiple_of(c.run.log_every_steps.max(1)) || step == 1)
-            {
-                let secs = win.started.elapsed().as_secs_f64();
-                tracing::info!(
-                    "step {step}/{} | loss {:.4} | acc {:.3} | accept {:.2} | lr {:.2e} | grad {:.2} | {:.0} tok/s | queue {}/{} | wait {:.0}%",
-                    c.training.total_steps,
-                    m.loss,
-                    m.accuracy,
-                    m.acceptance_length,
-                    m.lr,
-                    m.grad_norm,
-                    win.tokens as f64 / secs,
-                    self.hs_queue.len(),
-                    c.pipeline.hs_queue_depth,
-                    100.0 * win.wait.as_secs_f64() / secs
-                );
-                win = Window { started: Instant::now(), tokens: 0, wait: Duration::ZERO };
-            }
-            let secs = win.started.elapsed().as_secs_f64().max(1e-9);
-            self.input_wait = (win.wait.as_secs_f64() / secs) as f32;
-            export_step_metrics(
-                step,
-                metrics.as_ref(),
-                step_tokens,
-                self.input_wait,
-                self.hs_queue.len(),
-                step_seconds,
-            );
-            let delivered = self.report_trained(metrics.as_ref(), step_tokens)?;
-            if step > 0 && step.is_multiple_of(c.checkpoint.interval_steps) && step != self.last_checkpoint_step {
-                self.checkpoint()?;
-            }
-            if let Some(e) = &self.eval
-                && metrics.is_some()
-                && e.every > 0
-                && step.is_multiple_of(e.every)
-                && !self.all_trained
-            {
-                e.run(step, &self.trainer);
-            }
-            if delivered.is_none() {
-                self.report_retry.failed();
             }
             self.catch_up()?;
         }
@@ -556,21 +504,111 @@ impl TrainLoop {
         Ok(())
     }
 
-    /// What is owed when no batch comes (or the run is trained): reports
-    /// that did not get through, a checkpoint write to retry, and, once
-    /// every batch is trained, the final checkpoint.
-    fn catch_up(&mut self) -> anyhow::Result<()> {
-        let owes_reports = !self.unreported.is_empty() || self.unreported_checkpoint.is_some();
-        if owes_reports && self.report_retry.due() {
-            if self.flush_reports()? {
-                self.report_retry.succeeded();
-            } else {
-                let d = self.report_retry.failed();
-                tracing::debug!("the coordinator did not take the reports; again in {d:?}");
+    /// Takes one lockstep step, and every replica's report of it.
+    fn take_step(
+        &mut self,
+        replica: &mut ReplicaStep,
+        followers: &flume::Receiver<ReplicaReport>,
+        stop: &dflash_role::Stop,
+    ) -> anyhow::Result<Taken> {
+        let wait_start = Instant::now();
+        let (own, flags) = replica.step(&mut self.trainer, stop)?;
+        let seconds = own.busy.as_secs_f64();
+        self.log.waited(wait_start.elapsed().saturating_sub(own.busy));
+        if flags.stopping {
+            return Ok(Taken::Stopping);
+        }
+        if !flags.any_batch {
+            return Ok(Taken::Nothing);
+        }
+        // Exactly one report per replica for every step anyone took.
+        let mut reports = vec![own];
+        while reports.len() < replica.world() {
+            match followers.recv_timeout(Duration::from_millis(200)) {
+                Ok(r) => reports.push(r),
+                Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => {}
+                Err(_) => anyhow::bail!("a drafter replica stopped answering"),
             }
         }
+        Ok(Taken::Step(TakenStep { reports, seconds }))
+    }
+
+    /// Records what each replica did with its batch; too many bad batches
+    /// in a row fail the run.
+    fn account(&mut self, reports: Vec<ReplicaReport>) -> anyhow::Result<StepResult> {
+        let mut r = StepResult { metrics: None, tokens: 0, batches: Vec::new(), skipped: Vec::new() };
+        let done = |id| pb::TrainedBatch { batch_id: id, skipped: false, skip_reason: String::new() };
+        for report in reports {
+            let Some(id) = report.batch_id else { continue };
+            match report.outcome {
+                ReplicaOutcome::Duplicate => {
+                    tracing::info!("batch {id} was already trained; not training it again");
+                    dflash_telemetry::metrics().batches.with_label_values(&["duplicate"]).inc();
+                    r.batches.push(done(id));
+                }
+                ReplicaOutcome::Trained(m) => {
+                    self.record(id);
+                    r.batches.push(done(id));
+                    r.tokens += m.tokens;
+                    r.metrics.get_or_insert(m);
+                }
+                ReplicaOutcome::Skipped(reason) => {
+                    self.record(id);
+                    r.batches.push(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: reason.clone() });
+                    dflash_telemetry::metrics().batches.with_label_values(&["skipped"]).inc();
+                    dflash_telemetry::metrics().errors.with_label_values(&["non_finite"]).inc();
+                    r.skipped.push(reason);
+                }
+            }
+        }
+        if r.metrics.is_some() {
+            self.bad_in_a_row = 0;
+        }
+        for reason in &r.skipped {
+            self.count_bad(reason, ErrorKind::NonFinite)?;
+        }
+        Ok(r)
+    }
+
+    /// The step's log line and metrics, its report, and the checkpoint and
+    /// evaluation when their interval comes.
+    fn hand_on(&mut self, r: StepResult, seconds: f64) -> anyhow::Result<()> {
+        let c = &self.session.config;
+        let step = self.trainer.step();
+        self.log.tokens += r.tokens;
+        if let Some(m) = &r.metrics {
+            self.log.step(c, step, m, self.hs_queue.len());
+        }
+        export_step_metrics(step, r.metrics.as_ref(), r.tokens, self.log.input_wait, self.hs_queue.len(), seconds);
+        let trained_something = r.metrics.is_some();
+        self.reporter.send(Report::Step {
+            step,
+            batches: r.batches,
+            metrics: r.metrics,
+            tokens: r.tokens,
+            input_wait: self.log.input_wait,
+        });
+        if step > 0 && step.is_multiple_of(c.checkpoint.interval_steps) && step != self.last_checkpoint_step {
+            self.checkpoint()?;
+        }
+        if let Some(e) = &self.eval
+            && trained_something
+            && e.every > 0
+            && step.is_multiple_of(e.every)
+            && !self.reporter.all_trained()
+        {
+            e.run(step, &self.trainer);
+        }
+        Ok(())
+    }
+
+    /// What is owed when no batch comes (or the run is trained): a
+    /// checkpoint write to retry, and, once every batch is trained, the
+    /// final checkpoint.
+    fn catch_up(&mut self) -> anyhow::Result<()> {
         let retry_due = self.checkpoint_retry.as_ref().is_some_and(Retry::due);
-        let final_due = self.all_trained && self.trained.len() > self.checkpointed && self.checkpoint_retry.is_none();
+        let final_due =
+            self.reporter.all_trained() && self.trained.len() > self.checkpointed && self.checkpoint_retry.is_none();
         if retry_due || final_due {
             if final_due {
                 if let Some(e) = self.eval.as_ref().filter(|e| e.every > 0) {
@@ -591,7 +629,14 @@ impl TrainLoop {
             }
             self.record(b.batch_id);
             let reason = b.skip_reason.clone();
-            self.unreported.push(b);
+            let step = self.trainer.step();
+            self.reporter.send(Report::Step {
+                step,
+                batches: vec![b],
+                metrics: None,
+                tokens: 0,
+                input_wait: self.log.input_wait,
+            });
             self.count_bad(&reason, ErrorKind::BadBatch)?;
         }
         Ok(())
@@ -617,54 +662,9 @@ impl TrainLoop {
         self.trained_set.lock().expect("trained set lock").insert(id);
     }
 
-    /// Reports trained batches. `Some(all trained)` when the coordinator
-    /// took them; `None` when it could not be reached (they stay owed).
-    fn report_trained(&mut self, m: Option<&dflash_models::StepMetrics>, tokens: u64) -> anyhow::Result<Option<bool>> {
-        let m = m.cloned().unwrap_or_default();
-        let req = pb::ReportTrainedRequest {
-            run_id: self.session.run_id.clone(),
-            instance_id: self.session.instance_id.clone(),
-            step: self.trainer.step(),
-            batches: self.unreported.clone(),
-            loss: m.loss as f32,
-            accuracy: m.accuracy as f32,
-            acceptance_length: m.acceptance_length as f32,
-            tokens,
-            input_wait_fraction: self.input_wait,
-        };
-        match self.rpc(self.session.client().report_trained(req)) {
-            Ok(r) => {
-                self.unreported.clear();
-                self.all_trained |= r.all_trained;
-                Ok(Some(r.all_trained))
-            }
-            Err(s) if refused(&s) => Err(anyhow::anyhow!("coordinator: {}", s.message())).kind(ErrorKind::Protocol),
-            Err(s) => {
-                tracing::warn!("could not report progress ({}); will retry", s.message());
-                Ok(None)
-            }
-        }
-    }
-
-    /// Sends every owed report: trained batches first (a checkpoint may
-    /// commit only what the ledger knows is trained), then the checkpoint.
-    /// True when nothing is owed any more.
-    fn flush_reports(&mut self) -> anyhow::Result<bool> {
-        if !self.unreported.is_empty() && self.report_trained(None, 0)?.is_none() {
-            return Ok(false);
-        }
-        if let Some(ck) = self.unreported_checkpoint.clone() {
-            if !self.report_checkpoint(&ck)? {
-                return Ok(false);
-            }
-            self.unreported_checkpoint = None;
-        }
-        Ok(true)
-    }
-
-    /// Writes a checkpoint and reports it. A failed write (a full disk)
-    /// is not fatal: the last good checkpoint stays, the coordinator hears
-    /// of the failure, and the write is tried again with backoff.
+    /// Writes a checkpoint and hands its report on. A failed write (a full
+    /// disk) is not fatal: the last good checkpoint stays, the coordinator
+    /// hears of the failure, and the write is tried again with backoff.
     fn checkpoint(&mut self) -> anyhow::Result<()> {
         let t0 = Instant::now();
         let state = TrainerState {
@@ -685,10 +685,7 @@ impl TrainLoop {
                     t0.elapsed().as_secs_f64(),
                     short(&ck.content_hash)
                 );
-                self.unreported_checkpoint = Some(ck);
-                if !self.flush_reports()? {
-                    self.report_retry.failed();
-                }
+                self.reporter.send(Report::Checkpoint { checkpoint: ck, batch_ids: state.batch_ids });
             }
             Err(e) => {
                 let retry = self.checkpoint_retry.get_or_insert_with(Retry::new);
@@ -702,34 +699,18 @@ impl TrainLoop {
                 );
                 tracing::error!("{err}");
                 dflash_telemetry::metrics().errors.with_label_values(&[ErrorKind::CheckpointWrite.as_str()]).inc();
-                self.rt.block_on(self.session.report_error(ErrorKind::CheckpointWrite, &err, ""));
+                self.reporter.send(Report::Error { kind: ErrorKind::CheckpointWrite, error: err });
             }
         }
         Ok(())
     }
+}
 
-    /// True when the coordinator took the report; false when it could not
-    /// be reached (the checkpoint stays owed).
-    fn report_checkpoint(&mut self, ck: &Checkpoint) -> anyhow::Result<bool> {
-        let req = pb::ReportCheckpointRequest {
-            run_id: self.session.run_id.clone(),
-            instance_id: self.session.instance_id.clone(),
-            step: ck.step,
-            path: ck.dir.display().to_string(),
-            batch_ids: self.trained[..self.checkpointed].to_vec(),
-            resumed: false,
-            content_hash: ck.content_hash.clone(),
-        };
-        match self.rpc(self.session.client().report_checkpoint(req)) {
-            Ok(_) => Ok(true),
-            Err(s) if refused(&s) => Err(anyhow::anyhow!("coordinator: {}", s.message())).kind(ErrorKind::Protocol),
-            Err(s) => {
-                // The checkpoint is on disk; the report is sent again.
-                tracing::warn!("could not report checkpoint {}: {}; will retry", ck.dir.display(), s.message());
-                Ok(false)
-            }
-        }
-    }
+/// What one call of [`TrainLoop::take_step`] found.
+enum Taken {
+    Stopping,
+    Nothing,
+    Step(TakenStep),
 }
 
 /// Whether the coordinator refused a report for good (the written policy
