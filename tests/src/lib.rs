@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use dflash_cluster::{LocalCluster, RoleCommand};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -167,11 +168,16 @@ impl Proc {
 
     /// [`Proc::start`] with extra environment variables.
     pub fn start_with_env(name: &str, program: &str, args: &[String], env: &[(&str, &str)], log_dir: &Path) -> Self {
+        Self::start_command(name, &RoleCommand { program: bin(program), args: args.to_vec() }, env, log_dir)
+    }
+
+    /// Starts a command line (see [`Cluster`]).
+    pub fn start_command(name: &str, cmd: &RoleCommand, env: &[(&str, &str)], log_dir: &Path) -> Self {
         let log = log_dir.join(format!("{name}.log"));
         let out = File::create(&log).expect("log file");
         let err = out.try_clone().expect("log file");
-        let child = Command::new(bin(program))
-            .args(args)
+        let child = Command::new(&cmd.program)
+            .args(&cmd.args)
             .envs(env.iter().copied())
             .env("DFLASH_LOG", "info")
             .stdin(Stdio::null())
@@ -260,8 +266,12 @@ pub fn up(ws: &Workspace, config: &Path, extra: &[&str], env: &[(&str, &str)]) -
     Proc::start_with_env("up", "dflash", &args, env, ws.dir.path())
 }
 
-/// The three roles of one run on loopback ports.
+/// The three roles of one run on loopback ports, their command lines from
+/// the same [`LocalCluster`] `dflash up` uses. The ports are fixed for the
+/// test's life (unlike `dflash up`'s port 0): tests restart a coordinator
+/// on the address its peers know, and talk to the drafter's port directly.
 pub struct Cluster {
+    pub local: LocalCluster,
     pub coordinator_url: String,
     pub coordinator_port: u16,
     pub drafter_port: u16,
@@ -273,57 +283,35 @@ pub struct Cluster {
 impl Cluster {
     pub fn new(ws: &Workspace, config: PathBuf) -> Self {
         let coordinator_port = free_port();
+        let ledger = ws.path("ledger.sqlite");
+        let bin_dir = bin("dflash-coordinator").parent().expect("target profile folder").to_path_buf();
+        let mut local = LocalCluster::new(&bin_dir, vec!["--config".into(), config.display().to_string()], &ledger);
+        (local.drafter_threads, local.target_threads) = (1, 1);
         Self {
+            local,
             coordinator_url: format!("http://127.0.0.1:{coordinator_port}"),
             coordinator_port,
             drafter_port: free_port(),
             config,
-            ledger: ws.path("ledger.sqlite"),
+            ledger,
             logs: ws.path(""),
         }
     }
 
     pub fn coordinator(&self, extra: &[&str]) -> Proc {
-        let mut args = vec![
-            "--config".to_string(),
-            self.config.display().to_string(),
-            "--listen".into(),
-            format!("127.0.0.1:{}", self.coordinator_port),
-            "--ledger".into(),
-            self.ledger.display().to_string(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        Proc::start("coordinator", "dflash-coordinator", &args, &self.logs)
+        let mut cmd = self.local.coordinator(&format!("127.0.0.1:{}", self.coordinator_port));
+        cmd.args.extend(extra.iter().map(|s| s.to_string()));
+        Proc::start_command("coordinator", &cmd, &[], &self.logs)
     }
 
     pub fn drafter(&self, name: &str) -> Proc {
-        let args = vec![
-            "serve".to_string(),
-            "--coordinator".into(),
-            self.coordinator_url.clone(),
-            "--listen".into(),
-            format!("127.0.0.1:{}", self.drafter_port),
-            "--advertise".into(),
-            format!("http://127.0.0.1:{}", self.drafter_port),
-            "--threads".into(),
-            "1".into(),
-        ];
-        Proc::start(name, "dflash-drafter", &args, &self.logs)
+        let cmd = self.local.drafter(&self.coordinator_url, &format!("127.0.0.1:{}", self.drafter_port));
+        Proc::start_command(name, &cmd, &[], &self.logs)
     }
 
     pub fn target(&self, name: &str) -> Proc {
-        let args = vec![
-            "serve".to_string(),
-            "--coordinator".into(),
-            self.coordinator_url.clone(),
-            "--instance-id".into(),
-            name.to_string(),
-            "--health-listen".into(),
-            format!("127.0.0.1:{}", free_port()),
-            "--threads".into(),
-            "1".into(),
-        ];
-        Proc::start(name, "dflash-target", &args, &self.logs)
+        let cmd = self.local.target(&self.coordinator_url, Some(name), "127.0.0.1:0");
+        Proc::start_command(name, &cmd, &[], &self.logs)
     }
 }
 

@@ -21,13 +21,8 @@ pub struct EvalArgs {
     /// Held-out prompts (JSONL).
     #[arg(long)]
     pub prompts: PathBuf,
-    #[arg(long, default_value_t = 0)]
-    pub offset: usize,
-    /// Prompts to decode (0: all).
-    #[arg(long, default_value_t = 0)]
-    pub limit: usize,
-    #[arg(long, default_value_t = 96)]
-    pub max_new_tokens: usize,
+    #[command(flatten)]
+    pub slice: crate::regenerate::PromptSlice,
     /// Also evaluate an untrained drafter of the same shape (seeded).
     #[arg(long)]
     pub baseline: bool,
@@ -94,7 +89,7 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
     let config = dflash_models::checkpoint::read_drafter_config(&ckpt)?;
     let tok = ChatTokenizer::from_dir(&a.target)?;
     let target = TargetModel::load(&a.target, device, kind, LoadScope::Full)?;
-    let prompts = read_prompts(&a.prompts, &tok, a.offset, a.limit)?;
+    let prompts = read_prompts(&a.prompts, &tok, a.slice.offset, a.slice.limit)?;
     let embed = target.embed_tokens().shallow_clone();
     let lm_head = target.lm_head().context("target without an LM head")?.shallow_clone();
     println!(
@@ -102,28 +97,30 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
         ckpt.display(),
         prompts.len(),
         a.prompts.display(),
-        a.max_new_tokens,
+        a.slice.max_new_tokens,
         config.block_size
     );
-    let (reference, greedy_tps) = greedy_reference(&target, &prompts, a.max_new_tokens, &tok.stop_ids);
+    let (reference, greedy_tps) = greedy_reference(&target, &prompts, a.slice.max_new_tokens, &tok.stop_ids);
     println!("{:<10} {:>6.1} tok/s", "greedy", greedy_tps);
-    let mut reports = Vec::new();
-    if a.baseline {
-        tch::manual_seed(0);
-        let untrained = Drafter::new(config.clone(), device, kind);
+    let run = |name: &str, drafter: &Drafter| {
         let r = evaluate(
-            "untrained",
+            name,
             &target,
-            &untrained,
+            drafter,
             &embed,
             &lm_head,
             &prompts,
-            a.max_new_tokens,
+            a.slice.max_new_tokens,
             &tok.stop_ids,
             Some(&reference),
         );
         print_report(&r, greedy_tps);
-        reports.push(r);
+        r
+    };
+    let mut reports = Vec::new();
+    if a.baseline {
+        tch::manual_seed(0);
+        reports.push(run("untrained", &Drafter::new(config.clone(), device, kind)));
     }
     let mut drafter = Drafter::new(config, device, kind);
     if a.master_weights {
@@ -131,19 +128,7 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
     } else {
         drafter.load_weights(&ckpt)?;
     }
-    let r = evaluate(
-        "trained",
-        &target,
-        &drafter,
-        &embed,
-        &lm_head,
-        &prompts,
-        a.max_new_tokens,
-        &tok.stop_ids,
-        Some(&reference),
-    );
-    print_report(&r, greedy_tps);
-    reports.push(r);
+    reports.push(run("trained", &drafter));
     if let Some(path) = &a.json {
         let v = serde_json::json!({ "checkpoint": ckpt, "prompts": a.prompts, "greedy_tokens_per_s": greedy_tps, "reports": reports });
         std::fs::write(path, serde_json::to_string_pretty(&v)?)?;

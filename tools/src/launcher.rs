@@ -11,6 +11,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::Context;
+use dflash_cluster::{LISTENING, LocalCluster, METRICS, RoleCommand, address_after};
 use dflash_config::ConfigFlags;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -68,10 +69,6 @@ pub struct UpArgs {
 /// Restarts of one killed role within one `dflash up`.
 const MAX_RESTARTS: u32 = 10;
 
-/// Log lines the launcher watches for: where a role listens.
-const LISTENING: &str = "listening on ";
-const METRICS: &str = "metrics on ";
-
 pub struct Launcher {
     config: ConfigFlags,
     up: UpArgs,
@@ -97,18 +94,16 @@ struct Spec {
     restart: bool,
 }
 
+impl Spec {
+    fn of(name: &'static str, c: RoleCommand, restart: bool) -> Self {
+        Self { name, program: c.program, args: c.args, restart }
+    }
+}
+
 struct Role {
     spec: Spec,
     child: Child,
     restarts: u32,
-}
-
-fn bin(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
-    let p = dir.join(name);
-    if !p.is_file() {
-        anyhow::bail!("{} not found next to dflash (build the workspace: cargo build --release)", p.display());
-    }
-    Ok(p)
 }
 
 /// Forwards a child's output line by line with a role prefix, and the
@@ -129,13 +124,27 @@ fn prefix_lines(
     });
 }
 
-/// The address after `marker` in a log line ("... listening on 127.0.0.1:4711 (plain)").
-fn address_after<'a>(line: &'a str, marker: &str) -> Option<&'a str> {
-    let rest = line.split_once(marker)?.1;
-    Some(rest.split_whitespace().next()?.trim_end_matches(['.', ',']))
-}
-
 impl Launcher {
+    /// The roles' command lines: the run config, the run's ledger, the
+    /// security flags and metrics endpoints every role gets.
+    fn cluster(&self) -> LocalCluster {
+        let config = self.config.to_args();
+        let mut c = LocalCluster::new(&self.bin_dir, config, &self.up.workdir.join("ledger.sqlite"));
+        let sec = &self.up.security;
+        c.scheme = if sec.tls_cert.is_some() { "https" } else { "http" };
+        // TLS files go to every role by flag; the token by environment.
+        for (flag, path) in [("--tls-cert", &sec.tls_cert), ("--tls-key", &sec.tls_key), ("--tls-ca", &sec.tls_ca)] {
+            if let Some(p) = path {
+                c.common_args.extend([flag.to_string(), p.display().to_string()]);
+            }
+        }
+        if self.up.metrics {
+            c.common_args.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
+        }
+        (c.drafter_threads, c.target_threads) = (self.up.drafter_threads, self.up.target_threads);
+        c
+    }
+
     pub fn new(config: ConfigFlags, up: UpArgs) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating the dflash binary")?;
         let bin_dir = exe.parent().context("dflash has no parent folder")?.to_path_buf();
@@ -149,6 +158,12 @@ impl Launcher {
 
     fn start(&self, spec: Spec) -> anyhow::Result<Role> {
         let (name, program) = (spec.name, &spec.program);
+        if !program.is_file() {
+            anyhow::bail!(
+                "{} not found next to dflash (build the workspace: cargo build --release)",
+                program.display()
+            );
+        }
         let mut cmd = Command::new(program);
         cmd.args(&spec.args)
             .stdin(Stdio::null())
@@ -205,7 +220,7 @@ impl Launcher {
 
     /// Runs a tool to completion, its output prefixed.
     async fn tool(&self, name: &'static str, program: &str, args: &[String]) -> anyhow::Result<()> {
-        let mut role = self.spawn(name, &bin(&self.bin_dir, program)?, args)?;
+        let mut role = self.spawn(name, &self.bin_dir.join(program), args)?;
         let status = role.child.wait().await?;
         if !status.success() {
             anyhow::bail!("{program} {} failed ({status})", args.first().map_or("", String::as_str));
@@ -306,60 +321,11 @@ impl Launcher {
                 counts.total()
             );
         }
-        let sec = &self.up.security;
-        let scheme = if sec.tls_cert.is_some() { "https" } else { "http" };
-        // TLS files go to every role by flag; the token by environment.
-        let mut tls_args: Vec<String> = Vec::new();
-        for (flag, path) in [("--tls-cert", &sec.tls_cert), ("--tls-key", &sec.tls_key), ("--tls-ca", &sec.tls_ca)] {
-            if let Some(p) = path {
-                tls_args.extend([flag.to_string(), p.display().to_string()]);
-            }
-        }
-        let metrics_args: Vec<String> =
-            if self.up.metrics { vec!["--metrics-listen".into(), "127.0.0.1:0".into()] } else { vec![] };
-        let mut coord_args = self.config.to_args();
-        coord_args.extend([
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--ledger".into(),
-            self.up.workdir.join("ledger.sqlite").display().to_string(),
-        ]);
-        coord_args.extend(tls_args.iter().cloned());
-        coord_args.extend(metrics_args.iter().cloned());
-        let mut roles = vec![self.spawn("coordinator", &bin(&self.bin_dir, "dflash-coordinator")?, &coord_args)?];
-        let coord_addr = self.wait_for_address("coordinator", LISTENING, &mut roles).await?;
-        let coord_url = format!("{scheme}://{coord_addr}");
-        let mut drafter_args = vec![
-            "serve".into(),
-            "--coordinator".into(),
-            coord_url.clone(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            // Port 0 here means the port the drafter bound.
-            "--advertise".into(),
-            format!("{scheme}://127.0.0.1:0"),
-            "--threads".into(),
-            self.up.drafter_threads.to_string(),
-        ];
-        drafter_args.extend(tls_args.iter().cloned());
-        drafter_args.extend(metrics_args.iter().cloned());
-        let drafter =
-            Spec { name: "drafter", program: bin(&self.bin_dir, "dflash-drafter")?, args: drafter_args, restart: true };
-        roles.push(self.start(drafter)?);
-        let mut target_args = vec![
-            "serve".into(),
-            "--coordinator".into(),
-            coord_url.clone(),
-            "--health-listen".into(),
-            "127.0.0.1:0".into(),
-            "--threads".into(),
-            self.up.target_threads.to_string(),
-        ];
-        target_args.extend(tls_args.iter().cloned());
-        target_args.extend(metrics_args.iter().cloned());
-        let target =
-            Spec { name: "target", program: bin(&self.bin_dir, "dflash-target")?, args: target_args, restart: true };
-        roles.push(self.start(target)?);
+        let cluster = self.cluster();
+        let mut roles = vec![self.start(Spec::of("coordinator", cluster.coordinator("127.0.0.1:0"), false))?];
+        let coord_url = cluster.url(&self.wait_for_address("coordinator", LISTENING, &mut roles).await?);
+        roles.push(self.start(Spec::of("drafter", cluster.drafter(&coord_url, "127.0.0.1:0"), true))?);
+        roles.push(self.start(Spec::of("target", cluster.target(&coord_url, None, "127.0.0.1:0"), true))?);
         if self.up.metrics {
             let mut urls = Vec::new();
             for role in ["coordinator", "drafter", "target"] {
@@ -471,20 +437,5 @@ impl Launcher {
             }
         }
         Ok(if failed { 1 } else { 0 })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn addresses_are_read_from_the_roles_log_lines() {
-        let line =
-            "2026-12-01T10:00:00Z  INFO dflash_coordinator: coordinator listening on 127.0.0.1:40123 (plain text)";
-        assert_eq!(address_after(line, LISTENING), Some("127.0.0.1:40123"));
-        let line = "INFO dflash_telemetry::metrics: metrics on http://127.0.0.1:9999/metrics";
-        assert_eq!(address_after(line, METRICS), Some("http://127.0.0.1:9999/metrics"));
-        assert_eq!(address_after("nothing here", LISTENING), None);
     }
 }

@@ -12,6 +12,19 @@ use dflash_models::generate::greedy_generate;
 use dflash_models::{LoadScope, TargetModel};
 use tch::{Device, Kind};
 
+/// Which prompts of a JSONL file to decode, and how far.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PromptSlice {
+    /// Skip this many lines first.
+    #[arg(long, default_value_t = 0)]
+    pub offset: usize,
+    /// Decode at most this many prompts (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub limit: usize,
+    #[arg(long, default_value_t = 96)]
+    pub max_new_tokens: usize,
+}
+
 #[derive(clap::Args, Debug)]
 pub struct RegenArgs {
     /// Target model directory.
@@ -23,14 +36,8 @@ pub struct RegenArgs {
     /// JSONL to write: prompt plus the target's answer.
     #[arg(long)]
     pub output: PathBuf,
-    /// Skip this many lines first.
-    #[arg(long, default_value_t = 0)]
-    pub offset: usize,
-    /// Regenerate at most this many prompts (0: all).
-    #[arg(long, default_value_t = 0)]
-    pub limit: usize,
-    #[arg(long, default_value_t = 96)]
-    pub max_new_tokens: usize,
+    #[command(flatten)]
+    pub prompts: PromptSlice,
     /// Prompts decoded together.
     #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
@@ -93,7 +100,7 @@ pub fn regenerate(a: &RegenArgs) -> anyhow::Result<()> {
     let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
     let tok = ChatTokenizer::from_dir(&a.model)?;
     let target = TargetModel::load(&a.model, device, kind, LoadScope::Full)?;
-    let prompts = read_prompts(&a.input, &tok, a.offset, a.limit)?;
+    let prompts = read_prompts(&a.input, &tok, a.prompts.offset, a.prompts.limit)?;
     let too_long = prompts.iter().filter(|p| p.ids.len() > a.max_prompt_tokens).count();
     if too_long > 0 {
         tracing::warn!(
@@ -110,10 +117,10 @@ pub fn regenerate(a: &RegenArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut generated = 0usize;
     let mut done = 0usize;
-    for range in plan_batches(&lens, a.batch_size, a.max_batch_tokens, a.max_new_tokens) {
+    for range in plan_batches(&lens, a.batch_size, a.max_batch_tokens, a.prompts.max_new_tokens) {
         let chunk = &order[range];
         let batch: Vec<Vec<u32>> = chunk.iter().map(|&i| prompts[i].ids.clone()).collect();
-        let outs = greedy_generate(&target, &batch, a.max_new_tokens, &tok.stop_ids);
+        let outs = greedy_generate(&target, &batch, a.prompts.max_new_tokens, &tok.stop_ids);
         for (&i, ids) in chunk.iter().zip(outs) {
             generated += ids.len();
             answers[i] = Some(tok.decode(&ids)?.trim().to_string());

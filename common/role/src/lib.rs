@@ -12,8 +12,8 @@ mod stop;
 pub use health::{HealthArgs, check_health, serve_health, serve_health_only};
 pub use security::{Security, SecurityArgs};
 pub use session::{
-    Announce, CoordinatorConn, KindExt, RoleArgs, RoleError, Session, chain_of, coordinator_client, format_chain,
-    kind_of, lazy_channel, with_timeout,
+    Announce, CoordinatorConn, DeviceError, DeviceExt, KindExt, RoleArgs, RoleError, Session, coordinator_client,
+    device_of, format_chain, kind_of, lazy_channel, with_timeout,
 };
 pub use stages::Stages;
 pub use stop::{Stop, StopCause, recv_until_stop, send_until_stop};

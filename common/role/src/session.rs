@@ -343,15 +343,16 @@ impl Session {
         }
     }
 
-    /// Reports an error with its cause chain. Best effort: a coordinator
-    /// that cannot be reached is logged, not waited for.
-    pub async fn report_error(&self, kind: ErrorKind, err: &anyhow::Error, device: &str) {
-        let causes = chain_of(err);
+    /// Reports an error with its cause chain and the device it happened
+    /// on ([`DeviceExt`]). Best effort: a coordinator that cannot be
+    /// reached is logged, not waited for.
+    pub async fn report_error(&self, kind: ErrorKind, err: &anyhow::Error) {
+        let causes = dflash_telemetry::cause_chain(err.as_ref());
         let report = pb::ErrorReport {
             run_id: self.run_id.clone(),
             role: self.role as i32,
             instance_id: self.instance_id.clone(),
-            device: device.to_string(),
+            device: device_of(err),
             kind: dflash_proto::ErrorKind::from(kind) as i32,
             message: causes.first().cloned().unwrap_or_default(),
             causes,
@@ -375,7 +376,7 @@ impl Session {
         if let Err(e) = &result {
             let kind = kind_of(e);
             tracing::error!("{}", format_chain(e));
-            self.report_error(kind, e, "").await;
+            self.report_error(kind, e).await;
             self.stop.stop(StopCause::Fatal(format_chain(e)));
         }
         let cause = self.stop.cause().unwrap_or(StopCause::RunCompleted);
@@ -409,10 +410,26 @@ impl std::error::Error for RoleError {
     }
 }
 
-/// The policy kind of an error: the innermost-tagged [`RoleError`] in its
-/// chain, else `internal`.
+/// The policy kind of an error: the outermost [`RoleError`] in its chain,
+/// else `internal`.
 pub fn kind_of(e: &anyhow::Error) -> ErrorKind {
-    e.chain().find_map(|c| c.downcast_ref::<RoleError>()).map_or(ErrorKind::Internal, |r| r.kind)
+    links(e).into_iter().find_map(|c| c.downcast_ref::<RoleError>()).map_or(ErrorKind::Internal, |r| r.kind)
+}
+
+/// Every error in `e`'s chain, the errors the tags ([`RoleError`],
+/// [`DeviceError`]) wrap included: a tag stands in for the error it wraps,
+/// so the plain chain skips that error.
+fn links(e: &anyhow::Error) -> Vec<&(dyn std::error::Error + 'static)> {
+    let mut out = Vec::new();
+    for c in e.chain() {
+        out.push(c);
+        let inner = c.downcast_ref::<RoleError>().map(|r| &r.source);
+        if let Some(inner) = inner.or_else(|| c.downcast_ref::<DeviceError>().map(|d| &d.source)) {
+            out.extend(links(inner));
+            break;
+        }
+    }
+    out
 }
 
 /// Tags an error with its kind for the coordinator's policy.
@@ -435,20 +452,51 @@ fn run_over_cause(state: pb::RunState, message: String) -> StopCause {
     }
 }
 
-/// The messages of an error's chain, outermost first, without repeats.
-pub fn chain_of(e: &anyhow::Error) -> Vec<String> {
-    let mut out: Vec<String> = Vec::new();
-    for p in e.chain().map(ToString::to_string) {
-        if out.last().is_none_or(|prev| !prev.ends_with(&p)) {
-            out.push(p);
-        }
-    }
-    out
-}
-
 /// `outer: inner: innermost` for logs.
 pub fn format_chain(e: &anyhow::Error) -> String {
-    chain_of(e).join(": ")
+    dflash_telemetry::cause_chain(e.as_ref()).join(": ")
+}
+
+/// An error that happened on one device (a GPU's forward, a replica's
+/// step). Displays as the error it wraps; the device goes into the
+/// coordinator's error report.
+#[derive(Debug)]
+pub struct DeviceError {
+    pub device: String,
+    pub source: anyhow::Error,
+}
+
+impl std::fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.source.fmt(f)
+    }
+}
+
+impl std::error::Error for DeviceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.source()
+    }
+}
+
+/// The device an error happened on: the innermost [`DeviceError`] in its
+/// chain, else empty.
+pub fn device_of(e: &anyhow::Error) -> String {
+    links(e)
+        .into_iter()
+        .filter_map(|c| c.downcast_ref::<DeviceError>())
+        .last()
+        .map_or_else(String::new, |d| d.device.clone())
+}
+
+/// Tags an error with the device it happened on.
+pub trait DeviceExt<T> {
+    fn on_device(self, device: impl std::fmt::Display) -> anyhow::Result<T>;
+}
+
+impl<T, E: Into<anyhow::Error>> DeviceExt<T> for Result<T, E> {
+    fn on_device(self, device: impl std::fmt::Display) -> anyhow::Result<T> {
+        self.map_err(|e| DeviceError { device: device.to_string(), source: e.into() }.into())
+    }
 }
 
 #[cfg(test)]
@@ -468,5 +516,20 @@ mod tests {
         assert_eq!(over(pb::RunState::Failed), StopCause::RunFailed("bad sample".into()));
         assert_eq!(over(pb::RunState::Completed), StopCause::RunCompleted);
         assert!(matches!(over(pb::RunState::Cancelled), StopCause::RunCancelled(_)));
+    }
+
+    #[test]
+    fn kind_and_device_are_found_through_each_other_and_contexts() {
+        use anyhow::Context;
+        let e = Err::<(), _>(anyhow::anyhow!("CUDA out of memory"))
+            .kind(ErrorKind::Device)
+            .context("forward of batch 7")
+            .on_device("cuda:1")
+            .context("stage forward-cuda:1")
+            .unwrap_err();
+        assert_eq!((kind_of(&e), device_of(&e).as_str()), (ErrorKind::Device, "cuda:1"));
+        assert_eq!(format_chain(&e), "stage forward-cuda:1: forward of batch 7: CUDA out of memory");
+        let plain = anyhow::anyhow!("no device");
+        assert_eq!((kind_of(&plain), device_of(&plain).as_str()), (ErrorKind::Internal, ""));
     }
 }

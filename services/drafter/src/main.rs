@@ -14,7 +14,7 @@ use dflash_models::blocks::BlockSettings;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::{Drafter, DrafterConfig, TrainSettings, Trainer};
 use dflash_proto as pb;
-use dflash_role::{Announce, KindExt, RoleArgs, Session, Stages, Stop, StopCause, format_chain};
+use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop, StopCause, format_chain};
 use dflash_telemetry::ErrorKind;
 use tonic_health::ServingStatus;
 
@@ -144,6 +144,14 @@ async fn fetch_plan(session: &Session) -> anyhow::Result<receiver::Plan> {
             (b.batch_id, planned)
         })
         .collect())
+}
+
+/// A libtorch device as the config names it ("cpu", "cuda:1").
+fn device_name(d: tch::Device) -> String {
+    match d {
+        tch::Device::Cuda(i) => format!("cuda:{i}"),
+        _ => "cpu".into(),
+    }
 }
 
 /// Gives every replica rank 0's weights and optimizer state.
@@ -340,7 +348,7 @@ async fn start(
         let (pf_tx, pf_rx) = flume::bounded(c.pipeline.prefetch_depth as usize);
         let pf = Prefetcher { device: dev, kind, spec: spec.clone(), gpu: gpu_landing, stop: stop.clone() };
         let (s, hs) = (stop.clone(), hs_rx.clone());
-        stages.spawn_thread(&format!("prefetch-{rank}"), move || pf.run(hs, pf_tx, s));
+        stages.spawn_thread(&format!("prefetch-{rank}"), move || pf.run(hs, pf_tx, s).on_device(device_name(dev)));
         let join = move || -> anyhow::Result<Option<dflash_models::dp::Replica>> {
             let (Some(id), tch::Device::Cuda(ordinal)) = (group_id, dev) else { return Ok(None) };
             Ok(Some(dflash_models::dp::Replica::join(id, rank, world, ordinal).kind(ErrorKind::Device)?))
@@ -351,23 +359,29 @@ async fn start(
             let train = leader.take().expect("one leader");
             let reports = report_rx.clone();
             stages.spawn_thread("train-0", move || {
-                replica.group = join()?;
-                if let Some(g) = &replica.group {
-                    sync_replica(g, train.trainer())?;
-                    tracing::info!("data-parallel training on {world} GPUs (rank 0 leads)");
+                {
+                    replica.group = join()?;
+                    if let Some(g) = &replica.group {
+                        sync_replica(g, train.trainer())?;
+                        tracing::info!("data-parallel training on {world} GPUs (rank 0 leads)");
+                    }
+                    train.run(replica, reports)
                 }
-                train.run(replica, reports)
+                .on_device(device_name(dev))
             });
         } else {
             let mut trainer = followers.next().expect("a trainer per replica");
             let (s, reports) = (stop.clone(), report_tx.clone());
             stages.spawn_thread(&format!("train-{rank}"), move || {
-                replica.group = join()?;
-                if let Some(g) = &replica.group {
-                    sync_replica(g, &trainer)?;
-                    trainer.set_step(resumed_step);
+                {
+                    replica.group = join()?;
+                    if let Some(g) = &replica.group {
+                        sync_replica(g, &trainer)?;
+                        trainer.set_step(resumed_step);
+                    }
+                    follow(trainer, replica, s, reports)
                 }
-                follow(trainer, replica, s, reports)
+                .on_device(device_name(dev))
             });
         }
     }

@@ -195,7 +195,7 @@ impl Delivery {
     /// Sends what is owed, in order: errors, trained batches, the checkpoint.
     async fn deliver(&mut self) -> anyhow::Result<Delivered> {
         for (kind, error) in std::mem::take(&mut self.owed.errors) {
-            self.session.report_error(kind, &error, "").await;
+            self.session.report_error(kind, &error).await;
         }
         if self.owed.step_owed {
             let o = &self.owed;

@@ -13,7 +13,7 @@ use dflash_config::Device;
 use dflash_models::features::kind_of;
 use dflash_models::{LoadScope, TargetModel};
 use dflash_proto as pb;
-use dflash_role::{Announce, KindExt, RoleArgs, Session, Stages, Stop, format_chain};
+use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop, format_chain};
 use dflash_telemetry::ErrorKind;
 use dflash_wire::FeatureSpec;
 
@@ -129,9 +129,9 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     let (work_tx, work_rx) = flume::bounded(devices.len());
     let (host_tx, host_rx) = flume::bounded(1);
     for d in &devices {
-        let fl = device_pipeline(session, stages, d, &stats, post.clone(), &host_tx)?;
-        let (rx, s) = (work_rx.clone(), stop.clone());
-        stages.spawn_thread(&format!("forward-{d}"), move || fl.run(rx, s));
+        let fl = device_pipeline(session, stages, d, &stats, post.clone(), &host_tx).on_device(d)?;
+        let (rx, s, dev) = (work_rx.clone(), stop.clone(), d.to_string());
+        stages.spawn_thread(&format!("forward-{d}"), move || fl.run(rx, s).on_device(dev));
     }
     drop(host_tx);
     session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
@@ -201,8 +201,10 @@ fn device_pipeline(
         PostprocessSink::Inline(post, host_tx.clone())
     } else {
         let (cap_tx, cap_rx) = flume::bounded(depth);
-        let (out, s) = (host_tx.clone(), session.stop.clone());
-        stages.spawn_thread(&format!("postprocess-{d}"), move || postprocess::worker(post, cap_rx, out, s));
+        let (out, s, dev) = (host_tx.clone(), session.stop.clone(), d.to_string());
+        stages.spawn_thread(&format!("postprocess-{d}"), move || {
+            postprocess::worker(post, cap_rx, out, s).on_device(dev)
+        });
         PostprocessSink::Queue(cap_tx)
     };
     let cuda = match (cuda, d) {

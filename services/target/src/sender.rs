@@ -97,6 +97,7 @@ impl Sender {
                         delays = dflash_telemetry::retry_delays();
                     }
                     let bytes: usize = self.unacked.iter().map(|o| o.batch.payload.len()).sum();
+                    dflash_telemetry::metrics().errors.with_label_values(&[ErrorKind::Transport.as_str()]).inc();
                     tracing::warn!(
                         "stream to drafter {endpoint} ended ({why}); {} unacknowledged batch(es), {:.1} MiB, kept for replay",
                         self.unacked.len(),
@@ -236,7 +237,7 @@ impl Sender {
                 dflash_telemetry::metrics().batches.with_label_values(&["rejected"]).inc();
                 let err = anyhow::anyhow!("drafter rejected batch {}: {}", ack.batch_id, ack.reason);
                 tracing::error!("{err}");
-                self.session.report_error(ErrorKind::BadBatch, &err, "").await;
+                self.session.report_error(ErrorKind::BadBatch, &err).await;
             }
         }
         Ok(())

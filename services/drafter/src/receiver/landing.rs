@@ -188,6 +188,8 @@ impl Lander {
             Err(e) if e.is_retryable() => {
                 let id = e.batch_id().or(self.assembler.partial_batch_id()).unwrap_or(0);
                 tracing::warn!("from target {}: {e}; asking for a resend", self.target);
+                let kind = dflash_telemetry::ErrorKind::CorruptBatch.as_str();
+                dflash_telemetry::metrics().errors.with_label_values(&[kind]).inc();
                 self.assembler.reset();
                 // Damage found at the end marker: the batch is over; ask now.
                 // Found mid-batch: skip its remaining chunks, ask at its end.

