@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Assembles the libtorch 2.11 folder that tch 0.24 builds and runs against,
-# from the PyPI torch wheel (see ../shared/PLATFORM.md): headers, the CPU
+# from the PyPI torch wheel: headers, the CPU
 # libraries, the two CUDA runtime libraries libtorch_cpu.so needs even on a
 # CPU-only machine, and a stub libtorch.so so the linker does not pull in
 # libtorch_cuda.so. The result is cached; a second run is a no-op.

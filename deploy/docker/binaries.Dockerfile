@@ -9,7 +9,7 @@ ARG BUILDER_IMAGE=rust:1.95-bookworm
 FROM ${BUILDER_IMAGE} AS build
 WORKDIR /src
 COPY . .
-# setup-libtorch.sh fetches the torch wheel from PyPI (PLATFORM.md).
+# setup-libtorch.sh fetches the torch wheel from PyPI.
 RUN scripts/setup-libtorch.sh \
     && cargo build --release --bins \
     && deploy/docker/stage.sh /opt/dflash

@@ -7,6 +7,8 @@
 # in alternating rounds, so that builds compare within one machine and one
 # call. Results (JSON per benchmark) go to $OUT.
 #   scripts/device/hot-path.sh [ROUNDS] [BUILD...]   (default: 2 rounds of .device/bin)
+# ANCHORS (default "512 256") and CAPTURE_BATCHES (default 20) trim a run to
+# the device time at hand.
 # A build from before the tools moved to `dflash` (dflash-target bench-capture,
 # dflash-drafter bench-step / bench-transport) is run the way it was called.
 set -u
@@ -26,8 +28,8 @@ for round in $(seq "$rounds"); do
   for b in $builds; do
     echo "== round $round, .device/$b: capture"
     timeout 150 $(tool "$b" dflash-target) bench-capture --shape qwen3-8b --device 0 --layers 5 \
-      --batches 20 --warmup 3 --json "$OUT/capture-$b-$round.json" 2>&1 | grep -v INFO | tail -4
-    for anchors in 512 256; do
+      --batches "${CAPTURE_BATCHES:-20}" --warmup 3 --json "$OUT/capture-$b-$round.json" 2>&1 | grep -v INFO | tail -4
+    for anchors in ${ANCHORS:-512 256}; do
       echo "== round $round, .device/$b: drafter step, $anchors anchors"
       timeout 200 $(tool "$b" dflash-drafter) bench-step --shape qwen3-8b --device 0 --anchors "$anchors" --attention split --chunks 64 \
         --context-multiple 128 --batch-tokens 12288 --batches 12 --max-blocks 2048 --steps 12 --warmup 2 \

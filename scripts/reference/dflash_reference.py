@@ -1,4 +1,4 @@
-"""An independent plain-PyTorch DFlash trainer, written from ../shared/DFLASH.md
+"""An independent plain-PyTorch DFlash trainer, written from the algorithm's description
 alone (it shares no code with the Rust trainer), to check the Rust trainer's
 learning against a second implementation on the same data.
 

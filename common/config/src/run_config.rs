@@ -54,7 +54,7 @@ pub struct ModelSection {
     /// Hugging Face directory: config.json, *.safetensors, tokenizer.json.
     pub target_path: String,
     /// Target layers whose residual stream feeds the drafter (HF
-    /// `hidden_states[id + 1]`). Empty: spread evenly as DFLASH.md says.
+    /// `hidden_states[id + 1]`). Empty: spread evenly (see [`default_target_layer_ids`]).
     pub target_layer_ids: Vec<u32>,
     /// Compute dtype of target and drafter; the target ships its features in it.
     pub dtype: ComputeDtype,
@@ -390,7 +390,7 @@ impl DrafterSection {
     }
 }
 
-/// Default capture layers for an `n`-layer target (DFLASH.md):
+/// Default capture layers for an `n`-layer target, spread from layer 1 to n-3:
 /// `round(1 + i*(n-4)/(k-1))` for i in 0..k; `[n / 2]` when k == 1.
 pub fn default_target_layer_ids(num_target_layers: u32, k: u32) -> Vec<u32> {
     if k == 1 {

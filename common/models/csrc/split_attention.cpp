@@ -1,5 +1,5 @@
 // The drafter's block attention as two mask-free flash-attention calls merged
-// by log-sum-exp (MISSION.md's hint; the ring-attention identity).
+// by log-sum-exp (the ring-attention identity).
 //
 // A query of block j sees the context before its anchor a_j and the slots of
 // its own block. Blocks are grouped (consecutive, anchors sorted); p is the

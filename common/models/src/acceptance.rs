@@ -3,7 +3,7 @@
 //! that it can be set against what real speculative decoding accepts at the
 //! same anchors. A mismatch between the two is a train/inference bug; a
 //! match says the gap between simulated and real tau is where decoding
-//! spends its steps (DFLASH.md "Inference").
+//! spends its steps.
 
 use tch::{Device, Kind, Tensor};
 

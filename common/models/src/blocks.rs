@@ -1,4 +1,4 @@
-//! The DFlash training blocks (DFLASH.md "Training step"): anchor sampling,
+//! The DFlash training blocks: anchor sampling,
 //! block inputs, the attention mask, and the loss labels and weights.
 
 use rand::Rng;

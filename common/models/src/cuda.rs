@@ -3,7 +3,7 @@
 //! The release binary links the CPU half of libtorch so that one build runs
 //! everywhere. On a GPU host the CUDA half must be loaded before the first
 //! CUDA call: `dlopen("libtorch_cuda.so")` registers the CUDA backend
-//! (PLATFORM.md). The library stays loaded for the life of the process.
+//! (its static initializers do). The library stays loaded for the life of the process.
 
 use std::sync::OnceLock;
 

@@ -1,4 +1,4 @@
-//! The DFlash drafter (DFLASH.md "The model"): Qwen3-style layers whose
+//! The DFlash drafter: Qwen3-style layers whose
 //! keys/values see the target's fused context features ("KV injection"),
 //! predicting a block of tokens in one non-causal pass.
 
@@ -94,7 +94,8 @@ pub(crate) struct DrafterLayer {
 }
 
 /// The trainable drafter. Parameters live in a [`nn::VarStore`] under the
-/// exact names of the served checkpoint layout (DFLASH.md).
+/// exact names of the served checkpoint layout (what vLLM, SGLang and the
+/// `dflash` package load).
 pub struct Drafter {
     pub config: DrafterConfig,
     pub vs: nn::VarStore,

@@ -1,6 +1,6 @@
 //! Decoding with the target: batched greedy generation with a KV cache (for
 //! regenerating training data) and greedy speculative decoding with a
-//! DFlash drafter (DFLASH.md "Inference"), which measures the real
+//! DFlash drafter, which measures the real
 //! acceptance length.
 
 use std::time::{Duration, Instant};

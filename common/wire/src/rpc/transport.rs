@@ -1,7 +1,7 @@
 //! The hidden-state stream's transport settings, in one place for the
 //! drafter's server, the targets' clients and the transport benchmark.
 //! Larger HTTP/2 windows and frames than the defaults carry multi-MiB
-//! chunks at several GB/s (PLATFORM.md); keepalives bound how long a dead
+//! chunks at several GB/s (BENCHMARKS.md, transport); keepalives bound how long a dead
 //! peer goes unnoticed.
 
 use std::time::Duration;
