@@ -11,6 +11,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use dflash_cluster::{LocalCluster, RoleCommand};
+
+pub mod proxy;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -309,8 +311,22 @@ impl Cluster {
         Proc::start_command(name, &cmd, &[], &self.logs)
     }
 
+    /// A drafter that tells targets to reach it at `advertise` (a proxy in
+    /// front of its port).
+    pub fn drafter_advertising(&self, name: &str, advertise: &str) -> Proc {
+        let mut cmd = self.local.drafter(&self.coordinator_url, &format!("127.0.0.1:{}", self.drafter_port));
+        let i = cmd.args.iter().position(|a| a == "--advertise").expect("the drafter advertises") + 1;
+        cmd.args[i] = advertise.to_string();
+        Proc::start_command(name, &cmd, &[], &self.logs)
+    }
+
     pub fn target(&self, name: &str) -> Proc {
-        let cmd = self.local.target(&self.coordinator_url, Some(name), "127.0.0.1:0");
+        self.target_via(name, &self.coordinator_url)
+    }
+
+    /// A target that reaches the coordinator at `coordinator_url` (a proxy).
+    pub fn target_via(&self, name: &str, coordinator_url: &str) -> Proc {
+        let cmd = self.local.target(coordinator_url, Some(name), "127.0.0.1:0");
         Proc::start_command(name, &cmd, &[], &self.logs)
     }
 }
@@ -344,7 +360,8 @@ pub fn planned_batch(
     let mut header = pb::BatchHeader {
         batch_id: planned.batch_id,
         target_instance: "test-client".into(),
-        layout: pb::Layout::Packed as i32,
+        // The run's layout (SPLIT, the default; one layer reads the same either way).
+        layout: pb::Layout::Split as i32,
         dtype: pb::Dtype::F32 as i32,
         token_count: tokens,
         seq_lengths: planned.sample_lengths.clone(),

@@ -34,7 +34,7 @@ fn trains_to_the_end(ws: &Workspace) -> String {
     // Every role printed the grouped config block with the pipeline knobs.
     for role in ["coordinator", "target", "drafter"] {
         let block = format!(
-            "[{role:<11}]     Prefetch depth: 2, HS queue: 8\n[{role:<11}]     Target postprocess depth: 1, split FC layers: true"
+            "[{role:<11}]     Prefetch depth: 2, HS queue: 8, training in plan order (reorder window 8)\n[{role:<11}]     Target postprocess depth: 1, split FC layers: true"
         );
         assert!(log.contains(&block), "{role} did not print the pipeline block:\n{log}");
     }

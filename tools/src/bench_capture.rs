@@ -258,7 +258,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     noise_std: 0.0,
                 };
                 let bytes = spec.payload_bytes(a.batch_tokens, config.hidden_size as usize);
-                let mut post = Postprocessor { spec, target_instance: "bench".into(), gpu: None, stop: stop.clone() };
+                let mut post =
+                    Postprocessor { spec, seed: 0, target_instance: "bench".into(), gpu: None, stop: stop.clone() };
                 if let Some(ctx) = &cuda {
                     post.gpu = Some(GpuCopy {
                         ctx: ctx.clone(),

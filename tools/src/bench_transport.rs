@@ -100,7 +100,6 @@ async fn grpc(
         .flat_map(|s| (0..share(s)).map(move |i| batch_id(s, i)))
         .map(|id| (id, dflash_drafter::receiver::Planned { epoch: 0, sample_ids: vec![id], sample_lengths: vec![t] }))
         .collect();
-    let (skipped, _skipped_rx) = flume::bounded(1);
     let service = DrafterService {
         landing,
         run_id: "bench".into(),
@@ -114,7 +113,6 @@ async fn grpc(
         },
         max_payload_bytes: payload.len(),
         queue,
-        skipped,
         stop: stop.clone(),
         hello_timeout: Duration::from_secs(10),
         stall_timeout: Duration::from_secs(30),

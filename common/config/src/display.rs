@@ -75,7 +75,11 @@ impl fmt::Display for RunConfig {
         )?;
         writeln!(f, "Pipeline")?;
         writeln!(f, "  Token budget: {}, max batch size: {}", p.token_budget, p.max_batch_size)?;
-        writeln!(f, "  Prefetch depth: {}, HS queue: {}", p.prefetch_depth, p.hs_queue_depth)?;
+        let order = match p.reorder_window {
+            0 => "arrival order".to_string(),
+            w => format!("plan order (reorder window {w})"),
+        };
+        writeln!(f, "  Prefetch depth: {}, HS queue: {}, training in {order}", p.prefetch_depth, p.hs_queue_depth)?;
         writeln!(
             f,
             "  Target postprocess depth: {}, split FC layers: {}, target feature cache: {}",
@@ -148,9 +152,13 @@ mod tests {
         c.pipeline.hs_queue_depth = 9;
         c.pipeline.target_postprocess_depth = 2;
         c.pipeline.split_fc_layers = false;
+        c.pipeline.reorder_window = 4;
         let text = c.startup_banner("drafter", "r1");
         assert!(
-            text.contains("Prefetch depth: 3, HS queue: 9\n    Target postprocess depth: 2, split FC layers: false"),
+            text.contains(
+                "Prefetch depth: 3, HS queue: 9, training in plan order (reorder window 4)\n    \
+                 Target postprocess depth: 2, split FC layers: false"
+            ),
             "{text}"
         );
     }

@@ -251,6 +251,12 @@ pub struct PipelineSection {
     /// Hidden-state streams the drafter serves at once (all targets
     /// together); more are refused with RESOURCE_EXHAUSTED.
     pub max_target_streams: u32,
+    /// Deterministic order: the drafter trains batches in the plan's order,
+    /// holding at most this many that arrive early, and the coordinator
+    /// leases no batch further than this past the first untrained one, so
+    /// a run is a function of its config, data and seed however often it is
+    /// interrupted. 0: train batches as they arrive.
+    pub reorder_window: u32,
 }
 
 impl Default for PipelineSection {
@@ -267,6 +273,7 @@ impl Default for PipelineSection {
             streams_per_target: 2,
             target_feature_cache_mib: 0,
             max_target_streams: 64,
+            reorder_window: 8,
         }
     }
 }

@@ -117,6 +117,18 @@ impl RunConfig {
         c.require((64 << 10..=64 << 20).contains(&p.chunk_bytes), "pipeline.chunk_bytes", || {
             format!("is {}; must be between 64 KiB and 64 MiB", p.chunk_bytes)
         });
+        let replicas = self.devices.drafter.devices().len() as u32;
+        c.require(
+            p.reorder_window == 0 || (replicas..=p.hs_queue_depth).contains(&p.reorder_window),
+            "pipeline.reorder_window",
+            || {
+                format!(
+                    "is {}; must be 0 (arrival order) or between the drafter's replicas ({replicas}) and \
+                     pipeline.hs_queue_depth ({}), so that the batches it holds leave landing buffers free",
+                    p.reorder_window, p.hs_queue_depth
+                )
+            },
+        );
         c.require(p.max_target_streams >= p.streams_per_target, "pipeline.max_target_streams", || {
             format!(
                 "is {}; must admit at least one target's streams (pipeline.streams_per_target = {})",
@@ -220,6 +232,22 @@ mod tests {
         c.validate().unwrap();
         c.devices = DevicesSection { target: DeviceList::cpu(), drafter: DeviceList::cpu(), share_gpus: false };
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn the_reorder_window_fits_the_hs_queue_and_feeds_every_replica() {
+        let mut c = valid();
+        c.devices.drafter = DeviceList::cuda([5, 6, 7]);
+        c.pipeline.reorder_window = 9;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("pipeline.reorder_window") && err.contains("hs_queue_depth (8)"), "{err}");
+        c.pipeline.reorder_window = 2;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("replicas (3)"), "{err}");
+        for ok in [0, 3, 8] {
+            c.pipeline.reorder_window = ok;
+            c.validate().unwrap();
+        }
     }
 
     #[test]

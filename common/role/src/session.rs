@@ -122,7 +122,14 @@ impl Session {
             let refusal = CoordinatorError::from_status(&s);
             match dflash_telemetry::on_coordinator_error(refusal.as_ref()) {
                 // The coordinator answered and refused: no retry will help.
-                Reaction::Fail | Reaction::RunOver(_) => {
+                Reaction::RunOver(state) => {
+                    // Nothing to join: a role started after the run ended
+                    // (a supervisor restarting it) stops for the run's reason,
+                    // with exit 0 when the run completed.
+                    stop.stop(run_over_cause(state, s.message().to_string()));
+                    anyhow::bail!("the coordinator at {} refused registration: {}", args.coordinator, s.message());
+                }
+                Reaction::Fail => {
                     anyhow::bail!("the coordinator at {} refused registration: {}", args.coordinator, s.message());
                 }
                 _ if Instant::now() >= deadline => {
@@ -449,6 +456,21 @@ fn run_over_cause(state: pb::RunState, message: String) -> StopCause {
         pb::RunState::Completed => StopCause::RunCompleted,
         pb::RunState::Cancelled => StopCause::RunCancelled(message),
         _ => StopCause::RunFailed(message),
+    }
+}
+
+/// Logs why registration failed and returns the process exit code: 0 when
+/// the run it tried to join had completed, 1 otherwise.
+pub fn registration_failed(e: &anyhow::Error, stop: &Stop) -> i32 {
+    match stop.cause() {
+        Some(cause @ StopCause::RunCompleted) => {
+            tracing::info!("nothing to do ({cause}): {}", format_chain(e));
+            0
+        }
+        _ => {
+            tracing::error!("{}", format_chain(e));
+            1
+        }
     }
 }
 

@@ -16,6 +16,15 @@ pub enum Layout {
     Split,
 }
 
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Layout::Packed => "PACKED",
+            Layout::Split => "SPLIT",
+        })
+    }
+}
+
 /// Element type of the payload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {

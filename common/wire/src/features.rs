@@ -68,7 +68,7 @@ impl FeatureSpec {
             return Some(format!("dtype {:?} but the run ships {:?}", m.dtype, self.dtype));
         }
         if m.layout != self.layout {
-            return Some(format!("layout {:?} but the run uses {:?}", m.layout, self.layout));
+            return Some(format!("layout {} but the run uses {}", m.layout, self.layout));
         }
         None
     }

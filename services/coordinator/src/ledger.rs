@@ -210,16 +210,30 @@ impl Ledger {
     }
 
     /// Leases up to `n` pending batches (lowest ids first) to `holder`.
-    pub fn lease(&mut self, holder: &str, n: u32, now_ms: u64, lease_ms: u64) -> Result<Vec<Lease>, LedgerError> {
+    /// With a `window` (> 0), only batches less than `window` ids past the
+    /// first one not yet trained: the drafter trains in id order and holds
+    /// at most that many that arrive early.
+    pub fn lease(
+        &mut self,
+        holder: &str,
+        n: u32,
+        now_ms: u64,
+        lease_ms: u64,
+        window: u64,
+    ) -> Result<Vec<Lease>, LedgerError> {
         let expires = now_ms + lease_ms;
         let path = self.path.clone();
         let wrap = |source| LedgerError::Sqlite { path: path.clone(), source };
         let tx = self.conn.transaction().map_err(wrap)?;
         let rows: Vec<(i64, u32, String, String)> = {
             let mut q = tx
-                .prepare("SELECT batch_id, epoch, sample_ids, sample_lengths FROM batches WHERE state = 'pending' ORDER BY batch_id LIMIT ?1")
+                .prepare(
+                    "SELECT batch_id, epoch, sample_ids, sample_lengths FROM batches WHERE state = 'pending' \
+                     AND (?2 = 0 OR batch_id < ?2 + (SELECT MIN(batch_id) FROM batches \
+                     WHERE state IN ('pending', 'leased', 'sent'))) ORDER BY batch_id LIMIT ?1",
+                )
                 .map_err(wrap)?;
-            q.query_map([n], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            q.query_map(params![n, window as i64], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
                 .map_err(wrap)?
                 .collect::<Result<_, _>>()
                 .map_err(wrap)?
@@ -644,7 +658,7 @@ mod tests {
         let path = dir.path().join("l.sqlite");
         let mut l = Ledger::open(&path).unwrap();
         assert!(!l.install_plan("fp", &plan(4)).unwrap());
-        let leases = l.lease("t0", 3, 1000, 50).unwrap();
+        let leases = l.lease("t0", 3, 1000, 50, 0).unwrap();
         assert_eq!(leases.iter().map(|l| l.batch_id).collect::<Vec<_>>(), vec![0, 1, 2]);
         assert_eq!(leases[1].sample_ids, vec![2, 3]);
         l.mark_sent("t0", &[0, 1]).unwrap();
@@ -662,10 +676,28 @@ mod tests {
     }
 
     #[test]
+    fn a_reorder_window_leases_nothing_past_the_first_untrained_batch_plus_the_window() {
+        let (_d, mut l) = ledger(10);
+        let ids = |v: Vec<Lease>| v.into_iter().map(|l| l.batch_id).collect::<Vec<_>>();
+        assert_eq!(ids(l.lease("t0", 10, 0, 50, 3).unwrap()), vec![0, 1, 2]);
+        assert!(l.lease("t1", 10, 0, 50, 3).unwrap().is_empty(), "0..3 are out; 3 is past the window");
+        // Batch 1 and 2 trained: 0 is still the first untrained one.
+        l.mark_sent("t0", &[0, 1, 2]).unwrap();
+        l.mark_trained("d", &[1, 2], 2).unwrap();
+        assert!(l.lease("t1", 10, 0, 50, 3).unwrap().is_empty());
+        l.mark_trained("d", &[0], 3).unwrap();
+        assert_eq!(ids(l.lease("t1", 10, 0, 50, 3).unwrap()), vec![3, 4, 5]);
+        // A lease that expires goes back and is leased again first.
+        l.expire_leases(100).unwrap();
+        assert_eq!(ids(l.lease("t2", 1, 100, 50, 3).unwrap()), vec![3]);
+        assert_eq!(ids(l.lease("t2", 10, 100, 50, 0).unwrap()), vec![4, 5, 6, 7, 8, 9], "no window");
+    }
+
+    #[test]
     fn failures_return_work_to_pending() {
         let (_d, mut l) = ledger(6);
-        l.lease("t0", 2, 1000, 50).unwrap(); // 0, 1 expire at 1050
-        l.lease("t1", 2, 1000, 500).unwrap(); // 2, 3
+        l.lease("t0", 2, 1000, 50, 0).unwrap(); // 0, 1 expire at 1050
+        l.lease("t1", 2, 1000, 500, 0).unwrap(); // 2, 3
         l.renew("t0", &[0], 1040, 50).unwrap(); // 0 now expires at 1090
         assert_eq!(l.expire_leases(1060).unwrap(), 1, "batch 1 expired");
         assert_eq!(l.release_holder("t1").unwrap(), 2, "dead target's leases");
@@ -674,7 +706,7 @@ mod tests {
         let r = l.resume("d2", None, &[]).unwrap();
         assert_eq!(r.redo, 1, "drafter restart from nothing, nothing committed yet");
         assert_eq!(l.counts().unwrap().pending, 6);
-        let again = l.lease("t2", 10, 2000, 50).unwrap();
+        let again = l.lease("t2", 10, 2000, 50, 0).unwrap();
         assert_eq!(again.len(), 6);
         assert_eq!(l.audit().unwrap()[0].leases, 2);
     }
@@ -682,7 +714,7 @@ mod tests {
     #[test]
     fn commits_are_idempotent() {
         let (_d, mut l) = ledger(2);
-        l.lease("t0", 2, 0, 50).unwrap();
+        l.lease("t0", 2, 0, 50, 0).unwrap();
         l.mark_trained("d", &[0, 1], 1).unwrap();
         l.commit_checkpoint("d", &ckpt(1, "h"), &[0, 1]).unwrap();
         l.commit_checkpoint("d", &ckpt(1, "h"), &[0, 1]).unwrap();
@@ -692,7 +724,7 @@ mod tests {
     #[test]
     fn a_batch_trained_after_its_target_was_presumed_dead_commits() {
         let (_d, mut l) = ledger(2);
-        l.lease("t0", 2, 0, 50).unwrap();
+        l.lease("t0", 2, 0, 50, 0).unwrap();
         // t0 sent batch 0 and was cut off before reporting it: its leases
         // go back to pending, and then the drafter reports training it.
         assert_eq!(l.release_holder("t0").unwrap(), 2);
@@ -704,7 +736,7 @@ mod tests {
     #[test]
     fn only_the_drafter_that_trained_a_batch_can_commit_it() {
         let (_d, mut l) = ledger(4);
-        l.lease("t0", 4, 0, 50).unwrap();
+        l.lease("t0", 4, 0, 50, 0).unwrap();
         l.mark_trained("d", &[0, 1], 1).unwrap();
         // Batches never trained (leased, pending) or trained by another
         // drafter: the whole report is refused and nothing changes.
@@ -721,7 +753,7 @@ mod tests {
     #[test]
     fn a_drafter_must_resume_from_what_was_committed() {
         let (_d, mut l) = ledger(6);
-        l.lease("t0", 6, 0, 50).unwrap();
+        l.lease("t0", 6, 0, 50, 0).unwrap();
         l.mark_trained("d", &[0, 1], 1).unwrap();
         l.commit_checkpoint("d", &ckpt(1, "h1"), &[0, 1]).unwrap();
         l.mark_trained("d", &[2, 3], 2).unwrap();
@@ -753,7 +785,7 @@ mod tests {
     #[test]
     fn a_newer_checkpoint_whose_report_was_lost_is_committed_on_resume() {
         let (_d, mut l) = ledger(5);
-        l.lease("t0", 5, 0, 50).unwrap();
+        l.lease("t0", 5, 0, 50, 0).unwrap();
         l.mark_trained("d", &[0, 1], 1).unwrap();
         l.commit_checkpoint("d", &ckpt(1, "h1"), &[0, 1]).unwrap();
         l.mark_sent("t0", &[2, 3]).unwrap();
@@ -784,7 +816,7 @@ mod tests {
             .unwrap();
         }
         let mut l = Ledger::open(&path).unwrap();
-        l.lease("t", 1, 0, 50).unwrap();
+        l.lease("t", 1, 0, 50, 0).unwrap();
         l.mark_trained("d", &[0], 1).unwrap();
         l.commit_checkpoint("d", &ckpt(1, "h"), &[0]).unwrap();
         assert_eq!(l.counts().unwrap().committed, 1);

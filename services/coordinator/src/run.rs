@@ -122,7 +122,8 @@ impl Run {
 
     /// Up to `max` batches leased to target `holder`.
     pub fn lease(&self, holder: &str, max: u32) -> Result<Vec<Lease>, LedgerError> {
-        self.ledger().lease(holder, max, now_ms(), self.lease_ms())
+        let window = u64::from(self.config.pipeline.reorder_window);
+        self.ledger().lease(holder, max, now_ms(), self.lease_ms(), window)
     }
 
     /// A target's heartbeat: its supply figures, and the leases it holds renewed.

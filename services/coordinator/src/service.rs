@@ -168,9 +168,17 @@ impl Coordinator for CoordinatorService {
             return Ok(Response::new(pb::LeaseWorkResponse { leases: vec![], exhausted: true, retry_after_ms: 0 }));
         }
         let leases = self.run.lease(&req.instance_id, req.max_batches.clamp(1, 64)).map_err(ledger_status)?;
-        let exhausted = leases.is_empty() && self.run.all_trained();
+        let counts = self.run.counts();
+        let exhausted = leases.is_empty() && counts.pending + counts.leased + counts.sent == 0;
+        // Pending work held back by the reorder window comes free with the
+        // drafter's next step: ask again soon. Nothing pending: later.
+        let retry_after_ms = match (leases.is_empty(), counts.pending > 0) {
+            (false, _) => 0,
+            (true, true) => 20,
+            (true, false) => 200,
+        };
         Ok(Response::new(pb::LeaseWorkResponse {
-            retry_after_ms: if leases.is_empty() { 200 } else { 0 },
+            retry_after_ms,
             exhausted,
             leases: leases
                 .into_iter()

@@ -1,5 +1,5 @@
 //! The drafter service: the receiver of hidden-state streams (`receiver`,
-//! served by [`dflash_wire::rpc`]), prefetch onto the training device
+//! served by [`dflash_wire::rpc`]), the plan's order (`sequencer`), prefetch onto the training device
 //! (`prefetch`), the train loop with its checkpoints (`train_loop`), its
 //! reports to the coordinator (`reporter`), and evaluation during training
 //! (`periodic_eval`).
@@ -8,4 +8,5 @@ pub mod periodic_eval;
 pub mod prefetch;
 pub mod receiver;
 pub mod reporter;
+pub mod sequencer;
 pub mod train_loop;

@@ -14,7 +14,7 @@ use dflash_models::blocks::BlockSettings;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::{Drafter, DrafterConfig, TrainSettings, Trainer};
 use dflash_proto as pb;
-use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop, StopCause, format_chain};
+use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop, StopCause, registration_failed};
 use dflash_telemetry::ErrorKind;
 use tonic_health::ServingStatus;
 
@@ -22,6 +22,7 @@ use dflash_drafter::periodic_eval;
 use dflash_drafter::prefetch::{self, Prefetcher};
 use dflash_drafter::receiver::{self, DrafterService, Expected, Landing};
 use dflash_drafter::reporter::Reporter;
+use dflash_drafter::sequencer::Sequencer;
 use dflash_drafter::train_loop::{ReplicaStep, TrainLoop, follow};
 use dflash_models::features::kind_of;
 use dflash_wire::rpc::{HiddenStateService, transport};
@@ -107,10 +108,7 @@ async fn serve(args: ServeArgs) -> i32 {
     let announce = Announce { role: pb::Role::Drafter, devices: vec![], endpoint: endpoint.clone() };
     let session = match Session::register(&args.role, announce, stop.clone()).await {
         Ok(s) => s,
-        Err(e) => {
-            tracing::error!("{}", format_chain(&e));
-            return 1;
-        }
+        Err(e) => return registration_failed(&e, &stop),
     };
     session.log_config();
     let result = match session.serve_metrics(&args.role, &stages).await {
@@ -256,8 +254,6 @@ async fn start(
     let kind = trainers[0].drafter().kind();
     let hidden = trainers[0].drafter().config.hidden_size;
     let (hs_tx, hs_rx) = flume::bounded(c.pipeline.hs_queue_depth as usize);
-    // Batches rejected on arrival that the ledger must hear of as skipped.
-    let (skipped_tx, skipped_rx) = flume::bounded(256);
     let plan = Arc::new(fetch_plan(session).await?);
     let vocab_size = trainers[0].drafter().config.vocab_size as u32;
 
@@ -268,8 +264,7 @@ async fn start(
         tokio::task::block_in_place(|| periodic_eval::PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
     let (reporter, delivery) = Reporter::start(Arc::clone(session));
     stages.spawn_task("report-progress", delivery);
-    let queues = (hs_tx.clone(), skipped_rx);
-    let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, queues, eval, reporter);
+    let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone(), eval, reporter);
     tokio::task::block_in_place(|| train.resume())?;
     let resumed_step = train.trainer().step();
     let spec = FeatureSpec::of(c);
@@ -291,10 +286,9 @@ async fn start(
         run_id: session.run_id.clone(),
         instance_id: session.instance_id.clone(),
         credits: c.pipeline.max_inflight_batches,
-        expected: Expected { spec: spec.clone(), hidden_size: hidden as u32, vocab_size, plan },
+        expected: Expected { spec: spec.clone(), hidden_size: hidden as u32, vocab_size, plan: Arc::clone(&plan) },
         max_payload_bytes: max_payload as usize,
         queue: hs_tx,
-        skipped: skipped_tx,
         stop: stop.clone(),
         hello_timeout: session.rpc_timeout(),
         stall_timeout: Duration::from_millis(c.faults.stream_stall_timeout_ms),
@@ -330,6 +324,14 @@ async fn start(
     let group_id = if world > 1 { Some(dflash_models::dp::new_group_id().kind(ErrorKind::Device)?) } else { None };
     let (report_tx, report_rx) = flume::bounded(world * 2);
     let trained = train.trained_set();
+    // The HS queue, in the plan's order, to every replica's prefetch.
+    let sequencer = Sequencer::new(plan.keys().copied(), trained.clone(), c.pipeline.reorder_window as usize);
+    let (ordered_tx, ordered_rx) = flume::bounded(1);
+    let s = stop.clone();
+    stages.spawn_thread("sequencer", move || {
+        sequencer.run(hs_rx, ordered_tx, s);
+        Ok(())
+    });
     let mut leader = Some(train);
     let mut followers = trainers.into_iter();
     for (rank, &dev) in tdevs.iter().enumerate() {
@@ -346,8 +348,15 @@ async fn start(
             _ => None,
         };
         let (pf_tx, pf_rx) = flume::bounded(c.pipeline.prefetch_depth as usize);
-        let pf = Prefetcher { device: dev, kind, spec: spec.clone(), gpu: gpu_landing, stop: stop.clone() };
-        let (s, hs) = (stop.clone(), hs_rx.clone());
+        let pf = Prefetcher {
+            device: dev,
+            kind,
+            spec: spec.clone(),
+            seed: c.run.seed,
+            gpu: gpu_landing,
+            stop: stop.clone(),
+        };
+        let (s, hs) = (stop.clone(), ordered_rx.clone());
         stages.spawn_thread(&format!("prefetch-{rank}"), move || pf.run(hs, pf_tx, s).on_device(device_name(dev)));
         let join = move || -> anyhow::Result<Option<dflash_models::dp::Replica>> {
             let (Some(id), tch::Device::Cuda(ordinal)) = (group_id, dev) else { return Ok(None) };

@@ -3,19 +3,29 @@
 //! adding the noise the feature spec leaves to the drafter) on the device.
 
 use dflash_models::DeviceBatch;
-use dflash_models::features::{add_uniform_noise, kind_of};
+use dflash_models::features::{add_uniform_noise, kind_of, noise_key};
 use dflash_models::gpu;
 use dflash_role::Stop;
 use dflash_wire::{FeatureSpec, HostBatch, Layout};
 use tch::{Device, Kind, Tensor};
 
 use crate::receiver::ReceivedBatch;
+use crate::sequencer::Arrival;
+
+/// What the train step takes, in the plan's order: a batch on the device,
+/// or the plan's batch the receiver rejected (reported as skipped).
+pub enum Prepared {
+    Batch(DeviceBatch),
+    Rejected(dflash_proto::TrainedBatch),
+}
 
 /// Converts host batches into device batches.
 pub struct Prefetcher {
     pub device: Device,
     pub kind: Kind,
     pub spec: FeatureSpec,
+    /// The run's seed: noise is drawn from it and the batch id.
+    pub seed: u64,
     /// On CUDA: the copy stream and the landing buffers on the device.
     pub gpu: Option<GpuLanding>,
     pub stop: Stop,
@@ -61,6 +71,7 @@ impl Prefetcher {
             Layout::Split => add_uniform_noise(
                 on_device.view([k, t, h]).permute([1, 0, 2]).contiguous().view([t, k * h]),
                 self.spec.drafter_noise_std(),
+                noise_key(self.seed, m.batch_id),
             ),
         };
         Ok(DeviceBatch {
@@ -77,12 +88,20 @@ impl Prefetcher {
     /// Runs until the queue closes or the role stops.
     pub fn run(
         self,
-        input: flume::Receiver<ReceivedBatch>,
-        output: flume::Sender<DeviceBatch>,
+        input: flume::Receiver<Arrival>,
+        output: flume::Sender<Prepared>,
         stop: Stop,
     ) -> anyhow::Result<()> {
         while let Some(r) = dflash_role::recv_until_stop(&input, &stop) {
-            let ReceivedBatch { batch, queue_wait } = r;
+            let ReceivedBatch { batch, queue_wait } = match r {
+                Arrival::Batch(b) => b,
+                Arrival::Rejected(r) => {
+                    if !dflash_role::send_until_stop(&output, Prepared::Rejected(r), &stop) {
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
             let waited = dflash_telemetry::context_of(&queue_wait);
             drop(queue_wait);
             let m = dflash_telemetry::metrics();
@@ -90,7 +109,7 @@ impl Prefetcher {
             let item = self.to_device(&batch, &waited)?;
             // The host payload is dropped here (after the copy), not earlier.
             drop(batch);
-            if !dflash_role::send_until_stop(&output, item, &stop) {
+            if !dflash_role::send_until_stop(&output, Prepared::Batch(item), &stop) {
                 return Ok(());
             }
             m.queue_depth.with_label_values(&["prefetch"]).set(output.len() as i64);

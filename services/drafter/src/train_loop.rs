@@ -20,14 +20,15 @@ use dflash_models::checkpoint::{
     Checkpoint, TrainerState, check_writable, point_latest, read_trainer_state, remove_stale_temporaries,
     restore_checkpoint, save_checkpoint, set_aside, step_dirs, verify_checkpoint,
 };
-use dflash_models::{DeviceBatch, StepOutcome, Trainer};
+use dflash_models::{StepOutcome, Trainer};
 use dflash_proto as pb;
 use dflash_role::{KindExt, Session, StopCause, with_timeout};
 use dflash_telemetry::ErrorKind;
 
 use crate::periodic_eval::PeriodicEval;
-use crate::receiver::ReceivedBatch;
+use crate::prefetch::Prepared;
 use crate::reporter::{Report, Reporter};
+use crate::sequencer::Arrival;
 
 /// Batch ids trained in this checkpoint lineage.
 pub type TrainedSet = Arc<Mutex<BTreeSet<u64>>>;
@@ -35,7 +36,10 @@ pub type TrainedSet = Arc<Mutex<BTreeSet<u64>>>;
 /// What happened to one replica's batch in one step.
 pub enum ReplicaOutcome {
     Trained(dflash_models::StepMetrics),
+    /// Not finite (features, loss or gradients): the weights are untouched.
     Skipped(String),
+    /// The receiver rejected the plan's batch (bad contents).
+    Rejected(String),
     /// Already trained in this lineage (a replay whose ack was lost).
     Duplicate,
 }
@@ -59,7 +63,7 @@ pub struct Agreement {
 /// contributes and whether to stop, average gradients, step. Every replica
 /// takes the same optimizer steps, so their weights stay identical.
 pub struct ReplicaStep {
-    pub input: flume::Receiver<DeviceBatch>,
+    pub input: flume::Receiver<Prepared>,
     pub group: Option<dflash_models::dp::Replica>,
     pub trained: TrainedSet,
     pub device: tch::Device,
@@ -77,19 +81,23 @@ impl ReplicaStep {
         trainer: &mut dflash_models::Trainer,
         stop: &dflash_role::Stop,
     ) -> anyhow::Result<(ReplicaReport, Agreement)> {
-        let batch = match self.input.recv_timeout(Duration::from_millis(100)) {
-            Ok(b) => Some(b),
-            Err(flume::RecvTimeoutError::Timeout) => None,
-            Err(flume::RecvTimeoutError::Disconnected) => None,
+        let (batch, rejected) = match self.input.recv_timeout(Duration::from_millis(100)) {
+            Ok(Prepared::Batch(b)) => (Some(b), None),
+            Ok(Prepared::Rejected(r)) => (None, Some(r)),
+            Err(flume::RecvTimeoutError::Timeout) => (None, None),
+            Err(flume::RecvTimeoutError::Disconnected) => (None, None),
         };
         let t0 = Instant::now();
         let span = batch.as_ref().map(|b| dflash_telemetry::batch_span("train_step", &b.trace_context, b.batch_id));
         let _entered = span.as_ref().map(tracing::Span::enter);
         let mut report = ReplicaReport {
-            batch_id: batch.as_ref().map(|b| b.batch_id),
+            batch_id: batch.as_ref().map(|b| b.batch_id).or(rejected.as_ref().map(|r| r.batch_id)),
             outcome: ReplicaOutcome::Duplicate,
             busy: Duration::ZERO,
         };
+        if let Some(r) = rejected {
+            report.outcome = ReplicaOutcome::Rejected(r.skip_reason);
+        }
         let mut contributes = false;
         let mut pending = None;
         if let Some(b) = &batch {
@@ -106,7 +114,7 @@ impl ReplicaStep {
         }
         let flags = [
             f32::from(u8::from(contributes)),
-            f32::from(u8::from(batch.is_some())),
+            f32::from(u8::from(report.batch_id.is_some())),
             f32::from(u8::from(stop.is_stopped())),
         ];
         let agreed = match &self.group {
@@ -172,9 +180,7 @@ pub struct TrainLoop {
     rt: tokio::runtime::Handle,
     checkpoint_dir: PathBuf,
     /// For logging how full the HS queue is.
-    hs_queue: flume::Sender<ReceivedBatch>,
-    /// Batches the receiver rejected that the ledger must hear of as skipped.
-    rejected: flume::Receiver<pb::TrainedBatch>,
+    hs_queue: flume::Sender<Arrival>,
     /// Held-out acceptance-length evaluation, when configured.
     eval: Option<PeriodicEval>,
     /// Delivers progress, checkpoints and errors to the coordinator.
@@ -237,7 +243,8 @@ struct StepResult {
     metrics: Option<dflash_models::StepMetrics>,
     tokens: u64,
     batches: Vec<pb::TrainedBatch>,
-    skipped: Vec<String>,
+    /// Why each skipped batch was skipped, and the kind that counts it.
+    skipped: Vec<(String, ErrorKind)>,
 }
 
 /// Throughput and input wait over the window of the log line.
@@ -247,11 +254,13 @@ struct ProgressLog {
     wait: Duration,
     /// Fraction of the current window spent waiting for input.
     input_wait: f32,
+    /// No step logged by this process yet: a resumed drafter logs its first.
+    first: bool,
 }
 
 impl ProgressLog {
     fn new() -> Self {
-        Self { started: Instant::now(), tokens: 0, wait: Duration::ZERO, input_wait: 0.0 }
+        Self { started: Instant::now(), tokens: 0, wait: Duration::ZERO, input_wait: 0.0, first: true }
     }
 
     fn waited(&mut self, d: Duration) {
@@ -260,9 +269,11 @@ impl ProgressLog {
         self.input_wait = (self.wait.as_secs_f64() / secs) as f32;
     }
 
-    /// The step's line every `log_every_steps` (and at step 1); a new window after it.
+    /// The step's line every `log_every_steps` (and this process's first
+    /// step, so a resume shows when training went on); a new window after it.
     fn step(&mut self, c: &dflash_config::RunConfig, step: u64, m: &dflash_models::StepMetrics, queue: usize) {
-        if !(step.is_multiple_of(c.run.log_every_steps.max(1)) || step == 1) {
+        let first = std::mem::take(&mut self.first);
+        if !(first || step.is_multiple_of(c.run.log_every_steps.max(1))) {
             return;
         }
         let secs = self.started.elapsed().as_secs_f64();
@@ -291,19 +302,17 @@ impl TrainLoop {
         trainer: Trainer,
         session: Arc<Session>,
         rt: tokio::runtime::Handle,
-        queues: (flume::Sender<ReceivedBatch>, flume::Receiver<pb::TrainedBatch>),
+        hs_queue: flume::Sender<Arrival>,
         eval: Option<PeriodicEval>,
         reporter: Reporter,
     ) -> Self {
         let checkpoint_dir = PathBuf::from(&session.config.checkpoint.dir);
-        let (hs_queue, rejected) = queues;
         Self {
             trainer,
             session,
             rt,
             checkpoint_dir,
             hs_queue,
-            rejected,
             eval,
             reporter,
             trained: Vec::new(),
@@ -483,7 +492,6 @@ impl TrainLoop {
     pub fn run(mut self, mut replica: ReplicaStep, followers: flume::Receiver<ReplicaReport>) -> anyhow::Result<()> {
         let stop = self.session.stop.clone();
         loop {
-            self.take_rejected()?;
             match self.take_step(&mut replica, &followers, &stop)? {
                 Taken::Stopping => break,
                 // No batch now: catch up on what failed before.
@@ -557,15 +565,20 @@ impl TrainLoop {
                     r.batches.push(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: reason.clone() });
                     dflash_telemetry::metrics().batches.with_label_values(&["skipped"]).inc();
                     dflash_telemetry::metrics().errors.with_label_values(&["non_finite"]).inc();
-                    r.skipped.push(reason);
+                    r.skipped.push((reason, ErrorKind::NonFinite));
+                }
+                ReplicaOutcome::Rejected(reason) => {
+                    self.record(id);
+                    r.batches.push(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: reason.clone() });
+                    r.skipped.push((reason, ErrorKind::BadBatch));
                 }
             }
         }
         if r.metrics.is_some() {
             self.bad_in_a_row = 0;
         }
-        for reason in &r.skipped {
-            self.count_bad(reason, ErrorKind::NonFinite)?;
+        for (reason, kind) in &r.skipped {
+            self.count_bad(reason, *kind)?;
         }
         Ok(r)
     }
@@ -617,27 +630,6 @@ impl TrainLoop {
                 tracing::info!("every batch of the run is trained: final checkpoint");
             }
             self.checkpoint()?;
-        }
-        Ok(())
-    }
-
-    /// Batches the receiver rejected on arrival, reported as skipped.
-    fn take_rejected(&mut self) -> anyhow::Result<()> {
-        while let Ok(b) = self.rejected.try_recv() {
-            if self.trained_set.lock().expect("trained set lock").contains(&b.batch_id) {
-                continue;
-            }
-            self.record(b.batch_id);
-            let reason = b.skip_reason.clone();
-            let step = self.trainer.step();
-            self.reporter.send(Report::Step {
-                step,
-                batches: vec![b],
-                metrics: None,
-                tokens: 0,
-                input_wait: self.log.input_wait,
-            });
-            self.count_bad(&reason, ErrorKind::BadBatch)?;
         }
         Ok(())
     }

@@ -305,6 +305,7 @@ mod tests {
         let stop = Stop::new();
         let post = Postprocessor {
             spec: FeatureSpec { dtype: DType::F32, layout: Layout::Split, layer_ids: vec![0, 1], noise_std: 0.0 },
+            seed: 0,
             target_instance: "test".into(),
             gpu: None,
             stop: stop.clone(),

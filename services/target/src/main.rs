@@ -13,7 +13,7 @@ use dflash_config::Device;
 use dflash_models::features::kind_of;
 use dflash_models::{LoadScope, TargetModel};
 use dflash_proto as pb;
-use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop, format_chain};
+use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop, format_chain, registration_failed};
 use dflash_telemetry::ErrorKind;
 use dflash_wire::FeatureSpec;
 
@@ -83,10 +83,7 @@ async fn serve(args: ServeArgs) -> i32 {
     let announce = Announce { role: pb::Role::Target, devices: vec![], endpoint: String::new() };
     let session = match Session::register(&args.role, announce, stop.clone()).await {
         Ok(s) => s,
-        Err(e) => {
-            tracing::error!("{}", format_chain(&e));
-            return 1;
-        }
+        Err(e) => return registration_failed(&e, &stop),
     };
     session.log_config();
     let result = start(&session, &stages, &args).await;
@@ -122,6 +119,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     }
     let post = Postprocessor {
         spec: FeatureSpec::of(c),
+        seed: c.run.seed,
         target_instance: session.instance_id.clone(),
         gpu: None,
         stop: stop.clone(),
@@ -190,7 +188,7 @@ fn device_pipeline(
         tokio::task::block_in_place(|| TargetModel::load(&dir, device, kind, LoadScope::CaptureUpTo { last_layer }))
             .kind(ErrorKind::Model)?;
     tracing::info!(
-        "{d}: loaded {} of {} layers of the {} target ({kind:?}), capturing {layer_ids:?}, {:?} layout",
+        "{d}: loaded {} of {} layers of the {} target ({kind:?}), capturing {layer_ids:?}, {} layout",
         model.loaded_layers(),
         model.config.num_layers,
         dflash_models::zoo::architecture(model.config.family).hf_architecture(),

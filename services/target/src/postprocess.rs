@@ -3,7 +3,7 @@
 //! SPLIT: k x [T, H]), owned by the batch until its bytes have left.
 
 use bytes::Bytes;
-use dflash_models::features::{add_uniform_noise, dtype_of};
+use dflash_models::features::{add_uniform_noise, dtype_of, noise_key};
 use dflash_models::gpu;
 use dflash_role::{Stop, recv_until_stop, send_until_stop};
 use dflash_wire::{BatchMeta, FeatureSpec, HostBatch, Layout};
@@ -16,6 +16,8 @@ use crate::leases::Lease;
 #[derive(Clone)]
 pub struct Postprocessor {
     pub spec: FeatureSpec,
+    /// The run's seed: noise is drawn from it and the batch id.
+    pub seed: u64,
     pub target_instance: String,
     /// On CUDA: where device-to-host copies go.
     pub gpu: Option<GpuCopy>,
@@ -50,7 +52,8 @@ fn host_bytes(t: &Tensor) -> Bytes {
 impl Postprocessor {
     /// PACKED features: the layers concatenated, noised as the spec says.
     fn packed(&self, c: &CapturedBatch) -> Tensor {
-        add_uniform_noise(Tensor::cat(&c.layers, 1), self.spec.target_noise_std())
+        let key = noise_key(self.seed, c.work.batch_id);
+        add_uniform_noise(Tensor::cat(&c.layers, 1), self.spec.target_noise_std(), key)
     }
 
     /// Pinned payload of a CUDA batch: wait for the forward on the copy

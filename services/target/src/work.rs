@@ -120,7 +120,7 @@ pub async fn lease_loop(
             Ok(r) if r.exhausted => Duration::from_millis(1000),
             Ok(r) => {
                 delays = dflash_telemetry::retry_delays();
-                Duration::from_millis(r.retry_after_ms.max(50) as u64)
+                Duration::from_millis(r.retry_after_ms.max(10) as u64)
             }
             Err(s) => match dflash_telemetry::on_coordinator_error(CoordinatorError::from_status(&s).as_ref()) {
                 // The heartbeat registers again and stops the role when the

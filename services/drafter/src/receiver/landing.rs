@@ -13,6 +13,7 @@ use dflash_wire::{Assembled, Assembler, ChunkParts, HostBatch, Inbound, WireErro
 use tonic::Status;
 
 use super::{DrafterService, Expected, ReceivedBatch, ack, stopping};
+use crate::sequencer::Arrival;
 
 /// Pinned landing buffers for received payloads (GPU drafters).
 pub type LandingPool = dflash_models::gpu::Pool<dflash_models::gpu::PinnedMem>;
@@ -105,8 +106,7 @@ pub(super) struct Lander {
     /// A corrupt batch whose remaining messages are skipped until its end.
     discarding: Option<u64>,
     expected: Expected,
-    queue: flume::Sender<ReceivedBatch>,
-    skipped: flume::Sender<pb::TrainedBatch>,
+    queue: flume::Sender<Arrival>,
     stop: Stop,
     acks: AckSender,
     /// The receive span of the batch being assembled.
@@ -125,7 +125,6 @@ impl Lander {
             discarding: None,
             expected: service.expected.clone(),
             queue: service.queue.clone(),
-            skipped: service.skipped.clone(),
             stop: service.stop.clone(),
             acks,
             receiving: None,
@@ -254,7 +253,7 @@ impl Lander {
             if r.skip {
                 let skip =
                     pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: format!("rejected: {}", r.reason) };
-                if !dflash_role::send_until_stop(&self.skipped, skip, &self.stop) {
+                if !dflash_role::send_until_stop(&self.queue, Arrival::Rejected(skip), &self.stop) {
                     return false;
                 }
             }
@@ -267,7 +266,7 @@ impl Lander {
         let received = dflash_telemetry::context_of(&receive);
         let queue_wait = dflash_telemetry::batch_span("queue_wait", &received, id);
         // Blocks while the HS queue is full: backpressure to the target.
-        if !dflash_role::send_until_stop(&self.queue, ReceivedBatch { batch, queue_wait }, &self.stop) {
+        if !dflash_role::send_until_stop(&self.queue, Arrival::Batch(ReceivedBatch { batch, queue_wait }), &self.stop) {
             return false;
         }
         m.queue_depth.with_label_values(&["hs_queue"]).set(self.queue.len() as i64);

@@ -18,6 +18,8 @@ use dflash_proto::target_message::Msg;
 use dflash_role::Stop;
 use dflash_wire::rpc::{AckReceiver, AckSender, InboundStream, StreamHandler};
 use dflash_wire::{FeatureSpec, HostBatch, Inbound, WireError};
+
+use crate::sequencer::Arrival;
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -74,9 +76,9 @@ pub struct DrafterService {
     pub credits: u32,
     pub expected: Expected,
     pub max_payload_bytes: usize,
-    pub queue: flume::Sender<ReceivedBatch>,
-    /// Rejected batches of the plan, for the train loop to report as skipped.
-    pub skipped: flume::Sender<pb::TrainedBatch>,
+    /// The HS queue: accepted batches, and rejected ones of the plan (the
+    /// train loop reports them as skipped in their place in the order).
+    pub queue: flume::Sender<Arrival>,
     pub stop: Stop,
     pub hello_timeout: Duration,
     /// A stream mid-batch that brings nothing this long is ended.

@@ -17,26 +17,25 @@ use tonic::body::Body;
 use tower::ServiceExt;
 
 use super::*;
+use crate::sequencer::Arrival;
 
 /// The service's parts a test looks at afterwards.
 struct Probe {
     landing: Landing,
-    skipped: flume::Receiver<pb::TrainedBatch>,
     streams: Arc<tokio::sync::Semaphore>,
 }
 
-fn service(queue: flume::Sender<ReceivedBatch>) -> HiddenStateService<DrafterService> {
+fn service(queue: flume::Sender<Arrival>) -> HiddenStateService<DrafterService> {
     service_with(queue, 4, Duration::from_secs(10)).0
 }
 
 /// A service whose plan holds batch 11 (sample 3, 10 tokens), vocabulary 16.
 fn service_with(
-    queue: flume::Sender<ReceivedBatch>,
+    queue: flume::Sender<Arrival>,
     max_streams: usize,
     stall: Duration,
 ) -> (HiddenStateService<DrafterService>, Probe) {
     let plan: Plan = [(11, Planned { epoch: 0, sample_ids: vec![3], sample_lengths: vec![10] })].into();
-    let (skipped_tx, skipped) = flume::bounded(4);
     let landing = Landing::host(2);
     let streams = Arc::new(tokio::sync::Semaphore::new(max_streams));
     let dp = HiddenStateService::new(DrafterService {
@@ -52,7 +51,6 @@ fn service_with(
         },
         max_payload_bytes: 1 << 20,
         queue,
-        skipped: skipped_tx,
         stop: dflash_role::Stop::new(),
         hello_timeout: Duration::from_secs(10),
         stall_timeout: stall,
@@ -60,7 +58,7 @@ fn service_with(
         max_streams,
         stages: dflash_role::Stages::new(dflash_role::Stop::new()),
     });
-    (dp, Probe { landing, skipped, streams })
+    (dp, Probe { landing, streams })
 }
 
 fn hello(run_id: &str) -> pb::TargetMessage {
@@ -183,7 +181,8 @@ async fn a_batch_framed_by_a_target_is_queued_byte_for_byte_and_acknowledged() {
         }
         other => panic!("{other:?}"),
     }
-    let got = queued.try_recv().unwrap().batch;
+    let Ok(Arrival::Batch(got)) = queued.try_recv() else { panic!("the batch is queued") };
+    let got = got.batch;
     assert_eq!((got.payload, got.meta.input_ids), (b.payload, b.meta.input_ids));
 }
 
@@ -232,7 +231,7 @@ async fn batches_that_are_not_the_plans_are_rejected_and_bad_contents_reported_a
     ];
     for (b, skip, why) in cases {
         let (queue, queued) = flume::bounded(4);
-        let (dp, probe) = service_with(queue, 4, Duration::from_secs(10));
+        let (dp, _probe) = service_with(queue, 4, Duration::from_secs(10));
         let mut messages = vec![hello("run-1")];
         messages.extend(batch_messages(&b, 96));
         let (acks, status) = answer(dp, request(pb::STREAM_HIDDEN_STATES_PATH, messages)).await;
@@ -241,10 +240,12 @@ async fn batches_that_are_not_the_plans_are_rejected_and_bad_contents_reported_a
         assert_eq!(acks.len(), 1, "{acks:?}");
         assert_eq!((acks[0].0, acks[0].1), (b.meta.batch_id, pb::AckStatus::Rejected as i32));
         assert!(acks[0].2.contains(why), "{why}: {}", acks[0].2);
-        assert!(queued.try_recv().is_err(), "a rejected batch is never queued for training");
-        match probe.skipped.try_recv() {
-            Ok(s) if skip => assert!(s.skipped && s.batch_id == 11 && s.skip_reason.contains(why), "{s:?}"),
-            Ok(s) => panic!("{why}: not the plan's batch, yet reported as skipped: {s:?}"),
+        match queued.try_recv() {
+            Ok(Arrival::Rejected(s)) if skip => {
+                assert!(s.skipped && s.batch_id == 11 && s.skip_reason.contains(why), "{s:?}")
+            }
+            Ok(Arrival::Rejected(s)) => panic!("{why}: not the plan's batch, yet reported as skipped: {s:?}"),
+            Ok(Arrival::Batch(_)) => panic!("{why}: a rejected batch is never queued for training"),
             Err(_) => assert!(!skip, "{why}: the plan's batch must be reported as skipped"),
         }
     }

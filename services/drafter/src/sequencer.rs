@@ -1,0 +1,186 @@
+//! The plan's order: batches arrive in whatever order the targets produce
+//! them (several targets, replays after a restart, leases that expired and
+//! were done again); the sequencer hands them to prefetch in the order of
+//! the plan, so that the drafter's weights are a function of the run's
+//! config, data and seed, however often the run was interrupted. It holds
+//! at most `pipeline.reorder_window` batches that arrived early; the
+//! coordinator leases nothing further ahead than that, so the batch the
+//! sequencer waits for always has a landing buffer to arrive in.
+//!
+//! A batch of the plan that the receiver rejected takes its place in the
+//! order too (it is reported as skipped). A batch already trained in this
+//! lineage (a replay whose acknowledgement was lost) goes on at once: the
+//! train loop reports it again and does not train it.
+
+use std::collections::{BTreeMap, HashMap};
+
+use dflash_proto as pb;
+use dflash_role::{Stop, recv_until_stop, send_until_stop};
+
+use crate::receiver::ReceivedBatch;
+use crate::train_loop::TrainedSet;
+
+/// What the receiver hands on: a batch, or the plan's batch it rejected.
+#[allow(clippy::large_enum_variant, reason = "moved by value through bounded queues; no allocation per batch")]
+pub enum Arrival {
+    Batch(ReceivedBatch),
+    Rejected(pb::TrainedBatch),
+}
+
+impl Arrival {
+    pub fn batch_id(&self) -> u64 {
+        match self {
+            Arrival::Batch(b) => b.batch.meta.batch_id,
+            Arrival::Rejected(r) => r.batch_id,
+        }
+    }
+}
+
+/// Puts arrivals into the plan's order.
+pub struct Sequencer {
+    /// Position of each planned batch in the order.
+    slot_of: HashMap<u64, usize>,
+    order: Vec<u64>,
+    /// The next position to hand on.
+    next: usize,
+    /// Batches trained in this lineage (the checkpoint's, then the train loop's).
+    trained: TrainedSet,
+    held: BTreeMap<usize, Arrival>,
+    /// 0: hand every arrival on as it comes.
+    window: usize,
+    waiting_logged: Option<u64>,
+}
+
+impl Sequencer {
+    /// `plan` are the run's batch ids (any order: the order is by id);
+    /// `trained` the batches the resumed checkpoint holds.
+    pub fn new(plan: impl IntoIterator<Item = u64>, trained: TrainedSet, window: usize) -> Self {
+        let mut order: Vec<u64> = plan.into_iter().collect();
+        order.sort_unstable();
+        let slot_of = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+        let mut s = Self { slot_of, order, next: 0, trained, held: BTreeMap::new(), window, waiting_logged: None };
+        s.skip_trained();
+        s
+    }
+
+    /// The batch id the sequencer hands on next (None: the plan is done).
+    pub fn next_id(&self) -> Option<u64> {
+        self.order.get(self.next).copied()
+    }
+
+    fn is_trained(&self, id: u64) -> bool {
+        self.trained.lock().unwrap_or_else(|e| e.into_inner()).contains(&id)
+    }
+
+    /// Moves past positions already trained (a resumed lineage).
+    fn skip_trained(&mut self) {
+        while let Some(id) = self.next_id() {
+            if !self.is_trained(id) {
+                return;
+            }
+            self.next += 1;
+        }
+    }
+
+    /// Takes one arrival; returns what may go on now, in order.
+    pub fn push(&mut self, a: Arrival) -> Vec<Arrival> {
+        let id = a.batch_id();
+        if matches!(a, Arrival::Rejected(_)) && self.is_trained(id) {
+            return Vec::new();
+        }
+        let Some(&slot) = self.slot_of.get(&id).filter(|_| self.window > 0) else {
+            // Arrival order (or an id outside the plan, which the receiver
+            // has already refused): on at once.
+            return vec![a];
+        };
+        if slot < self.next || self.is_trained(id) {
+            return match a {
+                // Reported again as trained; never trained twice.
+                Arrival::Batch(_) => vec![a],
+                Arrival::Rejected(_) => Vec::new(),
+            };
+        }
+        match self.held.get(&slot) {
+            // A good copy replaces a rejected one; otherwise the first stays.
+            Some(Arrival::Rejected(_)) if matches!(a, Arrival::Batch(_)) => {
+                self.held.insert(slot, a);
+            }
+            Some(_) => {}
+            None => {
+                self.held.insert(slot, a);
+            }
+        }
+        let mut out = Vec::new();
+        while let Some(a) = self.held.remove(&self.next) {
+            out.push(a);
+            self.next += 1;
+            self.skip_trained();
+        }
+        if out.is_empty() && self.held.len() >= self.window && self.waiting_logged != self.next_id() {
+            self.waiting_logged = self.next_id();
+            tracing::info!(
+                "holding {} batch(es) that came early; waiting for batch {:?}, the next in the plan's order",
+                self.held.len(),
+                self.next_id()
+            );
+        }
+        out
+    }
+
+    /// Batches held, waiting for an earlier one.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Hands arrivals on in order until the input closes or the role stops.
+    pub fn run(mut self, input: flume::Receiver<Arrival>, output: flume::Sender<Arrival>, stop: Stop) {
+        while let Some(a) = recv_until_stop(&input, &stop) {
+            for a in self.push(a) {
+                if !send_until_stop(&output, a, &stop) {
+                    return;
+                }
+            }
+            dflash_telemetry::metrics().queue_depth.with_label_values(&["reorder"]).set(self.held() as i64);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rejected(id: u64) -> Arrival {
+        Arrival::Rejected(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: "bad".into() })
+    }
+
+    fn ids(v: &[Arrival]) -> Vec<(u64, bool)> {
+        v.iter().map(|a| (a.batch_id(), matches!(a, Arrival::Rejected(_)))).collect()
+    }
+
+    #[test]
+    fn arrivals_leave_in_the_plans_order_and_trained_ones_at_once() {
+        let trained = TrainedSet::default();
+        trained.lock().unwrap().extend([0, 1, 3]);
+        let mut s = Sequencer::new([4, 0, 1, 2, 3, 5, 6], trained.clone(), 4);
+        assert_eq!(s.next_id(), Some(2), "a resumed lineage starts at its first untrained batch");
+        assert!(s.push(rejected(5)).is_empty());
+        assert!(s.push(rejected(4)).is_empty());
+        assert_eq!(s.held(), 2);
+        // A replay of a trained batch goes on at once; a rejected copy of it does not.
+        assert!(s.push(rejected(1)).is_empty());
+        assert_eq!(s.next_id(), Some(2));
+        // 2 arrives: 2, then 4 (3 is trained), then 5.
+        let out = s.push(rejected(2));
+        assert_eq!(ids(&out), vec![(2, true), (4, true), (5, true)]);
+        assert_eq!((s.next_id(), s.held()), (Some(6), 0));
+        assert_eq!(ids(&s.push(rejected(6))), vec![(6, true)]);
+        assert_eq!(s.next_id(), None);
+    }
+
+    #[test]
+    fn without_a_window_arrivals_go_on_as_they_come() {
+        let mut s = Sequencer::new([0, 1, 2], TrainedSet::default(), 0);
+        assert_eq!(ids(&s.push(rejected(2))), vec![(2, true)]);
+        assert_eq!(ids(&s.push(rejected(0))), vec![(0, true)]);
+    }
+}
