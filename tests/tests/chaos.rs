@@ -1,0 +1,364 @@
+//! Chaos: one CPU run under a seeded schedule of faults -- SIGKILL and
+//! SIGSTOP/SIGCONT of the coordinator, the drafter and the targets, a
+//! network cut between the targets and the drafter (and one target and the
+//! coordinator), a checkpoint write that fails -- supervised as Kubernetes
+//! would (a role that exits is started again). Training in the plan's order
+//! with keyed randomness makes the run a function of its config, data and
+//! seed: the final `model.safetensors` is bit-identical to an uninterrupted
+//! run's, and the ledger holds every batch committed exactly once. The
+//! schedule and each fault's recovery time are printed.
+
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use dflash_coordinator::ledger::Ledger;
+use dflash_tests::proxy::Proxy;
+use dflash_tests::{Cluster, Proc, Workspace};
+use nix::sys::signal::Signal;
+use rand::{Rng, SeedableRng};
+use sha2::{Digest, Sha256};
+
+/// Every batch of one epoch; noise on the features (drawn by the drafter,
+/// keyed by batch id); two targets, so batches arrive out of order.
+const CONFIG: &str = "[run]\nmax_steps = 0\nseed = 3\n\
+    [pipeline]\nmax_batch_size = 4\ntoken_budget = 512\n\
+    [training]\nfeature_noise_std = 0.05\n\
+    [checkpoint]\ninterval_steps = 8\nkeep_last = 0\n\
+    [faults]\nlease_timeout_ms = 4000";
+
+const SAMPLES: usize = 6000;
+const CHECKPOINT_INTERVAL: u64 = 8;
+
+fn sha256(path: &Path) -> String {
+    let bytes = std::fs::read(path).unwrap();
+    Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The final checkpoint's weights.
+fn final_weights(ckpt_root: &Path) -> PathBuf {
+    let latest = std::fs::read_to_string(ckpt_root.join("latest")).unwrap();
+    ckpt_root.join(latest.trim()).join("model.safetensors")
+}
+
+fn assert_exactly_once(ledger: &Path) -> usize {
+    let audit = Ledger::open(ledger).unwrap().audit().unwrap();
+    for a in &audit {
+        assert_eq!((a.state.as_str(), a.commits), ("committed", 1), "{a:?}");
+    }
+    audit.len()
+}
+
+/// Seconds since the epoch of a log line's timestamp
+/// (`2026-12-01T13:49:09.764960Z  INFO ...`).
+fn log_time(line: &str) -> Option<f64> {
+    let ts = line.split_whitespace().next()?;
+    let t = time::OffsetDateTime::parse(ts, &time::format_description::well_known::Rfc3339).ok()?;
+    Some(t.unix_timestamp_nanos() as f64 / 1e9)
+}
+
+fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
+}
+
+/// The first time after `after` at which one of `logs` shows `needle`.
+fn first_after(logs: &[PathBuf], needle: &str, after: f64) -> Option<f64> {
+    logs.iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .flat_map(|text| {
+            text.lines().filter(|l| l.contains(needle)).filter_map(log_time).filter(|&t| t > after).collect::<Vec<_>>()
+        })
+        .reduce(f64::min)
+}
+
+/// A trained step in a drafter log.
+const STEP: &str = " INFO step ";
+
+/// The run's processes, started again when they exit (as a supervisor would).
+struct Run<'a> {
+    cluster: &'a Cluster,
+    drafter_proxy: &'a Proxy,
+    coordinator_proxy: &'a Proxy,
+    coordinator: Proc,
+    drafter: Proc,
+    targets: Vec<Proc>,
+    started: usize,
+    drafter_logs: Vec<PathBuf>,
+    done: Option<ExitStatus>,
+}
+
+impl<'a> Run<'a> {
+    fn start(cluster: &'a Cluster, drafter_proxy: &'a Proxy, coordinator_proxy: &'a Proxy) -> Self {
+        let coordinator = cluster.coordinator(&[]);
+        let advertise = format!("http://127.0.0.1:{}", drafter_proxy.port);
+        let drafter = cluster.drafter_advertising("drafter-0", &advertise);
+        let targets = vec![
+            cluster.target("target-0"),
+            cluster.target_via("target-1", &format!("http://127.0.0.1:{}", coordinator_proxy.port)),
+        ];
+        let drafter_logs = vec![drafter.log.clone()];
+        Self {
+            cluster,
+            drafter_proxy,
+            coordinator_proxy,
+            coordinator,
+            drafter,
+            targets,
+            started: 0,
+            drafter_logs,
+            done: None,
+        }
+    }
+
+    /// Starts again whatever exited; true while the run is not over.
+    fn supervise(&mut self) -> bool {
+        if self.done.is_some() {
+            return false;
+        }
+        if let Some(s) = self.coordinator.child.try_wait().unwrap() {
+            if s.success() {
+                self.done = Some(s);
+                return false;
+            }
+            self.started += 1;
+            self.coordinator = Proc::start_command(
+                &format!("coordinator-{}", self.started),
+                &self.cluster.local.coordinator(&format!("127.0.0.1:{}", self.cluster.coordinator_port)),
+                &[],
+                &self.cluster.logs,
+            );
+        }
+        if self.drafter.child.try_wait().unwrap().is_some() {
+            self.started += 1;
+            let advertise = format!("http://127.0.0.1:{}", self.drafter_proxy.port);
+            self.drafter = self.cluster.drafter_advertising(&format!("drafter-{}", self.started), &advertise);
+            self.drafter_logs.push(self.drafter.log.clone());
+        }
+        for i in 0..self.targets.len() {
+            if self.targets[i].child.try_wait().unwrap().is_some() {
+                self.started += 1;
+                let name = format!("target-{i}");
+                // A new log per start; the instance keeps its name.
+                let mut cmd = self.cluster.local.target(&self.cluster.coordinator_url, Some(&name), "127.0.0.1:0");
+                if i == 1 {
+                    cmd = self.cluster.local.target(
+                        &format!("http://127.0.0.1:{}", self.coordinator_proxy.port),
+                        Some(&name),
+                        "127.0.0.1:0",
+                    );
+                }
+                self.targets[i] =
+                    Proc::start_command(&format!("{name}-{}", self.started), &cmd, &[], &self.cluster.logs);
+            }
+        }
+        true
+    }
+
+    /// Supervises for `d` (or until the run is over).
+    fn hold(&mut self, d: Duration) {
+        let until = Instant::now() + d;
+        while Instant::now() < until && self.supervise() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The last trained step in the current drafter's log.
+    fn last_step(&self) -> u64 {
+        self.drafter
+            .log_text()
+            .lines()
+            .rev()
+            .find_map(|l| l.split_once(STEP)?.1.split('/').next()?.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    Kill(Role),
+    Pause(Role, Duration),
+    NetworkCut(Duration),
+    CheckpointWriteFails,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Role {
+    Coordinator,
+    Drafter,
+    Target(usize),
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fault::Kill(r) => write!(f, "SIGKILL {r:?}"),
+            Fault::Pause(r, d) => write!(f, "SIGSTOP {r:?} for {:.1} s, then SIGCONT", d.as_secs_f64()),
+            Fault::NetworkCut(d) => write!(f, "network cut for {:.1} s", d.as_secs_f64()),
+            Fault::CheckpointWriteFails => write!(f, "checkpoint write fails"),
+        }
+    }
+}
+
+/// At least one fault of every kind, then a seeded mix, in a seeded order.
+fn schedule(seed: u64, n: usize) -> Vec<Fault> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut pause = |r| Fault::Pause(r, Duration::from_millis(rng.random_range(800..3500)));
+    let mut all = vec![
+        Fault::Kill(Role::Drafter),
+        Fault::Kill(Role::Target(0)),
+        Fault::Kill(Role::Coordinator),
+        pause(Role::Drafter),
+        pause(Role::Target(1)),
+        pause(Role::Coordinator),
+        Fault::NetworkCut(Duration::from_millis(3000)),
+        Fault::CheckpointWriteFails,
+    ];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed + 1);
+    while all.len() < n {
+        let r = [Role::Coordinator, Role::Drafter, Role::Target(0), Role::Target(1)][rng.random_range(0..4)];
+        all.push(match rng.random_range(0..3) {
+            0 => Fault::Kill(r),
+            1 => Fault::Pause(r, Duration::from_millis(rng.random_range(800..3500))),
+            _ => Fault::NetworkCut(Duration::from_millis(rng.random_range(1000..4000))),
+        });
+    }
+    for i in (1..all.len()).rev() {
+        all.swap(i, rng.random_range(0..=i));
+    }
+    all
+}
+
+/// Injects one fault; returns when it is over (the time recovery counts from).
+fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> {
+    let proc_of = |run: &Run, r: Role| match r {
+        Role::Coordinator => run.coordinator.pid(),
+        Role::Drafter => run.drafter.pid(),
+        Role::Target(i) => run.targets[i].pid(),
+    };
+    match fault {
+        Fault::Kill(r) => {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(proc_of(run, r)), Signal::SIGKILL);
+            Ok(now())
+        }
+        Fault::Pause(r, d) => {
+            let pid = nix::unistd::Pid::from_raw(proc_of(run, r));
+            let _ = nix::sys::signal::kill(pid, Signal::SIGSTOP);
+            // Others may exit meanwhile (a coordinator away past their
+            // timeout): the supervisor starts them again.
+            run.hold(d);
+            let _ = nix::sys::signal::kill(pid, Signal::SIGCONT);
+            Ok(now())
+        }
+        Fault::NetworkCut(d) => {
+            run.drafter_proxy.set_cut(true);
+            run.coordinator_proxy.set_cut(true);
+            run.hold(d);
+            run.drafter_proxy.set_cut(false);
+            run.coordinator_proxy.set_cut(false);
+            Ok(now())
+        }
+        Fault::CheckpointWriteFails => {
+            // The checkpoint two intervals ahead cannot be written: its
+            // temporary folder's name is taken by a file.
+            let step = (run.last_step() / CHECKPOINT_INTERVAL + 2) * CHECKPOINT_INTERVAL;
+            let blocker = ckpt_root.join(format!(".tmp-step-{step:08}-{}", run.drafter.pid()));
+            std::fs::write(&blocker, b"in the way").unwrap();
+            let since = now();
+            let needle = format!("checkpoint of step {step} failed");
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while first_after(&run.drafter_logs, &needle, since).is_none() && Instant::now() < deadline {
+                if !run.supervise() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let failed = first_after(&run.drafter_logs, &needle, since).is_some();
+            run.hold(Duration::from_secs(1));
+            let _ = std::fs::remove_file(&blocker);
+            if failed { Ok(now()) } else { Err(format!("the drafter did not reach step {step}")) }
+        }
+    }
+}
+
+#[test]
+fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_one() {
+    // The uninterrupted run.
+    let calm = Workspace::synthetic(SAMPLES, 3);
+    let cluster = Cluster::new(&calm, calm.config("calm", CONFIG));
+    let t0 = Instant::now();
+    let mut coord = cluster.coordinator(&[]);
+    let mut procs = vec![cluster.drafter("drafter"), cluster.target("target-0"), cluster.target("target-1")];
+    assert!(coord.expect_exit(Duration::from_secs(300)).success(), "{}", coord.log_text());
+    for p in &mut procs {
+        p.expect_exit(Duration::from_secs(60));
+    }
+    let calm_secs = t0.elapsed().as_secs_f64();
+    let batches = assert_exactly_once(&cluster.ledger);
+    let want = sha256(&final_weights(&calm.path("checkpoints")));
+
+    // The same run under faults.
+    let seed = std::env::var("DFLASH_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(11);
+    let faults = schedule(seed, 12);
+    let ws = Workspace::synthetic(SAMPLES, 3);
+    let cluster = Cluster::new(&ws, ws.config("chaos", CONFIG));
+    let drafter_proxy = Proxy::start(format!("127.0.0.1:{}", cluster.drafter_port).parse().unwrap());
+    let coordinator_proxy = Proxy::start(format!("127.0.0.1:{}", cluster.coordinator_port).parse().unwrap());
+    let t0 = Instant::now();
+    let start = now();
+    let mut run = Run::start(&cluster, &drafter_proxy, &coordinator_proxy);
+    let ckpt_root = ws.path("checkpoints");
+    // Training first.
+    let until = Instant::now() + Duration::from_secs(90);
+    while first_after(&run.drafter_logs, STEP, 0.0).is_none() {
+        assert!(Instant::now() < until, "no step: {}", run.drafter.log_text());
+        run.hold(Duration::from_millis(100));
+    }
+    let mut report = Vec::new();
+    for (i, &fault) in faults.iter().enumerate() {
+        if !run.supervise() {
+            break;
+        }
+        run.hold(Duration::from_millis(300 + 200 * (i as u64 % 3)));
+        let at = now();
+        let over = match inject(&mut run, fault, &ckpt_root) {
+            Ok(t) => t,
+            Err(why) => {
+                report.push(format!("{:>2}. {fault}: not injected ({why})", i + 1));
+                continue;
+            }
+        };
+        // Recovered: a step trained after the fault ended (or, for the
+        // checkpoint, a checkpoint written after the path was freed).
+        let needle = if matches!(fault, Fault::CheckpointWriteFails) { "written in" } else { STEP };
+        let mut recovered = None;
+        let until = Instant::now() + Duration::from_secs(90);
+        while recovered.is_none() && Instant::now() < until && run.supervise() {
+            recovered = first_after(&run.drafter_logs, needle, over);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let line = match recovered {
+            Some(t) => {
+                format!("{:>2}. {fault} at +{:.1} s: recovered {:.2} s after it ended", i + 1, at - start, t - over)
+            }
+            None if run.done.is_some() => format!("{:>2}. {fault}: the run completed before another step", i + 1),
+            None => panic!("no recovery from {fault} within 90 s; drafter log:\n{}", run.drafter.log_text()),
+        };
+        report.push(line);
+    }
+    while run.supervise() && t0.elapsed() < Duration::from_secs(600) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let injected = report.iter().filter(|l| !l.contains("not injected")).count();
+    println!(
+        "chaos schedule (seed {seed}), uninterrupted run {calm_secs:.1} s, this run {:.1} s:\n{}",
+        t0.elapsed().as_secs_f64(),
+        report.join("\n")
+    );
+    assert!(run.done.is_some_and(|s| s.success()), "the run did not complete:\n{}", run.coordinator.log_text());
+    assert!(injected >= 10, "only {injected} faults were injected:\n{}", report.join("\n"));
+    assert_eq!(assert_exactly_once(&cluster.ledger), batches);
+    let got = sha256(&final_weights(&ckpt_root));
+    assert_eq!(got, want, "the final weights differ from the uninterrupted run's");
+}
