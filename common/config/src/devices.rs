@@ -22,8 +22,17 @@ impl fmt::Display for Device {
 
 /// The devices a role owns, in order. Never empty; CPU never mixes with GPUs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
+#[serde(try_from = "Spelled", into = "String")]
 pub struct DeviceList(Vec<Device>);
+
+/// How a config may write a device list: `"0,1"`, `"cpu"`, or one GPU index
+/// as a number (`drafter = 1`, `--set devices.drafter=1`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Spelled {
+    Text(String),
+    Index(u32),
+}
 
 impl DeviceList {
     pub fn cpu() -> Self {
@@ -54,11 +63,14 @@ impl DeviceList {
     }
 }
 
-impl TryFrom<String> for DeviceList {
+impl TryFrom<Spelled> for DeviceList {
     type Error = String;
 
-    fn try_from(s: String) -> Result<Self, Self::Error> {
-        s.parse()
+    fn try_from(s: Spelled) -> Result<Self, Self::Error> {
+        match s {
+            Spelled::Text(s) => s.parse(),
+            Spelled::Index(i) => Ok(Self::cuda([i])),
+        }
     }
 }
 

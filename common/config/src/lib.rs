@@ -48,6 +48,15 @@ mod tests {
     use std::io::Write;
 
     #[test]
+    fn a_device_list_may_be_one_gpu_index_written_as_a_number() {
+        let c = ConfigLoader::new().env(false).set("devices.drafter", "1").set("devices.target", "\"0,2\"");
+        let c = c.load().unwrap();
+        assert_eq!((c.devices.drafter.cuda_indices(), c.devices.target.cuda_indices()), (vec![1], vec![0, 2]));
+        let bad = ConfigLoader::new().env(false).set("devices.drafter", "\"gpu1\"").load().unwrap_err();
+        assert!(bad.to_string().contains("devices.drafter") && bad.to_string().contains("gpu1"), "{bad}");
+    }
+
+    #[test]
     fn precedence_is_defaults_file_env_flags() {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         writeln!(f, "[pipeline]\nprefetch_depth = 3\nhs_queue_depth = 5\n[training]\nlr = 1e-3").unwrap();

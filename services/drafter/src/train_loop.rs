@@ -269,11 +269,15 @@ impl ProgressLog {
         self.input_wait = (self.wait.as_secs_f64() / secs) as f32;
     }
 
+    /// Whether `step` gets a line: every `every` steps, and this process's first.
+    fn due(&mut self, step: u64, every: u64) -> bool {
+        std::mem::take(&mut self.first) || step.is_multiple_of(every.max(1))
+    }
+
     /// The step's line every `log_every_steps` (and this process's first
     /// step, so a resume shows when training went on); a new window after it.
     fn step(&mut self, c: &dflash_config::RunConfig, step: u64, m: &dflash_models::StepMetrics, queue: usize) {
-        let first = std::mem::take(&mut self.first);
-        if !(first || step.is_multiple_of(c.run.log_every_steps.max(1))) {
+        if !self.due(step, c.run.log_every_steps) {
             return;
         }
         let secs = self.started.elapsed().as_secs_f64();
@@ -290,7 +294,7 @@ impl ProgressLog {
             c.pipeline.hs_queue_depth,
             100.0 * self.wait.as_secs_f64() / secs
         );
-        *self = Self { input_wait: self.input_wait, ..Self::new() };
+        *self = Self { input_wait: self.input_wait, first: false, ..Self::new() };
     }
 }
 
@@ -737,5 +741,17 @@ fn export_step_metrics(
         g.accuracy.set(m.accuracy);
         g.acceptance_length.with_label_values(&["simulated"]).set(m.acceptance_length);
         g.step_seconds.observe(step_seconds);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ProgressLog;
+
+    #[test]
+    fn a_process_logs_its_first_step_then_every_nth() {
+        let mut log = ProgressLog::new();
+        let logged: Vec<u64> = (41..=75).filter(|&s| log.due(s, 10)).collect();
+        assert_eq!(logged, [41, 50, 60, 70]);
     }
 }
