@@ -10,23 +10,8 @@
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 
 use dflash_config::{ConfigError, ConfigLoader, RunConfig, from_toml_str, to_toml_string};
+use dflash_fuzz::fuzz;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
-
-fn fuzz<S: Strategy>(name: &str, strategy: S, check: impl Fn(S::Value) -> &'static str) {
-    let cases = std::env::var("DFLASH_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
-    let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
-    let seen = std::cell::RefCell::new(std::collections::BTreeMap::<&str, u64>::new());
-    runner
-        .run(&strategy, |v| {
-            *seen.borrow_mut().entry(check(v)).or_default() += 1;
-            Ok(())
-        })
-        .unwrap();
-    let seen = seen.into_inner();
-    let outcomes: Vec<String> = seen.iter().map(|(k, n)| format!("{n} {k}")).collect();
-    println!("fuzz {name}: {} inputs, no failure ({})", seen.values().sum::<u64>(), outcomes.join(", "));
-}
 
 /// Every leaf key of the config as `(table, key, default value)`.
 fn leaf_keys() -> Vec<(String, String, toml::Value)> {
@@ -113,7 +98,7 @@ fn config_file(keys: Vec<(String, String, toml::Value)>) -> impl Strategy<Value 
 fn random_config_files_load_validate_or_name_what_is_wrong() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("run.toml");
-    fuzz("config files, random values for real keys", config_file(leaf_keys()), |(text, named)| {
+    fuzz("config files, random values for real keys", 1000, config_file(leaf_keys()), |(text, named)| {
         std::fs::write(&path, &text).unwrap();
         let config = match ConfigLoader::new().env(false).file(&path).load() {
             Ok(c) => c,
@@ -145,7 +130,7 @@ fn random_config_files_load_validate_or_name_what_is_wrong() {
 
 #[test]
 fn random_text_from_the_coordinator_is_refused_not_trusted() {
-    fuzz("config text from the wire, random", "\\PC{0,200}", |text| match from_toml_str(&text) {
+    fuzz("config text from the wire, random", 1000, "\\PC{0,200}", |text| match from_toml_str(&text) {
         Ok(c) if c.validate().is_ok() => "valid",
         Ok(_) => "refused by validation",
         Err(_) => "refused at load",

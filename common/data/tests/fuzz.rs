@@ -10,23 +10,8 @@
 use std::path::Path;
 
 use dflash_data::{ChatTokenizer, Conversation, DataError, Dataset, LoadOptions, write_synthetic_tokenizer};
+use dflash_fuzz::fuzz;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
-
-fn fuzz<S: Strategy>(name: &str, default_cases: u32, strategy: S, check: impl Fn(S::Value) -> &'static str) {
-    let cases = std::env::var("DFLASH_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default_cases);
-    let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
-    let seen = std::cell::RefCell::new(std::collections::BTreeMap::<&str, u64>::new());
-    runner
-        .run(&strategy, |v| {
-            *seen.borrow_mut().entry(check(v)).or_default() += 1;
-            Ok(())
-        })
-        .unwrap();
-    let seen = seen.into_inner();
-    let outcomes: Vec<String> = seen.iter().map(|(k, n)| format!("{n} {k}")).collect();
-    println!("fuzz {name}: {} inputs, no failure ({})", seen.values().sum::<u64>(), outcomes.join(", "));
-}
 
 /// One JSONL line from the pieces real lines are made of, some of them wrong.
 fn chat_line() -> impl Strategy<Value = Vec<u8>> {

@@ -8,30 +8,16 @@
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 
 use bytes::Bytes;
+use dflash_fuzz::fuzz;
 use dflash_proto as pb;
 use dflash_proto::target_message::Msg;
 use dflash_wire::{
     Assembled, Assembler, BatchMeta, DType, HostBatch, Inbound, InboundFrames, Layout, batch_messages, grpc_pieces,
 };
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 use prost::Message;
 
 /// Runs `check` on `cases` inputs of `strategy`; prints the count.
-fn fuzz<S: Strategy>(name: &str, strategy: S, check: impl Fn(S::Value) -> &'static str) {
-    let cases = std::env::var("DFLASH_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
-    let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
-    let seen = std::cell::RefCell::new(std::collections::BTreeMap::<&str, u64>::new());
-    runner
-        .run(&strategy, |v| {
-            *seen.borrow_mut().entry(check(v)).or_default() += 1;
-            Ok(())
-        })
-        .unwrap();
-    let seen = seen.into_inner();
-    let outcomes: Vec<String> = seen.iter().map(|(k, n)| format!("{n} {k}")).collect();
-    println!("fuzz {name}: {} inputs, no failure ({})", seen.values().sum::<u64>(), outcomes.join(", "));
-}
 
 /// Cuts `bytes` at the given offsets into frames.
 fn frames(bytes: &[u8], cuts: &[usize]) -> Vec<Bytes> {
@@ -146,7 +132,7 @@ fn the_landing_takes_any_bytes() {
     // Pure noise.
     let noise = (prop::collection::vec(any::<u8>(), 0..3000), prop::collection::vec(any::<usize>(), 0..8));
     let b = batch(4, 1, 4);
-    fuzz("landing, random bytes", noise, |(bytes, cuts)| land(&bytes, &cuts, &b));
+    fuzz("landing, random bytes", 2000, noise, |(bytes, cuts)| land(&bytes, &cuts, &b));
     // Real streams with bytes overwritten, dropped or the stream cut short:
     // every branch of the frame cutter, the decoder and the assembler.
     let damaged = (
@@ -159,7 +145,7 @@ fn the_landing_takes_any_bytes() {
         prop::collection::vec(any::<usize>(), 0..6),
         prop_oneof![6 => Just("t".to_string()), 1 => Just("a\nforged log line".to_string()), 1 => Just("nul\0".to_string()), 1 => "\\PC{0,80}"],
     );
-    fuzz("landing, real streams damaged", damaged, |(tokens, k, h, chunk, edits, cut, cuts, instance)| {
+    fuzz("landing, real streams damaged", 2000, damaged, |(tokens, k, h, chunk, edits, cut, cuts, instance)| {
         let b = batch(tokens, k, h);
         let mut bytes = stream_bytes(&b, chunk, &instance);
         for (at, v) in edits {
@@ -177,7 +163,7 @@ fn the_landing_takes_any_bytes() {
 fn batch_headers_are_checked_field_by_field() {
     // A consistent header with one field set to a random value.
     let field = (0usize..9, any::<u64>(), prop::collection::vec(any::<u32>(), 0..6));
-    fuzz("batch headers, one field random", field, |(which, x, xs)| {
+    fuzz("batch headers, one field random", 2000, field, |(which, x, xs)| {
         let b = batch(6, 2, 4);
         let mut h = match batch_messages(&b, 1 << 20).next().unwrap().msg {
             Some(Msg::Header(h)) => h,
@@ -213,7 +199,7 @@ fn batch_headers_are_checked_field_by_field() {
 #[test]
 fn well_formed_batches_survive_being_cut_at_any_byte() {
     let input = (1usize..40, 1usize..4, 1usize..12, 1usize..600, prop::collection::vec(any::<usize>(), 0..12));
-    fuzz("framed batches, random cuts and chunk sizes", input, |(tokens, k, h, chunk, cuts)| {
+    fuzz("framed batches, random cuts and chunk sizes", 2000, input, |(tokens, k, h, chunk, cuts)| {
         let b = batch(tokens, k, h);
         let outcome = land(&stream_bytes(&b, chunk, "t"), &cuts, &b);
         assert_eq!(outcome, "assembled intact");
