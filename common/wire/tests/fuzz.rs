@@ -17,8 +17,6 @@ use dflash_wire::{
 use proptest::prelude::*;
 use prost::Message;
 
-/// Runs `check` on `cases` inputs of `strategy`; prints the count.
-
 /// Cuts `bytes` at the given offsets into frames.
 fn frames(bytes: &[u8], cuts: &[usize]) -> Vec<Bytes> {
     let mut at: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
