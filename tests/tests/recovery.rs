@@ -8,6 +8,7 @@
 use std::time::{Duration, Instant};
 
 use dflash_coordinator::ledger::Ledger;
+use dflash_proto as pb;
 use dflash_tests::{Cluster, Workspace};
 use nix::sys::signal::Signal;
 
@@ -63,6 +64,15 @@ fn killed_drafter_resumes(ws: &Workspace) {
     assert_exactly_once(&cluster.ledger, 40);
 }
 
+/// The coordinator's ledger counts, through its Status RPC.
+fn ledger_counts(cluster: &Cluster) -> Option<pb::LedgerCounts> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut c = pb::coordinator_client::CoordinatorClient::connect(cluster.coordinator_url.clone()).await.ok()?;
+        c.status(pb::StatusRequest {}).await.ok()?.into_inner().ledger
+    })
+}
+
 #[test]
 fn a_killed_targets_leases_go_to_another_target() {
     let ws = Workspace::synthetic(600, 3);
@@ -70,17 +80,29 @@ fn a_killed_targets_leases_go_to_another_target() {
         "[run]\nmax_steps = 30\n[faults]\nlease_timeout_ms = 3000\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512";
     let cluster = Cluster::new(&ws, ws.config("target-loss", extra));
     let mut coord = cluster.coordinator(&[]);
-    let mut drafter = cluster.drafter("drafter");
+    // The first target alone, with no drafter to send to, leases batches
+    // and holds them: it is certain to die holding leases (with a drafter
+    // running, a fast run may have finished before the kill lands).
     let mut t0 = cluster.target("target-0");
-    let mut t1 = cluster.target("target-1");
-    assert!(drafter.wait_for_log("step 5/", Duration::from_secs(90)), "{}", drafter.log_text());
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while ledger_counts(&cluster).is_none_or(|c| c.leased == 0) {
+        assert!(Instant::now() < deadline, "target-0 never leased a batch:\n{}", t0.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
     t0.signal(Signal::SIGKILL);
     t0.expect_exit(Duration::from_secs(5));
     let killed = Instant::now();
-    assert!(coord.wait_for_log("released", Duration::from_secs(20)), "{}", coord.log_text());
+    assert!(coord.wait_for_log("lease(s) of target target-0", Duration::from_secs(20)), "{}", coord.log_text());
     eprintln!("target SIGKILL to its leases released for re-lease: {:.2} s", killed.elapsed().as_secs_f64());
+    assert!(!coord.log_text().contains("released 0 lease(s)"), "{}", coord.log_text());
+    assert_eq!(ledger_counts(&cluster).map(|c| c.leased), Some(0), "every lease of the dead target is free again");
+
+    // Another target takes the released batches; the run ends with every
+    // batch trained and committed once.
+    let mut t1 = cluster.target("target-1");
+    let mut drafter = cluster.drafter("drafter");
     assert!(coord.expect_exit(Duration::from_secs(180)).success(), "{}", coord.log_text());
-    assert!(t1.expect_exit(Duration::from_secs(30)).success());
-    assert!(drafter.expect_exit(Duration::from_secs(30)).success());
+    assert!(t1.expect_exit(Duration::from_secs(30)).success(), "{}", t1.log_text());
+    assert!(drafter.expect_exit(Duration::from_secs(30)).success(), "{}", drafter.log_text());
     assert_exactly_once(&cluster.ledger, 30);
 }
