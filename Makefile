@@ -6,6 +6,7 @@
 
 libtorch:
 	@scripts/setup-libtorch.sh >/dev/null
+	@scripts/setup-gloo-headers.sh >/dev/null
 
 build: libtorch
 	cargo build --release --bins

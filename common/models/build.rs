@@ -1,22 +1,35 @@
 //! Records libtorch's folder as a run path so that binaries and tests built
 //! here find `libtorch_cpu.so` without LD_LIBRARY_PATH (on GPU hosts
 //! LD_LIBRARY_PATH, searched first, points at the host's PyTorch), and
-//! compiles the small C++ shim for libtorch settings tch does not expose.
+//! compiles the small C++ shim for libtorch settings tch does not expose
+//! (and for libtorch's Gloo process group, the drafter group's CPU collectives).
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-changed=csrc/sdp.cpp");
     println!("cargo:rerun-if-changed=csrc/adamw.cpp");
     println!("cargo:rerun-if-changed=csrc/split_attention.cpp");
+    println!("cargo:rerun-if-changed=csrc/gloo_group.cpp");
+    println!("cargo:rerun-if-env-changed=DFLASH_GLOO_INCLUDE");
     let Ok(dir) = std::env::var("LIBTORCH") else {
         panic!("LIBTORCH is not set: run scripts/setup-libtorch.sh (the Makefile does)");
     };
     println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}/lib");
+    // Gloo's headers (libtorch's own Gloo is what runs; the wheel lacks them).
+    let Ok(gloo) = std::env::var("DFLASH_GLOO_INCLUDE") else {
+        panic!("DFLASH_GLOO_INCLUDE is not set: run scripts/setup-gloo-headers.sh (the Makefile does)");
+    };
+    if !std::path::Path::new(&gloo).join("gloo/context.h").exists() {
+        panic!("{gloo} holds no Gloo headers: run scripts/setup-gloo-headers.sh (the Makefile does)");
+    }
     cc::Build::new()
         .cpp(true)
         .file("csrc/sdp.cpp")
         .file("csrc/adamw.cpp")
         .file("csrc/split_attention.cpp")
+        .file("csrc/gloo_group.cpp")
+        .define("USE_C10D_GLOO", None)
+        .include(gloo)
         .include(format!("{dir}/include"))
         .include(format!("{dir}/include/torch/csrc/api/include"))
         .flag("-std=c++17")

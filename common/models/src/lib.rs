@@ -6,6 +6,7 @@
 pub mod acceptance;
 pub mod blocks;
 pub mod checkpoint;
+pub mod collective;
 pub mod cuda;
 pub mod decoder;
 pub mod dp;
@@ -14,6 +15,7 @@ pub mod evaluation;
 pub mod features;
 pub mod generate;
 pub mod gguf;
+pub mod gloo;
 pub mod gpu;
 pub mod hf_config;
 mod kv_cache;

@@ -11,6 +11,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use dflash_config::Device;
 use dflash_models::blocks::BlockSettings;
+use dflash_models::collective::Collective;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::{Drafter, DrafterConfig, TrainSettings, Trainer};
 use dflash_proto as pb;
@@ -153,7 +154,7 @@ fn device_name(d: tch::Device) -> String {
 }
 
 /// Gives every replica rank 0's weights and optimizer state.
-fn sync_replica(g: &dflash_models::dp::Replica, t: &Trainer) -> anyhow::Result<()> {
+fn sync_replica(g: &dyn Collective, t: &Trainer) -> anyhow::Result<()> {
     let tensors = t.state_tensors();
     g.broadcast_from_rank0(&tensors).kind(ErrorKind::Device)
 }
@@ -358,9 +359,9 @@ async fn start(
         };
         let (s, hs) = (stop.clone(), ordered_rx.clone());
         stages.spawn_thread(&format!("prefetch-{rank}"), move || pf.run(hs, pf_tx, s).on_device(device_name(dev)));
-        let join = move || -> anyhow::Result<Option<dflash_models::dp::Replica>> {
+        let join = move || -> anyhow::Result<Option<Box<dyn Collective>>> {
             let (Some(id), tch::Device::Cuda(ordinal)) = (group_id, dev) else { return Ok(None) };
-            Ok(Some(dflash_models::dp::Replica::join(id, rank, world, ordinal).kind(ErrorKind::Device)?))
+            Ok(Some(Box::new(dflash_models::dp::Replica::join(id, rank, world, ordinal).kind(ErrorKind::Device)?)))
         };
         let check_every = c.checkpoint.interval_steps;
         let mut replica = ReplicaStep { input: pf_rx, group: None, trained: trained.clone(), device: dev, check_every };
@@ -371,7 +372,7 @@ async fn start(
                 {
                     replica.group = join()?;
                     if let Some(g) = &replica.group {
-                        sync_replica(g, train.trainer())?;
+                        sync_replica(g.as_ref(), train.trainer())?;
                         tracing::info!("data-parallel training on {world} GPUs (rank 0 leads)");
                     }
                     train.run(replica, reports)
@@ -385,7 +386,7 @@ async fn start(
                 {
                     replica.group = join()?;
                     if let Some(g) = &replica.group {
-                        sync_replica(g, &trainer)?;
+                        sync_replica(g.as_ref(), &trainer)?;
                         trainer.set_step(resumed_step);
                     }
                     follow(trainer, replica, s, reports)

@@ -20,6 +20,7 @@ use dflash_models::checkpoint::{
     Checkpoint, TrainerState, check_writable, point_latest, read_trainer_state, remove_stale_temporaries,
     restore_checkpoint, save_checkpoint, set_aside, step_dirs, verify_checkpoint,
 };
+use dflash_models::collective::Collective;
 use dflash_models::{StepOutcome, Trainer};
 use dflash_proto as pb;
 use dflash_role::{KindExt, Session, StopCause, with_timeout};
@@ -64,7 +65,7 @@ pub struct Agreement {
 /// takes the same optimizer steps, so their weights stay identical.
 pub struct ReplicaStep {
     pub input: flume::Receiver<Prepared>,
-    pub group: Option<dflash_models::dp::Replica>,
+    pub group: Option<Box<dyn Collective>>,
     pub trained: TrainedSet,
     pub device: tch::Device,
     /// Verify every this many steps that the replicas hold identical weights.
@@ -73,7 +74,7 @@ pub struct ReplicaStep {
 
 impl ReplicaStep {
     pub fn world(&self) -> usize {
-        self.group.as_ref().map_or(1, |g| g.world)
+        self.group.as_ref().map_or(1, |g| g.world())
     }
 
     pub fn step(
@@ -113,9 +114,9 @@ impl ReplicaStep {
             }
         }
         let flags = [
-            f32::from(u8::from(contributes)),
-            f32::from(u8::from(report.batch_id.is_some())),
-            f32::from(u8::from(stop.is_stopped())),
+            f64::from(u8::from(contributes)),
+            f64::from(u8::from(report.batch_id.is_some())),
+            f64::from(u8::from(stop.is_stopped())),
         ];
         let agreed = match &self.group {
             Some(g) => g.agree(&flags, self.device).kind(ErrorKind::Device)?,
@@ -137,11 +138,11 @@ impl ReplicaStep {
             {
                 let sum =
                     g.check_identical(&trainer.drafter().named_parameters(), self.device).kind(ErrorKind::Device)?;
-                if g.rank == 0 {
+                if g.rank() == 0 {
                     tracing::info!(
                         "step {}: weights identical on all {} replicas (checksum {sum:.6e})",
                         trainer.step(),
-                        g.world
+                        g.world()
                     );
                 }
             }
