@@ -39,6 +39,13 @@ fn trains_to_the_end(ws: &Workspace) -> String {
         assert!(log.contains(&block), "{role} did not print the pipeline block:\n{log}");
     }
     assert!(log.contains("run completed"), "{log}");
+    // The training figures are drawn into the run folder, and the path said.
+    let plot = ws.path("up/training.svg");
+    assert!(log.contains(&format!("training plot: {}", plot.display())), "{log}");
+    let svg = std::fs::read_to_string(&plot).expect("the training plot");
+    assert!(svg.starts_with("<svg") && svg.contains("width=\"960\"") && svg.contains("height=\"720\""));
+    let lines = svg.matches("stroke-width=\"2\" points=").count();
+    assert_eq!(lines, 3, "loss, accuracy and acceptance over the steps");
     // A finished run closes its hidden-state streams; it does not break them.
     assert!(!log.contains("broke"), "a stream broke at the end of the run:\n{log}");
 

@@ -68,6 +68,9 @@ pub struct UpArgs {
 
 /// Restarts of one killed role within one `dflash up`.
 const MAX_RESTARTS: u32 = 10;
+/// Points of the training history the end-of-run plot draws (the ledger
+/// keeps every step; a plot needs no more than a few per pixel column).
+const PLOT_POINTS: u64 = 2000;
 
 pub struct Launcher {
     config: ConfigFlags,
@@ -311,6 +314,7 @@ impl Launcher {
                     self.up.workdir.display(),
                     counts.total()
                 );
+                self.plot_training(&ledger_path);
                 self.final_eval().await?;
                 return Ok(0);
             }
@@ -346,10 +350,29 @@ impl Launcher {
         if let Some(p) = progress {
             p.abort();
         }
+        self.plot_training(&ledger_path);
         if code == 0 {
             self.final_eval().await?;
         }
         Ok(code)
+    }
+
+    /// Draws the run's training figures from the ledger into the run folder
+    /// and says where. A run that trained nothing yet has nothing to draw; a
+    /// plot that cannot be written is reported, and costs the run nothing.
+    fn plot_training(&self, ledger_path: &Path) {
+        let path = self.up.workdir.join("training.svg");
+        let drawn = dflash_coordinator::ledger::Ledger::open(ledger_path)
+            .and_then(|l| l.progress_history(PLOT_POINTS))
+            .map_err(anyhow::Error::from)
+            .and_then(|history| {
+                let title = format!("{} (steps {})", self.up.workdir.display(), history.last().map_or(0, |p| p.step));
+                crate::plot::write_training_plot(&path, &title, &history)
+            });
+        match drawn {
+            Ok(()) => eprintln!("[dflash     ] training plot: {}", path.display()),
+            Err(e) => eprintln!("[dflash     ] no training plot: {e:#}"),
+        }
     }
 }
 

@@ -13,6 +13,7 @@ mod bench_step;
 mod bench_transport;
 mod eval;
 mod launcher;
+mod plot;
 mod prepare;
 mod progress;
 mod regenerate;
@@ -154,6 +155,9 @@ async fn status(coordinator: &str, security: &SecurityArgs) -> anyhow::Result<()
         "progress: step {} (committed {}), loss {:.4}, accuracy {:.3}, acceptance {:.2}",
         s.step, s.committed_step, s.loss, s.accuracy, s.acceptance_length
     );
+    for line in plot::sparklines(&s.history) {
+        println!("{line}");
+    }
     println!(
         "flow: supply {:.0} tokens/s, demand {:.0} tokens/s, bound by {}",
         s.supply_tokens_per_s, s.demand_tokens_per_s, s.bound_by

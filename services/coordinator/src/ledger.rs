@@ -112,6 +112,12 @@ CREATE TABLE IF NOT EXISTS batches (
   committed_step INTEGER
 );
 CREATE INDEX IF NOT EXISTS batches_by_state ON batches (state, batch_id);
+CREATE TABLE IF NOT EXISTS progress (
+  step INTEGER PRIMARY KEY,
+  loss REAL NOT NULL,
+  accuracy REAL NOT NULL,
+  acceptance_length REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS checkpoints (
   step INTEGER PRIMARY KEY,
   name TEXT NOT NULL,
@@ -119,6 +125,9 @@ CREATE TABLE IF NOT EXISTS checkpoints (
   committed_ms INTEGER NOT NULL
 );
 ";
+
+/// One step's training figures, as the drafter reported them.
+pub use dflash_proto::ProgressPoint;
 
 /// Columns added after the first release, for ledgers written before them.
 const ADDED_COLUMNS: &[(&str, &str)] = &[("trained_by", "TEXT"), ("committed_step", "INTEGER")];
@@ -607,6 +616,47 @@ impl Ledger {
         .map_err(|e| self.err(e))
     }
 
+    /// Records one step's training figures. A step trained again after a
+    /// resume replaces its figures: the history is the lineage's.
+    pub fn record_progress(&mut self, p: &ProgressPoint) -> Result<(), LedgerError> {
+        self.conn
+            .execute(
+                "INSERT OR REPLACE INTO progress (step, loss, accuracy, acceptance_length) VALUES (?1, ?2, ?3, ?4)",
+                params![p.step as i64, f64::from(p.loss), f64::from(p.accuracy), f64::from(p.acceptance_length)],
+            )
+            .map(|_| ())
+            .map_err(|e| self.err(e))
+    }
+
+    /// The training figures by step, about `max_points` of them evenly
+    /// spread over the run (every step when there are fewer), the last step
+    /// always among them. Sampled in the query: memory stays bounded however
+    /// long the run.
+    pub fn progress_history(&self, max_points: u64) -> Result<Vec<ProgressPoint>, LedgerError> {
+        let last: Option<i64> =
+            self.conn.query_row("SELECT MAX(step) FROM progress", [], |r| r.get(0)).map_err(|e| self.err(e))?;
+        let Some(last) = last else { return Ok(Vec::new()) };
+        let stride = (last as u64).div_ceil(max_points.max(1)).max(1) as i64;
+        let mut q = self
+            .conn
+            .prepare(
+                "SELECT step, loss, accuracy, acceptance_length FROM progress \
+                 WHERE step % ?1 = 0 OR step = ?2 ORDER BY step",
+            )
+            .map_err(|e| self.err(e))?;
+        q.query_map(params![stride, last], |r| {
+            Ok(ProgressPoint {
+                step: r.get::<_, i64>(0)? as u64,
+                loss: r.get::<_, f64>(1)? as f32,
+                accuracy: r.get::<_, f64>(2)? as f32,
+                acceptance_length: r.get::<_, f64>(3)? as f32,
+            })
+        })
+        .map_err(|e| self.err(e))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| self.err(e))
+    }
+
     /// Runs `sql` once per batch id (`?1`), with `holder` as `?2` if given.
     fn update_each(&mut self, batch_ids: &[u64], sql: &str, holder: Option<&str>) -> Result<(), LedgerError> {
         let path = self.path.clone();
@@ -650,6 +700,28 @@ mod tests {
         let mut l = Ledger::open(&dir.path().join("l.sqlite")).unwrap();
         l.install_plan("fp", &plan(n)).unwrap();
         (dir, l)
+    }
+
+    #[test]
+    fn the_progress_history_keeps_the_lineage_and_is_sampled_evenly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.sqlite");
+        let mut l = Ledger::open(&path).unwrap();
+        assert!(l.progress_history(10).unwrap().is_empty());
+        let point = |step: u64, loss: f32| ProgressPoint { step, loss, accuracy: 0.5, acceptance_length: 1.5 };
+        for step in 1..=1000 {
+            l.record_progress(&point(step, 10.0 - step as f32 / 100.0)).unwrap();
+        }
+        // Steps trained again after a resume replace their figures.
+        l.record_progress(&point(1000, 0.25)).unwrap();
+        drop(l);
+        let l = Ledger::open(&path).unwrap();
+        let h = l.progress_history(64).unwrap();
+        assert!((60..=65).contains(&h.len()), "{} points", h.len());
+        let steps: Vec<u64> = h.iter().map(|p| p.step).collect();
+        assert!(steps.windows(2).all(|w| w[1] - w[0] <= 16), "{steps:?}");
+        assert_eq!(h.last().map(|p| (p.step, p.loss)), Some((1000, 0.25)));
+        assert_eq!(l.progress_history(5000).unwrap().len(), 1000, "fewer than asked: every step");
     }
 
     #[test]

@@ -14,6 +14,9 @@ use dflash_data::PlannedBatch;
 
 use crate::ledger::{CheckpointRecord, Counts, Lease, Ledger, LedgerError, Resumed};
 
+/// Points of the training history a status carries (for a sparkline).
+const STATUS_HISTORY_POINTS: u64 = 64;
+
 /// Errors kept for the status (the newest).
 const MAX_ERRORS: usize = 100;
 
@@ -143,7 +146,18 @@ impl Run {
 
     /// A drafter's step: its batches trained, its figures recorded.
     pub fn record_trained(&self, by: &str, batch_ids: &[u64], f: &StepFigures) -> Result<(), LedgerError> {
-        self.ledger().mark_trained(by, batch_ids, f.step)?;
+        {
+            let mut ledger = self.ledger();
+            ledger.mark_trained(by, batch_ids, f.step)?;
+            if f.tokens > 0 {
+                ledger.record_progress(&pb::ProgressPoint {
+                    step: f.step,
+                    loss: f.loss,
+                    accuracy: f.accuracy,
+                    acceptance_length: f.acceptance_length,
+                })?;
+            }
+        }
         {
             let mut p = self.progress.lock().expect("progress lock");
             p.step = f.step;
@@ -474,7 +488,10 @@ impl Run {
             })
             .collect();
         let flow = self.flow.lock().expect("flow lock").summary();
+        // A status without its history is still a status.
+        let history = self.ledger().progress_history(STATUS_HISTORY_POINTS).unwrap_or_default();
         pb::StatusResponse {
+            history,
             supply_tokens_per_s: flow.supply_tokens_per_s,
             demand_tokens_per_s: flow.demand_tokens_per_s,
             bound_by: flow.bound_by.to_string(),
