@@ -362,6 +362,9 @@ impl Launcher {
     /// plot that cannot be written is reported, and costs the run nothing.
     fn plot_training(&self, ledger_path: &Path) {
         let path = self.up.workdir.join("training.svg");
+        if !ledger_path.is_file() {
+            return; // the coordinator never started: nothing was trained
+        }
         let drawn = dflash_coordinator::ledger::Ledger::open(ledger_path)
             .and_then(|l| l.progress_history(PLOT_POINTS))
             .map_err(anyhow::Error::from)
