@@ -311,6 +311,12 @@ impl Cluster {
         Proc::start_command(name, &cmd, &[], &self.logs)
     }
 
+    /// A drafter listening on `port` (another member of a drafter group).
+    pub fn drafter_at(&self, name: &str, port: u16) -> Proc {
+        let cmd = self.local.drafter(&self.coordinator_url, &format!("127.0.0.1:{port}"));
+        Proc::start_command(name, &cmd, &[], &self.logs)
+    }
+
     /// A drafter that tells targets to reach it at `advertise` (a proxy in
     /// front of its port).
     pub fn drafter_advertising(&self, name: &str, advertise: &str) -> Proc {

@@ -239,6 +239,19 @@ fn only_the_drafter_that_trained_a_batch_can_commit_it() {
         // A drafter that trained nothing commits nothing, also by claiming
         // a checkpoint that holds every batch.
         c.register(register(pb::Role::Drafter, "d-evil")).await.unwrap();
+        // Registered but in no group: not the drafter whose reports count.
+        let e = c.report_checkpoint(report("d-evil", false, 1)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        let join = pb::JoinGroupRequest { run_id: run_id.clone(), instance_id: "d-evil".into(), ..Default::default() };
+        let joined = c.join_group(join).await.unwrap().into_inner();
+        assert!(joined.formed && joined.rank == 0 && joined.world == 1, "{joined:?}");
+        // A drafter of another build may not join that group.
+        c.register(pb::RegisterRequest { version: "0.0.1-other".into(), ..register(pb::Role::Drafter, "d-old") })
+            .await
+            .unwrap();
+        let join = pb::JoinGroupRequest { run_id: run_id.clone(), instance_id: "d-old".into(), ..Default::default() };
+        let e = c.join_group(join).await.unwrap_err();
+        assert!(e.message().contains("d-old runs dflash 0.0.1-other, but group member d-evil runs"), "{e:?}");
         let e = c.report_checkpoint(report("d-evil", false, 1)).await.unwrap_err();
         assert!(e.message().contains("has not trained"), "{e:?}");
         let e = c.report_checkpoint(report("d-evil", true, 1000)).await.unwrap_err();

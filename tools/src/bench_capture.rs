@@ -127,7 +127,7 @@ fn make_batches(n: usize, a: &BenchArgs, vocab: i64, seed: u64) -> Vec<WorkItem>
                 loss_mask: vec![1; total],
                 input_ids: ids,
                 trace: Default::default(),
-                lease: leases.hold(b as u64),
+                lease: leases.hold(b as u64, Default::default()),
             }
         })
         .collect()

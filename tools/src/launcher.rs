@@ -429,15 +429,20 @@ impl Launcher {
                     continue;
                 };
                 let name = roles[i].spec.name;
-                if let Some(sig) = status.signal()
+                // Killed (SIGKILL, the OOM killer), or a drafter leaving a
+                // group that re-forms: started again.
+                let why = match (status.signal(), status.code()) {
+                    (Some(sig), _) => Some(format!("was killed (signal {sig})")),
+                    (_, Some(dflash_role::EXIT_GROUP_REFORM)) => Some("left its drafter group to join the next".into()),
+                    _ => None,
+                };
+                if let Some(why) = why
                     && roles[i].spec.restart
                     && stopping.is_none()
                     && roles[i].restarts < MAX_RESTARTS
                 {
                     let restarts = roles[i].restarts + 1;
-                    eprintln!(
-                        "[dflash     ] {name} was killed (signal {sig}): starting it again ({restarts} of {MAX_RESTARTS})"
-                    );
+                    eprintln!("[dflash     ] {name} {why}: starting it again ({restarts} of {MAX_RESTARTS})");
                     let mut again = self.start(roles[i].spec.clone())?;
                     again.restarts = restarts;
                     roles[i] = again;

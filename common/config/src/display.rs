@@ -49,6 +49,17 @@ impl fmt::Display for RunConfig {
             opt(&d.init_from),
             if d.init_from_target_layers { " (layers from the target's top layers)" } else { "" }
         )?;
+        let g = &self.group;
+        if g.size > 1 {
+            writeln!(
+                f,
+                "  Group: {} members (at least {} after waiting {} ms), collective timeout {} ms",
+                g.size,
+                g.minimum(),
+                g.wait_ms,
+                g.collective_timeout_ms
+            )?;
+        }
         writeln!(f, "Data")?;
         let malformed = match data.on_malformed {
             MalformedPolicy::Error => "error",

@@ -15,6 +15,7 @@ pub struct RunConfig {
     pub run: RunSection,
     pub model: ModelSection,
     pub drafter: DrafterSection,
+    pub group: GroupSection,
     pub data: DataSection,
     pub training: TrainingSection,
     pub pipeline: PipelineSection,
@@ -117,6 +118,39 @@ impl Default for DrafterSection {
             init_from: None,
             init_from_target_layers: false,
         }
+    }
+}
+
+/// The drafter group: `dflash-drafter serve` instances (on any hosts) that
+/// train one drafter together, data parallel, in lockstep. Each member owns
+/// the device(s) `devices.drafter` names on its host; the coordinator
+/// assigns ranks and a generation, and rank 0 serves the rendezvous.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GroupSection {
+    /// Members the group is formed with.
+    pub size: u32,
+    /// Start with at least this many when `size` have not registered within
+    /// `wait_ms` (0: `size`, i.e. wait for all; fewer than this fail the run).
+    pub min_size: u32,
+    /// How long the coordinator waits for `size` members before it starts
+    /// with the ones there (at least `min_size`) or fails the run.
+    pub wait_ms: u64,
+    /// A collective (gradient all-reduce, agreement, rendezvous) that a
+    /// member does not join within this fails, and the group re-forms.
+    pub collective_timeout_ms: u64,
+}
+
+impl Default for GroupSection {
+    fn default() -> Self {
+        Self { size: 1, min_size: 0, wait_ms: 120_000, collective_timeout_ms: 60_000 }
+    }
+}
+
+impl GroupSection {
+    /// The fewest members the group may train with.
+    pub fn minimum(&self) -> u32 {
+        if self.min_size == 0 { self.size } else { self.min_size }
     }
 }
 

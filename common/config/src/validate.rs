@@ -117,7 +117,23 @@ impl RunConfig {
         c.require((64 << 10..=64 << 20).contains(&p.chunk_bytes), "pipeline.chunk_bytes", || {
             format!("is {}; must be between 64 KiB and 64 MiB", p.chunk_bytes)
         });
-        let replicas = self.devices.drafter.devices().len() as u32;
+        let g = &self.group;
+        c.require(g.size >= 1, "group.size", || "must be at least 1".into());
+        c.require(g.min_size <= g.size, "group.min_size", || {
+            format!("is {}; must not exceed group.size ({})", g.min_size, g.size)
+        });
+        c.require(g.wait_ms >= 1, "group.wait_ms", || "must be at least 1".into());
+        c.require(g.collective_timeout_ms >= 1000, "group.collective_timeout_ms", || "must be at least 1000".into());
+        let per_member = self.devices.drafter.devices().len() as u32;
+        c.require(g.size == 1 || per_member == 1, "devices.drafter", || {
+            format!(
+                "names {per_member} devices; a member of a drafter group (group.size = {}) trains on one device: \
+                 run one member per GPU instead",
+                g.size
+            )
+        });
+        // Each member sequences its own batches: the window is per member.
+        let replicas = per_member;
         c.require(
             p.reorder_window == 0 || (replicas..=p.hs_queue_depth).contains(&p.reorder_window),
             "pipeline.reorder_window",
@@ -248,6 +264,20 @@ mod tests {
             c.pipeline.reorder_window = ok;
             c.validate().unwrap();
         }
+    }
+
+    #[test]
+    fn a_group_is_refused_where_the_code_does_not_implement_it() {
+        let mut c = valid();
+        c.group.size = 2;
+        c.devices.drafter = DeviceList::cuda([5, 6]);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("devices.drafter") && err.contains("trains on one device"), "{err}");
+        c.devices.drafter = DeviceList::cuda([5]);
+        c.validate().unwrap();
+        c.group.min_size = 3;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("group.min_size") && err.contains("must not exceed group.size (2)"), "{err}");
     }
 
     #[test]

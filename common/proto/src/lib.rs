@@ -2,7 +2,7 @@
 
 /// Protocol version spoken by this build. A peer speaking another version is
 /// refused with a clear error at registration or stream start.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The hidden-state RPC's HTTP path (package, service, method of `drafter.proto`),
 /// for the data plane that serves and calls it below tonic's codec.

@@ -16,4 +16,4 @@ pub use session::{
     device_of, format_chain, kind_of, lazy_channel, registration_failed, with_timeout,
 };
 pub use stages::Stages;
-pub use stop::{Stop, StopCause, recv_until_stop, send_until_stop};
+pub use stop::{EXIT_GROUP_REFORM, Stop, StopCause, recv_until_stop, send_until_stop};

@@ -58,7 +58,8 @@ pub struct Session {
     pub stop: Stop,
     pub security: Security,
     client: CoordinatorConn,
-    request: pb::RegisterRequest,
+    /// What registering (again) says; a drafter adds its group membership.
+    request: std::sync::Mutex<pb::RegisterRequest>,
     rpc_timeout: Duration,
 }
 
@@ -108,6 +109,8 @@ impl Session {
             version: env!("CARGO_PKG_VERSION").to_string(),
             endpoint: announce.endpoint,
             pid: std::process::id(),
+            group_generation: 0,
+            group_world: 0,
         };
         let security = args.security.load()?;
         let mut client = coordinator_client(&args.coordinator, &security)?;
@@ -162,15 +165,26 @@ impl Session {
             stop,
             security,
             client,
-            request,
+            request: std::sync::Mutex::new(request),
             rpc_timeout,
         }))
+    }
+
+    fn register_request(&self) -> pb::RegisterRequest {
+        self.request.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A drafter's place in its group, said when it registers again (to a
+    /// coordinator that restarted).
+    pub fn set_group(&self, generation: u64, world: u32) {
+        let mut r = self.request.lock().unwrap_or_else(|e| e.into_inner());
+        (r.group_generation, r.group_world) = (generation, world);
     }
 
     /// Registers again with the devices the role ended up on (known only
     /// once the config arrived and the models loaded).
     pub async fn announce_devices(&self, devices: Vec<String>) -> anyhow::Result<()> {
-        let mut req = self.request.clone();
+        let mut req = self.register_request();
         req.devices = devices;
         with_timeout(self.rpc_timeout, self.client().register(req)).await.map_err(|s| {
             if let Some(CoordinatorError::RunOver { state, message, .. }) = CoordinatorError::from_status(&s) {
@@ -254,7 +268,7 @@ impl Session {
                 match dflash_telemetry::on_coordinator_error(CoordinatorError::from_status(&s).as_ref()) {
                     Reaction::Register => {
                         tracing::warn!("the coordinator does not know this instance (restarted?): registering again");
-                        match with_timeout(this.rpc_timeout, client.register(this.request.clone())).await {
+                        match with_timeout(this.rpc_timeout, client.register(this.register_request())).await {
                             Ok(r) if r.run_id == this.run_id => last_ok = Instant::now(),
                             Ok(r) => {
                                 this.stop.stop(StopCause::Fatal(format!(
@@ -274,6 +288,10 @@ impl Session {
                         this.stop.stop(StopCause::Fatal(format!("coordinator: {}", s.message())));
                         return Ok(());
                     }
+                    Reaction::Rejoin => {
+                        this.stop.stop(StopCause::GroupReform(s.message().to_string()));
+                        return Ok(());
+                    }
                     Reaction::Retry => {
                         tracing::debug!("heartbeat failed: {}", s.message());
                         if last_ok.elapsed() > give_up {
@@ -290,9 +308,9 @@ impl Session {
         });
     }
 
-    /// Watches run events; returns the drafter endpoint as it changes.
-    /// A stop event stops the role with the coordinator's reason.
-    pub fn spawn_event_watch(self: &Arc<Self>, stages: &Stages) -> watch::Receiver<Option<String>> {
+    /// Watches the run's events: stops the role when the run ends, and
+    /// tells the drafter group as it changes.
+    pub fn spawn_event_watch(self: &Arc<Self>, stages: &Stages) -> watch::Receiver<Option<pb::DrafterGroup>> {
         let (tx, rx) = watch::channel(None);
         let this = Arc::clone(self);
         stages.spawn_task("event-watch", async move {
@@ -328,14 +346,23 @@ impl Session {
         rx
     }
 
-    fn handle_event(&self, ev: pb::RunEvent, tx: &watch::Sender<Option<String>>) {
+    fn handle_event(&self, ev: pb::RunEvent, tx: &watch::Sender<Option<pb::DrafterGroup>>) {
         match ev.event {
-            Some(pb::run_event::Event::Drafter(d)) => {
-                let new = (!d.endpoint.is_empty()).then_some(d.endpoint);
-                if *tx.borrow() != new {
-                    tracing::info!("drafter endpoint: {}", new.as_deref().unwrap_or("none"));
-                    let _ = tx.send(new);
+            Some(pb::run_event::Event::Group(g)) if tx.borrow().as_ref() != Some(&g) => {
+                if g.members.is_empty() {
+                    tracing::info!("drafter group: none training (generation {} over, or forming)", g.generation);
+                } else {
+                    tracing::info!(
+                        "drafter group generation {}: {}",
+                        g.generation,
+                        g.members
+                            .iter()
+                            .map(|m| format!("{} at {}", m.instance_id, m.endpoint))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
                 }
+                let _ = tx.send(Some(g));
             }
             Some(pb::run_event::Event::Stop(s)) => {
                 let cause = match pb::StopReason::try_from(s.reason) {
@@ -346,7 +373,8 @@ impl Session {
                 tracing::info!("coordinator stops the run: {cause}");
                 self.stop.stop(cause);
             }
-            None => {}
+            // The group as it was already known.
+            Some(pb::run_event::Event::Group(_)) | None => {}
         }
     }
 

@@ -21,13 +21,22 @@ pub enum StopCause {
     Fatal(String),
     /// A peer this role depends on vanished past its timeout.
     PeerLost(String),
+    /// The drafter group this member trained in ended (a member lost or
+    /// one joining): the process exits to be started again and join the
+    /// next generation from the last committed checkpoint.
+    GroupReform(String),
 }
+
+/// Exit code of a drafter leaving a group that re-forms (EX_TEMPFAIL): a
+/// supervisor starts it again (`dflash up`, Compose, Kubernetes).
+pub const EXIT_GROUP_REFORM: i32 = 75;
 
 impl StopCause {
     /// Process exit code for this cause: 0 for completion and signals.
     pub fn exit_code(&self) -> i32 {
         match self {
             StopCause::RunCompleted | StopCause::Signal(_) => 0,
+            StopCause::GroupReform(_) => EXIT_GROUP_REFORM,
             _ => 1,
         }
     }
@@ -41,6 +50,7 @@ impl std::fmt::Display for StopCause {
             StopCause::RunCancelled(m) => write!(f, "run cancelled: {m}"),
             StopCause::Signal(s) => write!(f, "received {s}"),
             StopCause::Fatal(m) => write!(f, "fatal error: {m}"),
+            StopCause::GroupReform(m) => write!(f, "the drafter group re-forms: {m}"),
             StopCause::PeerLost(m) => write!(f, "peer lost: {m}"),
         }
     }

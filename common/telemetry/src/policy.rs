@@ -132,6 +132,9 @@ pub enum Reaction {
     RunOver(RunState),
     /// Nothing will help: the role fails with this error.
     Fail,
+    /// This drafter's group generation is over (another took its place):
+    /// it leaves, to join the next generation (exit code 75).
+    Rejoin,
 }
 
 /// | coordinator's answer | reaction |
@@ -140,17 +143,18 @@ pub enum Reaction {
 /// | `NotRegistered` | register again, then retry |
 /// | `RunOver` | stop for the run's reason |
 /// | `Ledger` (its storage failed) | retry with backoff |
-/// | `ProtocolVersion`, `WrongRun`, `InvalidRequest`, `NotCurrentDrafter`, `Refused` | fail |
+/// | `NotCurrentDrafter` | a drafter leaves its ended group generation to join the next |
+/// | `ProtocolVersion`, `WrongRun`, `InvalidRequest`, `Refused` | fail |
 pub fn on_coordinator_error(e: Option<&CoordinatorError>) -> Reaction {
     match e {
         None | Some(CoordinatorError::Ledger(_)) => Reaction::Retry,
         Some(CoordinatorError::NotRegistered(_)) => Reaction::Register,
         Some(CoordinatorError::RunOver { state, .. }) => Reaction::RunOver(*state),
+        Some(CoordinatorError::NotCurrentDrafter(_)) => Reaction::Rejoin,
         Some(
             CoordinatorError::ProtocolVersion { .. }
             | CoordinatorError::WrongRun { .. }
             | CoordinatorError::InvalidRequest { .. }
-            | CoordinatorError::NotCurrentDrafter(_)
             | CoordinatorError::Refused(_),
         ) => Reaction::Fail,
     }

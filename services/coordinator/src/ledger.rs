@@ -87,6 +87,8 @@ pub struct BatchAudit {
     pub leases: u64,
     pub trains: u64,
     pub commits: u64,
+    /// The drafter group member that trained it last.
+    pub member: Option<String>,
 }
 
 pub struct Ledger {
@@ -109,7 +111,9 @@ CREATE TABLE IF NOT EXISTS batches (
   trains INTEGER NOT NULL DEFAULT 0,
   commits INTEGER NOT NULL DEFAULT 0,
   trained_by TEXT,
-  committed_step INTEGER
+  committed_step INTEGER,
+  -- the drafter group member that trained (or skipped) the batch
+  trained_member TEXT
 );
 CREATE INDEX IF NOT EXISTS batches_by_state ON batches (state, batch_id);
 CREATE TABLE IF NOT EXISTS progress (
@@ -130,7 +134,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 pub use dflash_proto::ProgressPoint;
 
 /// Columns added after the first release, for ledgers written before them.
-const ADDED_COLUMNS: &[(&str, &str)] = &[("trained_by", "TEXT"), ("committed_step", "INTEGER")];
+const ADDED_COLUMNS: &[(&str, &str)] =
+    &[("trained_by", "TEXT"), ("committed_step", "INTEGER"), ("trained_member", "TEXT")];
 
 fn join<T: ToString>(v: &[T]) -> String {
     v.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
@@ -567,6 +572,53 @@ impl Ledger {
             .map_err(|e| self.err(e))
     }
 
+    /// Every lease goes back to pending (they were routed to the members
+    /// of a drafter generation that ended). Returns how many.
+    pub fn release_all_leases(&mut self) -> Result<u64, LedgerError> {
+        self.conn
+            .execute(
+                "UPDATE batches SET state = 'pending', holder = NULL, lease_expires_ms = NULL WHERE state = 'leased'",
+                [],
+            )
+            .map(|n| n as u64)
+            .map_err(|e| self.err(e))
+    }
+
+    /// These leased batches go back to pending.
+    pub fn release_batches(&mut self, batch_ids: &[u64]) -> Result<(), LedgerError> {
+        self.update_each(
+            batch_ids,
+            "UPDATE batches SET state = 'pending', holder = NULL, lease_expires_ms = NULL \
+             WHERE batch_id = ?1 AND state = 'leased'",
+            None,
+        )
+    }
+
+    /// The batches not committed, in plan order: what a resumed drafter
+    /// group has left to train.
+    pub fn uncommitted_ids(&self) -> Result<Vec<u64>, LedgerError> {
+        let mut q = self
+            .conn
+            .prepare("SELECT batch_id FROM batches WHERE state != 'committed' ORDER BY batch_id")
+            .map_err(|e| self.err(e))?;
+        q.query_map([], |r| r.get::<_, i64>(0).map(|i| i as u64))
+            .map_err(|e| self.err(e))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| self.err(e))
+    }
+
+    /// Which group member trained each batch (for the audit).
+    pub fn record_members(&mut self, trained: &[(u64, String)]) -> Result<(), LedgerError> {
+        let path = self.path.clone();
+        let wrap = |source| LedgerError::Sqlite { path: path.clone(), source };
+        let tx = self.conn.transaction().map_err(wrap)?;
+        for (id, member) in trained {
+            tx.execute("UPDATE batches SET trained_member = ?2 WHERE batch_id = ?1", params![*id as i64, member])
+                .map_err(wrap)?;
+        }
+        tx.commit().map_err(wrap)
+    }
+
     /// Expired leases go back to pending. Returns how many.
     pub fn expire_leases(&mut self, now_ms: u64) -> Result<u64, LedgerError> {
         self.conn
@@ -600,7 +652,7 @@ impl Ledger {
     pub fn audit(&self) -> Result<Vec<BatchAudit>, LedgerError> {
         let mut q = self
             .conn
-            .prepare("SELECT batch_id, state, leases, trains, commits FROM batches ORDER BY batch_id")
+            .prepare("SELECT batch_id, state, leases, trains, commits, trained_member FROM batches ORDER BY batch_id")
             .map_err(|e| self.err(e))?;
         q.query_map([], |r| {
             Ok(BatchAudit {
@@ -609,6 +661,7 @@ impl Ledger {
                 leases: r.get::<_, i64>(2)? as u64,
                 trains: r.get::<_, i64>(3)? as u64,
                 commits: r.get::<_, i64>(4)? as u64,
+                member: r.get(5)?,
             })
         })
         .map_err(|e| self.err(e))?

@@ -2,6 +2,7 @@
 //! of role instances, health, and the run's fate.
 
 pub mod flow;
+pub mod group;
 pub mod ledger;
 pub mod plan;
 pub mod run;

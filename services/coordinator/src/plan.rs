@@ -54,7 +54,8 @@ pub fn plan_run(mut config: RunConfig) -> anyhow::Result<RunPlan> {
     for epoch in 0..config.run.epochs {
         batches.extend(plan_epoch(&lengths, config.run.seed, epoch, p.token_budget, p.max_batch_size));
     }
-    let replicas = config.devices.drafter.devices().len() as u64;
+    // One batch per replica per optimizer step, across the group's members.
+    let replicas = config.devices.drafter.devices().len() as u64 * u64::from(config.group.size);
     if config.run.max_steps > 0 {
         batches.truncate((config.run.max_steps * replicas) as usize);
     }

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use dflash_data::PlannedBatch;
 
+use crate::group::{Change, GroupBook, Member};
 use crate::ledger::{CheckpointRecord, Counts, Lease, Ledger, LedgerError, Resumed};
 
 /// Points of the training history a status carries (for a sparkline).
@@ -38,11 +39,12 @@ impl Instance {
     }
 }
 
-#[derive(Default)]
 pub struct Registry {
     pub instances: BTreeMap<String, Instance>,
-    /// The drafter instance whose acknowledgements and steps count.
+    /// The drafter group's rank 0, whose steps and checkpoints count.
     pub drafter: Option<String>,
+    /// Who trains together, with which ranks, in which generation.
+    pub group: GroupBook,
     /// Since when no drafter is registered (None while one is).
     pub drafter_absent_since: Option<Instant>,
 }
@@ -95,13 +97,19 @@ pub struct Run {
 impl Run {
     pub fn new(run_id: String, config: RunConfig, ledger: Ledger) -> Self {
         let config_toml = dflash_config::to_toml_string(&config);
+        let group = GroupBook::new(&config.group);
         let (events, _) = broadcast::channel(64);
         Self {
             run_id,
             config,
             config_toml,
             ledger: Mutex::new(ledger),
-            registry: Mutex::new(Registry { drafter_absent_since: Some(Instant::now()), ..Registry::default() }),
+            registry: Mutex::new(Registry {
+                instances: BTreeMap::new(),
+                drafter: None,
+                group,
+                drafter_absent_since: Some(Instant::now()),
+            }),
             progress: Mutex::new(Progress::default()),
             errors: Mutex::new(VecDeque::new()),
             flow: Mutex::new(crate::flow::Flow::default()),
@@ -123,10 +131,30 @@ impl Run {
         self.flow.lock().expect("flow lock")
     }
 
-    /// Up to `max` batches leased to target `holder`.
-    pub fn lease(&self, holder: &str, max: u32) -> Result<Vec<Lease>, LedgerError> {
-        let window = u64::from(self.config.pipeline.reorder_window);
-        self.ledger().lease(holder, max, now_ms(), self.lease_ms(), window)
+    /// Up to `max` batches leased to target `holder`, each with the group
+    /// member that trains it. Nothing while no generation has its batches
+    /// dealt out (the group forms, or its rank 0 has not resumed yet).
+    pub fn lease(&self, holder: &str, max: u32) -> Result<Vec<(Lease, Member, u64)>, LedgerError> {
+        let reg = self.registry.lock().expect("registry lock");
+        let Some(g) = reg.group.current().filter(|g| g.is_assigned()) else { return Ok(Vec::new()) };
+        // The window holds for each member's own batches.
+        let window = u64::from(self.config.pipeline.reorder_window) * g.world() as u64;
+        let leases = self.ledger().lease(holder, max, now_ms(), self.lease_ms(), window)?;
+        let mut out = Vec::with_capacity(leases.len());
+        let mut unrouted = Vec::new();
+        for l in leases {
+            match g.destination(l.batch_id) {
+                Some(m) => out.push((l, m.clone(), g.number)),
+                None => unrouted.push(l.batch_id),
+            }
+        }
+        if !unrouted.is_empty() {
+            // Not dealt out in this generation (cannot happen while the
+            // ledger and the deal agree): back to pending, and said.
+            tracing::error!("batches {unrouted:?} have no member in generation {}: released", g.number);
+            self.ledger().release_batches(&unrouted)?;
+        }
+        Ok(out)
     }
 
     /// A target's heartbeat: its supply figures, and the leases it holds renewed.
@@ -145,10 +173,19 @@ impl Run {
     }
 
     /// A drafter's step: its batches trained, its figures recorded.
-    pub fn record_trained(&self, by: &str, batch_ids: &[u64], f: &StepFigures) -> Result<(), LedgerError> {
+    pub fn record_trained(
+        &self,
+        by: &str,
+        batch_ids: &[u64],
+        members: &[(u64, String)],
+        f: &StepFigures,
+    ) -> Result<(), LedgerError> {
         {
             let mut ledger = self.ledger();
             ledger.mark_trained(by, batch_ids, f.step)?;
+            if !members.is_empty() {
+                ledger.record_members(members)?;
+            }
             if f.tokens > 0 {
                 ledger.record_progress(&pb::ProgressPoint {
                     step: f.step,
@@ -192,7 +229,14 @@ impl Run {
         let mut ledger = self.ledger();
         let r = ledger.resume(by, start, batch_ids)?;
         let counts = ledger.counts()?;
+        let remaining = ledger.uncommitted_ids()?;
         drop(ledger);
+        // Rank 0 starts where the lineage ends: deal out what is left.
+        let mut reg = self.registry.lock().expect("registry lock");
+        if reg.group.current().is_some_and(|g| g.leader().instance_id == by) {
+            reg.group.assign(&remaining);
+        }
+        drop(reg);
         self.progress.lock().expect("progress lock").committed_step = step;
         Ok((r, counts))
     }
@@ -238,21 +282,110 @@ impl Run {
     /// Events a new watcher needs to catch up: the drafter endpoint and, if
     /// the run is over, the stop.
     pub fn snapshot_events(&self) -> Vec<pb::RunEvent> {
-        let mut out = vec![self.drafter_event()];
+        let mut out = vec![self.group_event()];
         if let Some(stop) = self.stop_event() {
             out.push(stop);
         }
         out
     }
 
-    fn drafter_event(&self) -> pb::RunEvent {
+    fn group_event(&self) -> pb::RunEvent {
+        let group = self.registry.lock().expect("registry lock").group.event();
+        pb::RunEvent { event: Some(pb::run_event::Event::Group(group)) }
+    }
+
+    /// Acts on a change of the group: the new generation's rank 0 leads;
+    /// an ended generation's leases go back to pending (they were routed to
+    /// its members), and every watcher hears of it.
+    fn group_changed(&self, change: Change) -> Result<(), LedgerError> {
+        {
+            let mut reg = self.registry.lock().expect("registry lock");
+            match &change {
+                Change::Formed(_) => {
+                    reg.drafter = reg.group.current().map(|g| g.leader().instance_id.clone());
+                    reg.drafter_absent_since = None;
+                }
+                Change::Ended(g, why) => {
+                    tracing::warn!("drafter group generation {g} ended: {why}; its members join the next");
+                    reg.drafter = None;
+                    reg.drafter_absent_since = Some(Instant::now());
+                }
+            }
+        }
+        if matches!(change, Change::Ended(..)) {
+            let n = self.ledger().release_all_leases()?;
+            if n > 0 {
+                tracing::info!("released {n} lease(s) routed to the ended generation");
+            }
+        }
+        let _ = self.events.send(self.group_event());
+        Ok(())
+    }
+
+    /// One attempt to place drafter `instance_id` in the group (see
+    /// [`GroupBook`]); rank 0 of `generation` publishes `store_address`.
+    /// None: not formed yet.
+    pub fn join_group(
+        &self,
+        instance_id: &str,
+        generation: u64,
+        store_address: &str,
+    ) -> Result<Option<pb::JoinGroupResponse>, LedgerError> {
+        let mut changes = Vec::new();
+        let reply = {
+            let mut reg = self.registry.lock().expect("registry lock");
+            let (endpoint, version) = reg
+                .instances
+                .get(instance_id)
+                .map(|i| (i.request.endpoint.clone(), i.request.version.clone()))
+                .unwrap_or_default();
+            // Every member runs the same build (the same step, the same
+            // collectives); the config is the coordinator's, the same for all.
+            let others = reg.group.member_ids();
+            if let Some((other, v)) = others
+                .iter()
+                .filter(|o| o.as_str() != instance_id)
+                .find_map(|o| reg.instances.get(o).map(|i| (o, &i.request.version)).filter(|(_, v)| **v != version))
+            {
+                return Err(LedgerError::Refused(format!(
+                    "drafter {instance_id} runs dflash {version}, but group member {other} runs {v}: every member of \
+                     a drafter group must run the same build"
+                )));
+            }
+            let book = &mut reg.group;
+            if generation > 0 && !store_address.is_empty() && book.publish_store(generation, instance_id, store_address)
+            {
+                tracing::info!("generation {generation}: rank 0 serves the rendezvous at {store_address}");
+            }
+            if generation == 0 {
+                changes.extend(book.join(Member { instance_id: instance_id.to_string(), endpoint }, Instant::now()));
+                match book.try_form(Instant::now()) {
+                    Ok(c) => changes.extend(c),
+                    Err(why) => {
+                        drop(reg);
+                        self.end(pb::RunState::Failed, why);
+                        return Ok(None);
+                    }
+                }
+            }
+            reg.group.joined(instance_id)
+        };
+        for c in changes {
+            self.group_changed(c)?;
+        }
+        Ok(reply)
+    }
+
+    /// The current generation's number (0: none).
+    pub fn generation(&self) -> u64 {
+        self.registry.lock().expect("registry lock").group.current().map_or(0, |g| g.number)
+    }
+
+    /// A member's batches in `generation`, once dealt out.
+    pub fn assigned(&self, instance_id: &str, generation: u64) -> Option<Vec<u64>> {
         let reg = self.registry.lock().expect("registry lock");
-        let (instance_id, endpoint) = reg
-            .drafter
-            .as_ref()
-            .and_then(|id| reg.instances.get(id).map(|i| (id.clone(), i.request.endpoint.clone())))
-            .unwrap_or_default();
-        pb::RunEvent { event: Some(pb::run_event::Event::Drafter(pb::DrafterEndpoint { instance_id, endpoint })) }
+        let g = reg.group.current().filter(|g| g.number == generation && g.is_assigned())?;
+        Some(g.batches_of(g.rank_of(instance_id)?).to_vec())
     }
 
     pub fn stop_event(&self) -> Option<pb::RunEvent> {
@@ -317,19 +450,30 @@ impl Run {
             req.version,
             if req.endpoint.is_empty() { String::new() } else { format!(", endpoint {}", req.endpoint) }
         );
+        let claim = (req.group_generation, req.group_world);
+        let member = Member { instance_id: id.clone(), endpoint: req.endpoint.clone() };
         reg.instances.insert(id.clone(), Instance { request: req, last_seen: Instant::now(), alive: true });
-        if role == pb::Role::Drafter {
-            if let Some(old) = reg.drafter.replace(id.clone())
-                && old != id
-            {
-                tracing::warn!("drafter {id} replaces {old}");
-                if let Some(i) = reg.instances.get_mut(&old) {
-                    i.alive = false;
+        // A member of a generation this coordinator did not form (it
+        // restarted): a group of one goes on; a larger one re-forms.
+        let adopted = (role == pb::Role::Drafter && claim.0 > 0)
+            .then(|| {
+                let known = reg.group.current().is_some_and(|g| g.rank_of(&id).is_some());
+                (!known).then(|| reg.group.adopt(member, claim.0, claim.1)).flatten()
+            })
+            .flatten();
+        drop(reg);
+        if let Some(change) = adopted {
+            let formed = matches!(change, Change::Formed(_));
+            if let Err(e) = self.group_changed(change) {
+                tracing::error!("drafter group: {e}");
+            }
+            if formed {
+                // It resumed long ago: what is left is its, in plan order.
+                match self.ledger().uncommitted_ids() {
+                    Ok(remaining) => self.registry.lock().expect("registry lock").group.assign(&remaining),
+                    Err(e) => tracing::error!("drafter group: {e}"),
                 }
             }
-            reg.drafter_absent_since = None;
-            drop(reg);
-            let _ = self.events.send(self.drafter_event());
         }
     }
 
@@ -347,6 +491,12 @@ impl Run {
 
     pub fn is_current_drafter(&self, instance_id: &str) -> bool {
         self.registry.lock().expect("registry lock").drafter.as_deref() == Some(instance_id)
+    }
+
+    /// Whether the instance is a member of the current generation (its
+    /// acknowledgements count).
+    pub fn is_group_member(&self, instance_id: &str) -> bool {
+        self.registry.lock().expect("registry lock").group.current().is_some_and(|g| g.rank_of(instance_id).is_some())
     }
 
     pub fn record_error(&self, report: pb::ErrorReport) {
@@ -384,10 +534,10 @@ impl Run {
         }
         let timeout = Duration::from_millis(f.instance_timeout_ms);
         let mut dead_targets = Vec::new();
-        let mut drafter_lost = false;
-        {
+        let mut changes = Vec::new();
+        let formed = {
             let mut reg = self.registry.lock().expect("registry lock");
-            let current = reg.drafter.clone();
+            let mut dead_drafters = Vec::new();
             for (id, inst) in reg.instances.iter_mut() {
                 if inst.alive && inst.last_seen.elapsed() > timeout {
                     inst.alive = false;
@@ -398,18 +548,23 @@ impl Run {
                     );
                     match inst.role() {
                         pb::Role::Target => dead_targets.push(id.clone()),
-                        pb::Role::Drafter if current.as_deref() == Some(id) => drafter_lost = true,
+                        pb::Role::Drafter => dead_drafters.push(id.clone()),
                         _ => {}
                     }
                 }
             }
-            if drafter_lost {
-                reg.drafter = None;
-                reg.drafter_absent_since = Some(Instant::now());
+            for id in dead_drafters {
+                changes.extend(reg.group.lost(&id));
             }
+            // The wait for members may have run out.
+            reg.group.try_form(Instant::now())
+        };
+        match formed {
+            Ok(c) => changes.extend(c),
+            Err(why) => self.end(pb::RunState::Failed, why),
         }
-        if drafter_lost {
-            let _ = self.events.send(self.drafter_event());
+        for c in changes {
+            self.group_changed(c)?;
         }
         for id in dead_targets {
             self.flow.lock().expect("flow lock").target_gone(&id);

@@ -182,7 +182,7 @@ impl Coordinator for CoordinatorService {
             exhausted,
             leases: leases
                 .into_iter()
-                .map(|l| {
+                .map(|(l, member, generation)| {
                     // The root of the batch's trace; the target continues it.
                     let span = dflash_telemetry::batch_span("lease", &Default::default(), l.batch_id);
                     dflash_telemetry::metrics().batches.with_label_values(&["leased"]).inc();
@@ -193,6 +193,9 @@ impl Coordinator for CoordinatorService {
                         sample_lengths: l.sample_lengths,
                         lease_expires_unix_ms: l.expires_ms,
                         trace_context: dflash_telemetry::context_of(&span),
+                        generation,
+                        drafter_instance: member.instance_id,
+                        drafter_endpoint: member.endpoint,
                     }
                 })
                 .collect(),
@@ -205,7 +208,7 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<pb::ReportSentResponse>, Status> {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
-        if !self.run.is_current_drafter(&req.drafter_instance) {
+        if !self.run.is_group_member(&req.drafter_instance) {
             // Acknowledged by a drafter that is gone: the batches stay leased
             // and the target sends them again.
             tracing::warn!(
@@ -240,7 +243,9 @@ impl Coordinator for CoordinatorService {
             tokens: req.tokens,
             input_wait_fraction: req.input_wait_fraction,
         };
-        self.run.record_trained(&req.instance_id, &ids, &figures).map_err(ledger_status)?;
+        let members: Vec<(u64, String)> =
+            req.batches.iter().filter(|b| !b.member.is_empty()).map(|b| (b.batch_id, b.member.clone())).collect();
+        self.run.record_trained(&req.instance_id, &ids, &members, &figures).map_err(ledger_status)?;
         Ok(Response::new(pb::ReportTrainedResponse { all_trained: self.run.all_trained() }))
     }
 
@@ -317,8 +322,11 @@ impl Coordinator for CoordinatorService {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
         let (batches, fingerprint) = self.run.plan().map_err(ledger_status)?;
+        let assigned = (req.generation > 0).then(|| self.run.assigned(&req.instance_id, req.generation)).flatten();
         Ok(Response::new(pb::GetPlanResponse {
             fingerprint,
+            assignment_ready: assigned.is_some(),
+            assigned_batch_ids: assigned.unwrap_or_default(),
             batches: batches
                 .into_iter()
                 .map(|b| pb::PlannedBatch {
@@ -329,6 +337,40 @@ impl Coordinator for CoordinatorService {
                 })
                 .collect(),
         }))
+    }
+
+    async fn join_group(&self, req: Request<pb::JoinGroupRequest>) -> Result<Response<pb::JoinGroupResponse>, Status> {
+        let req = req.into_inner();
+        self.check_instance(&req.run_id, &req.instance_id)?;
+        // Answers within half the RPC deadline: formed, or ask again.
+        let half = std::time::Duration::from_millis(self.run.config.faults.rpc_timeout_ms / 2);
+        let deadline = tokio::time::Instant::now() + half;
+        loop {
+            if !self.run.is_running() {
+                let (state, message) = self.run.state();
+                return Err(CoordinatorError::RunOver { state, message, run_id: req.run_id }.into());
+            }
+            let joined =
+                self.run.join_group(&req.instance_id, req.generation, &req.store_address).map_err(ledger_status)?;
+            match joined {
+                // Rank 0 needs no store address (it serves the store); the
+                // others wait until it published one.
+                Some(r) if r.rank == 0 || !r.store_address.is_empty() => return Ok(Response::new(r)),
+                // The caller's generation ended while it waited.
+                None if req.generation > 0 => {
+                    return Ok(Response::new(pb::JoinGroupResponse {
+                        formed: false,
+                        generation: self.run.generation(),
+                        ..Default::default()
+                    }));
+                }
+                _ => {}
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(Response::new(pb::JoinGroupResponse { formed: false, ..Default::default() }));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
 }
 

@@ -19,12 +19,13 @@ use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop,
 use dflash_telemetry::ErrorKind;
 use tonic_health::ServingStatus;
 
+use dflash_drafter::group;
 use dflash_drafter::periodic_eval;
 use dflash_drafter::prefetch::{self, Prefetcher};
 use dflash_drafter::receiver::{self, DrafterService, Expected, Landing};
 use dflash_drafter::reporter::Reporter;
 use dflash_drafter::sequencer::Sequencer;
-use dflash_drafter::train_loop::{ReplicaStep, TrainLoop, follow};
+use dflash_drafter::train_loop::{GroupMember, ReplicaStep, TrainLoop, follow, follow_member};
 use dflash_models::features::kind_of;
 use dflash_wire::rpc::{HiddenStateService, transport};
 use dflash_wire::{DType, FeatureSpec};
@@ -128,7 +129,8 @@ async fn serve(args: ServeArgs) -> i32 {
 
 /// The run's plan from the coordinator: what every batch must hold.
 async fn fetch_plan(session: &Session) -> anyhow::Result<receiver::Plan> {
-    let req = pb::GetPlanRequest { run_id: session.run_id.clone(), instance_id: session.instance_id.clone() };
+    let req =
+        pb::GetPlanRequest { run_id: session.run_id.clone(), instance_id: session.instance_id.clone(), generation: 0 };
     let plan = dflash_role::with_timeout(session.rpc_timeout(), session.client().get_plan(req))
         .await
         .map_err(|s| anyhow::anyhow!("fetching the run's plan: {}", s.message()))
@@ -150,6 +152,49 @@ fn device_name(d: tch::Device) -> String {
     match d {
         tch::Device::Cuda(i) => format!("cuda:{i}"),
         _ => "cpu".into(),
+    }
+}
+
+/// The batches the coordinator dealt out to this member of `generation`
+/// (ready once rank 0 has resumed, which it has when the members met).
+async fn fetch_assignment(session: &Session, generation: u64) -> anyhow::Result<Vec<u64>> {
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(session.config.group.collective_timeout_ms);
+    loop {
+        let req =
+            pb::GetPlanRequest { run_id: session.run_id.clone(), instance_id: session.instance_id.clone(), generation };
+        let mut client = session.client();
+        match dflash_role::with_timeout(session.rpc_timeout(), client.get_plan(req)).await {
+            Ok(p) if p.assignment_ready => return Ok(p.assigned_batch_ids),
+            _ if tokio::time::Instant::now() >= deadline => {
+                return Err(reform(
+                    session,
+                    anyhow::anyhow!("generation {generation}: the coordinator dealt out no batches in time"),
+                ));
+            }
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// The generation this member trains in cannot go on (a member lost, a
+/// collective that failed or timed out): the role stops to join the next
+/// one (exit code 75), rather than failing the run.
+fn reform(session: &Session, e: anyhow::Error) -> anyhow::Error {
+    session.stop.stop(StopCause::GroupReform(dflash_role::format_chain(&e)));
+    e
+}
+
+/// How a member's training ended: a lost peer or a device error in a
+/// collective ends this generation (the role leaves to join the next);
+/// anything else is what it is.
+fn member_ends(session: &Session, result: anyhow::Result<()>) -> anyhow::Result<()> {
+    match result {
+        Err(e) if matches!(dflash_role::kind_of(&e), ErrorKind::PeerLost | ErrorKind::Device) => {
+            tracing::warn!("leaving the drafter group: {}", dflash_role::format_chain(&e));
+            reform(session, e);
+            Ok(())
+        }
+        other => other,
     }
 }
 
@@ -232,7 +277,7 @@ async fn start(
     let c = &session.config;
     let stop = session.stop.clone();
     session.spawn_heartbeat(stages, Vec::new, || (0, 0.0));
-    let _events = session.spawn_event_watch(stages);
+    let events = session.spawn_event_watch(stages);
     let devices = c.devices.drafter.devices().to_vec();
     let gpus = c.devices.drafter.cuda_indices();
     if !gpus.is_empty() {
@@ -258,16 +303,52 @@ async fn start(
     let plan = Arc::new(fetch_plan(session).await?);
     let vocab_size = trainers[0].drafter().config.vocab_size as u32;
 
+    // A place in the drafter group first: rank 0 resumes and leads.
+    let membership = group::join(session).await?;
+    group::spawn_leave_watch(session, stages, events, &membership);
+    let member_of_many = membership.world > 1;
     // Resume before accepting batches, so the coordinator resets the work
     // this drafter will not have before any target sends it more.
     let rt = tokio::runtime::Handle::current();
-    let eval =
-        tokio::task::block_in_place(|| periodic_eval::PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
-    let (reporter, delivery) = Reporter::start(Arc::clone(session));
-    stages.spawn_task("report-progress", delivery);
-    let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone(), eval, reporter);
-    tokio::task::block_in_place(|| train.resume())?;
-    let resumed_step = train.trainer().step();
+    let mut leader = None;
+    let mut resumed_step = 0;
+    if membership.rank == 0 {
+        let eval = tokio::task::block_in_place(|| periodic_eval::PeriodicEval::load(c, device, kind))
+            .kind(ErrorKind::Config)?;
+        let (reporter, delivery) = Reporter::start(Arc::clone(session));
+        stages.spawn_task("report-progress", delivery);
+        let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone(), eval, reporter);
+        tokio::task::block_in_place(|| train.resume())?;
+        resumed_step = train.trainer().step();
+        leader = Some(train);
+    }
+    // Members of a larger group: the collective, rank 0's weights and step,
+    // and the batches the coordinator dealt out to this member.
+    let mut member_group = None;
+    let mut order: Vec<u64> = plan.keys().copied().collect();
+    if member_of_many {
+        let own_host = group::host_of(endpoint);
+        let store = group::rendezvous(session, &membership, &own_host).await.map_err(|e| reform(session, e))?;
+        let g = tokio::task::block_in_place(|| group::collective(store, &membership, &own_host, device))
+            .map_err(|e| reform(session, e))?;
+        let trainer = leader.as_ref().map_or_else(|| &trainers[0], |l| l.trainer());
+        tokio::task::block_in_place(|| sync_replica(g.as_ref(), trainer)).map_err(|e| reform(session, e))?;
+        let step = tokio::task::block_in_place(|| g.agree(&[resumed_step as f64], device))
+            .kind(ErrorKind::PeerLost)
+            .map_err(|e| reform(session, e))?;
+        resumed_step = step[0] as u64;
+        if let Some(t) = trainers.first_mut() {
+            t.set_step(resumed_step);
+        }
+        order = fetch_assignment(session, membership.generation).await?;
+        tracing::info!(
+            "rank {} trains {} batch(es) of the plan from step {resumed_step} (first: {:?})",
+            membership.rank,
+            order.len(),
+            order.first()
+        );
+        member_group = Some(g);
+    }
     let spec = FeatureSpec::of(c);
     let max_payload = spec.payload_bytes(c.pipeline.token_budget as usize, hidden as usize) as u64;
     // Payloads live in: the HS queue, prefetch, the train step, and the
@@ -287,7 +368,18 @@ async fn start(
         run_id: session.run_id.clone(),
         instance_id: session.instance_id.clone(),
         credits: c.pipeline.max_inflight_batches,
-        expected: Expected { spec: spec.clone(), hidden_size: hidden as u32, vocab_size, plan: Arc::clone(&plan) },
+        expected: Expected {
+            spec: spec.clone(),
+            hidden_size: hidden as u32,
+            vocab_size,
+            // A member takes only its own batches (another member's would
+            // break the step order).
+            plan: if member_of_many {
+                Arc::new(order.iter().filter_map(|id| plan.get(id).map(|p| (*id, p.clone()))).collect())
+            } else {
+                Arc::clone(&plan)
+            },
+        },
         max_payload_bytes: max_payload as usize,
         queue: hs_tx,
         stop: stop.clone(),
@@ -324,16 +416,15 @@ async fn start(
     let world = tdevs.len();
     let group_id = if world > 1 { Some(dflash_models::dp::new_group_id().kind(ErrorKind::Device)?) } else { None };
     let (report_tx, report_rx) = flume::bounded(world * 2);
-    let trained = train.trained_set();
+    let trained = leader.as_ref().map_or_else(Default::default, TrainLoop::trained_set);
     // The HS queue, in the plan's order, to every replica's prefetch.
-    let sequencer = Sequencer::new(plan.keys().copied(), trained.clone(), c.pipeline.reorder_window as usize);
+    let sequencer = Sequencer::new(order, trained.clone(), c.pipeline.reorder_window as usize);
     let (ordered_tx, ordered_rx) = flume::bounded(1);
     let s = stop.clone();
     stages.spawn_thread("sequencer", move || {
-        sequencer.run(hs_rx, ordered_tx, s);
+        sequencer.run(hs_rx, ordered_tx, s, member_of_many);
         Ok(())
     });
-    let mut leader = Some(train);
     let mut followers = trainers.into_iter();
     for (rank, &dev) in tdevs.iter().enumerate() {
         let gpu_landing = match dev {
@@ -364,7 +455,37 @@ async fn start(
             Ok(Some(Box::new(dflash_models::dp::Replica::join(id, rank, world, ordinal).kind(ErrorKind::Device)?)))
         };
         let check_every = c.checkpoint.interval_steps;
-        let mut replica = ReplicaStep { input: pf_rx, group: None, trained: trained.clone(), device: dev, check_every };
+        let mut replica = ReplicaStep {
+            input: pf_rx,
+            group: None,
+            trained: trained.clone(),
+            device: dev,
+            check_every,
+            member: session.instance_id.clone(),
+            group_member: None,
+        };
+        // A member of a larger group: one replica, in lockstep with the
+        // other members; a lost member ends the generation, not the run.
+        if let Some(g) = member_group.take() {
+            replica.group = Some(g);
+            replica.group_member = Some(GroupMember::new(membership.names.clone()));
+            let (s, sess) = (stop.clone(), Arc::clone(session));
+            match leader.take() {
+                Some(train) => {
+                    let reports = report_rx.clone();
+                    stages.spawn_thread("train-0", move || {
+                        member_ends(&sess, train.run(replica, reports)).on_device(device_name(dev))
+                    });
+                }
+                None => {
+                    let trainer = followers.next().expect("the member's trainer");
+                    stages.spawn_thread(&format!("train-{}", membership.rank), move || {
+                        member_ends(&sess, follow_member(trainer, replica, s)).on_device(device_name(dev))
+                    });
+                }
+            }
+            continue;
+        }
         if rank == 0 {
             let train = leader.take().expect("one leader");
             let reports = report_rx.clone();

@@ -245,6 +245,12 @@ impl Delivery {
     /// the role's failure when the written policy says none can.
     fn not_taken(&self, what: &str, s: &tonic::Status) -> anyhow::Result<Delivered> {
         let e = dflash_proto::CoordinatorError::from_status(s);
+        if dflash_telemetry::on_coordinator_error(e.as_ref()) == Reaction::Rejoin {
+            // Its generation ended: what it trained since the last commit
+            // is redone by the next one, which this drafter joins.
+            self.session.stop.stop(dflash_role::StopCause::GroupReform(format!("the {what} report: {}", s.message())));
+            return Ok(Delivered::NotYet);
+        }
         if dflash_telemetry::on_coordinator_error(e.as_ref()) == Reaction::Fail {
             return Err(anyhow::anyhow!("coordinator refused the {what} report: {}", s.message()))
                 .kind(ErrorKind::Protocol);

@@ -132,13 +132,28 @@ impl Sequencer {
         self.held.len()
     }
 
-    /// Hands arrivals on in order until the input closes or the role stops.
-    pub fn run(mut self, input: flume::Receiver<Arrival>, output: flume::Sender<Arrival>, stop: Stop) {
+    /// Hands arrivals on in order until the input closes or the role stops;
+    /// with `end_when_done`, also once its whole order is handed on (a group
+    /// member then tells the others it has no more batches by its input
+    /// closing).
+    pub fn run(
+        mut self,
+        input: flume::Receiver<Arrival>,
+        output: flume::Sender<Arrival>,
+        stop: Stop,
+        end_when_done: bool,
+    ) {
+        if end_when_done && self.next_id().is_none() {
+            return;
+        }
         while let Some(a) = recv_until_stop(&input, &stop) {
             for a in self.push(a) {
                 if !send_until_stop(&output, a, &stop) {
                     return;
                 }
+            }
+            if end_when_done && self.next_id().is_none() {
+                return;
             }
             dflash_telemetry::metrics().queue_depth.with_label_values(&["reorder"]).set(self.held() as i64);
         }
@@ -150,7 +165,12 @@ mod tests {
     use super::*;
 
     fn rejected(id: u64) -> Arrival {
-        Arrival::Rejected(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: "bad".into() })
+        Arrival::Rejected(pb::TrainedBatch {
+            batch_id: id,
+            skipped: true,
+            skip_reason: "bad".into(),
+            member: String::new(),
+        })
     }
 
     fn ids(v: &[Arrival]) -> Vec<(u64, bool)> {

@@ -48,6 +48,8 @@ pub enum ReplicaOutcome {
 /// One replica's part of one step.
 pub struct ReplicaReport {
     pub batch_id: Option<u64>,
+    /// The drafter instance (group member) the replica runs in.
+    pub member: String,
     pub outcome: ReplicaOutcome,
     /// Time spent computing (not waiting for a batch).
     pub busy: Duration,
@@ -70,6 +72,40 @@ pub struct ReplicaStep {
     pub device: tch::Device,
     /// Verify every this many steps that the replicas hold identical weights.
     pub check_every: u64,
+    /// This process's instance id (the member its replicas belong to).
+    pub member: String,
+    /// Set in a group of several processes: see [`GroupMember`].
+    pub group_member: Option<GroupMember>,
+}
+
+/// A replica that is a member of a drafter group spread over processes.
+/// It steps only when every member holds its next batch in the plan's
+/// order (or has none left), so that step k trains the k-th batch of each
+/// member whatever the timing; and it learns the others' outcomes through
+/// the collective (rank 0 reports them all).
+#[derive(Default)]
+pub struct GroupMember {
+    /// Instance id of each rank.
+    pub names: Vec<String>,
+    held: Option<Prepared>,
+    exhausted: bool,
+    /// The other ranks' reports of the last step.
+    gathered: Vec<ReplicaReport>,
+}
+
+/// Per rank in the gathered reports: batch id + 1 (0: none), outcome,
+/// loss, accuracy, acceptance length, tokens.
+const GATHERED: usize = 6;
+
+impl GroupMember {
+    pub fn new(names: Vec<String>) -> Self {
+        Self { names, ..Self::default() }
+    }
+
+    /// The other ranks' reports of the step just taken.
+    pub fn take_gathered(&mut self) -> Vec<ReplicaReport> {
+        std::mem::take(&mut self.gathered)
+    }
 }
 
 impl ReplicaStep {
@@ -82,17 +118,116 @@ impl ReplicaStep {
         trainer: &mut dflash_models::Trainer,
         stop: &dflash_role::Stop,
     ) -> anyhow::Result<(ReplicaReport, Agreement)> {
-        let (batch, rejected) = match self.input.recv_timeout(Duration::from_millis(100)) {
-            Ok(Prepared::Batch(b)) => (Some(b), None),
-            Ok(Prepared::Rejected(r)) => (None, Some(r)),
-            Err(flume::RecvTimeoutError::Timeout) => (None, None),
-            Err(flume::RecvTimeoutError::Disconnected) => (None, None),
+        if self.group_member.is_some() {
+            return self.member_step(trainer, stop);
+        }
+        let prepared = self.input.recv_timeout(Duration::from_millis(100)).ok();
+        self.train_step(trainer, prepared, stop)
+    }
+
+    /// A group member's step: first every member says whether it is ready.
+    fn member_step(
+        &mut self,
+        trainer: &mut dflash_models::Trainer,
+        stop: &dflash_role::Stop,
+    ) -> anyhow::Result<(ReplicaReport, Agreement)> {
+        let m = self.group_member.as_mut().expect("a group member");
+        if m.held.is_none() && !m.exhausted {
+            match self.input.recv_timeout(Duration::from_millis(100)) {
+                Ok(p) => m.held = Some(p),
+                Err(flume::RecvTimeoutError::Disconnected) => m.exhausted = true,
+                Err(flume::RecvTimeoutError::Timeout) => {}
+            }
+        }
+        let g = self.group.as_ref().expect("a group member has a collective");
+        let flags = [
+            f64::from(u8::from(m.held.is_some() || m.exhausted)),
+            f64::from(u8::from(stop.is_stopped())),
+            f64::from(u8::from(m.held.is_some())),
+        ];
+        let a = g.agree(&flags, self.device).kind(ErrorKind::PeerLost)?;
+        let idle = ReplicaReport {
+            batch_id: None,
+            member: self.member.clone(),
+            outcome: ReplicaOutcome::Duplicate,
+            busy: Duration::ZERO,
+        };
+        if a[1] > 0.0 {
+            return Ok((idle, Agreement { any_batch: false, stopping: true }));
+        }
+        if a[0] < g.world() as f64 || a[2] == 0.0 {
+            return Ok((idle, Agreement { any_batch: false, stopping: false }));
+        }
+        let prepared = m.held.take();
+        let (report, agreement) = self.train_step(trainer, prepared, stop)?;
+        self.gather(&report, trainer.step())?;
+        Ok((report, agreement))
+    }
+
+    /// Shares every rank's outcome of the step with every rank.
+    fn gather(&mut self, own: &ReplicaReport, step: u64) -> anyhow::Result<()> {
+        let g = self.group.as_ref().expect("a group member has a collective");
+        let (rank, world) = (g.rank(), g.world());
+        let mut v = vec![0f64; world * GATHERED];
+        let slot = &mut v[rank * GATHERED..(rank + 1) * GATHERED];
+        slot[0] = own.batch_id.map_or(0.0, |id| id as f64 + 1.0);
+        slot[1] = match &own.outcome {
+            ReplicaOutcome::Trained(m) => {
+                (slot[2], slot[3], slot[4], slot[5]) = (m.loss, m.accuracy, m.acceptance_length, m.tokens as f64);
+                1.0
+            }
+            ReplicaOutcome::Skipped(_) => 2.0,
+            ReplicaOutcome::Rejected(_) => 3.0,
+            ReplicaOutcome::Duplicate => 4.0,
+        };
+        let all = g.agree(&v, self.device).kind(ErrorKind::PeerLost)?;
+        let m = self.group_member.as_mut().expect("a group member");
+        m.gathered = (0..world)
+            .filter(|&r| r != rank)
+            .map(|r| {
+                let s = &all[r * GATHERED..(r + 1) * GATHERED];
+                let outcome = match s[1] as u8 {
+                    1 => ReplicaOutcome::Trained(dflash_models::StepMetrics {
+                        step,
+                        loss: s[2],
+                        accuracy: s[3],
+                        acceptance_length: s[4],
+                        tokens: s[5] as u64,
+                        ..Default::default()
+                    }),
+                    2 => ReplicaOutcome::Skipped(format!("not finite on rank {r}")),
+                    3 => ReplicaOutcome::Rejected(format!("rejected by rank {r}")),
+                    _ => ReplicaOutcome::Duplicate,
+                };
+                ReplicaReport {
+                    batch_id: (s[0] > 0.0).then(|| s[0] as u64 - 1),
+                    member: m.names.get(r).cloned().unwrap_or_default(),
+                    outcome,
+                    busy: Duration::ZERO,
+                }
+            })
+            .collect();
+        Ok(())
+    }
+
+    /// Trains `prepared` (if any) in lockstep with the other replicas.
+    fn train_step(
+        &mut self,
+        trainer: &mut dflash_models::Trainer,
+        prepared: Option<Prepared>,
+        stop: &dflash_role::Stop,
+    ) -> anyhow::Result<(ReplicaReport, Agreement)> {
+        let (batch, rejected) = match prepared {
+            Some(Prepared::Batch(b)) => (Some(b), None),
+            Some(Prepared::Rejected(r)) => (None, Some(r)),
+            None => (None, None),
         };
         let t0 = Instant::now();
         let span = batch.as_ref().map(|b| dflash_telemetry::batch_span("train_step", &b.trace_context, b.batch_id));
         let _entered = span.as_ref().map(tracing::Span::enter);
         let mut report = ReplicaReport {
             batch_id: batch.as_ref().map(|b| b.batch_id).or(rejected.as_ref().map(|r| r.batch_id)),
+            member: self.member.clone(),
             outcome: ReplicaOutcome::Duplicate,
             busy: Duration::ZERO,
         };
@@ -167,6 +302,27 @@ pub fn follow(
         }
         if flags.any_batch && reports.send(report).is_err() {
             return Ok(());
+        }
+    }
+}
+
+/// A group member other than rank 0 (another process): steps in lockstep
+/// and keeps its own record of what it trained (replays are not trained
+/// twice); rank 0 learns its outcomes through the collective and reports them.
+pub fn follow_member(
+    mut trainer: dflash_models::Trainer,
+    mut replica: ReplicaStep,
+    stop: dflash_role::Stop,
+) -> anyhow::Result<()> {
+    loop {
+        let (report, flags) = replica.step(&mut trainer, &stop)?;
+        if flags.stopping {
+            return Ok(());
+        }
+        if let Some(id) = report.batch_id
+            && !matches!(report.outcome, ReplicaOutcome::Duplicate)
+        {
+            replica.trained.lock().expect("trained set lock").insert(id);
         }
     }
 }
@@ -536,6 +692,9 @@ impl TrainLoop {
         }
         // Exactly one report per replica for every step anyone took.
         let mut reports = vec![own];
+        if let Some(m) = replica.group_member.as_mut() {
+            reports.extend(m.take_gathered());
+        }
         while reports.len() < replica.world() {
             match followers.recv_timeout(Duration::from_millis(200)) {
                 Ok(r) => reports.push(r),
@@ -550,9 +709,15 @@ impl TrainLoop {
     /// in a row fail the run.
     fn account(&mut self, reports: Vec<ReplicaReport>) -> anyhow::Result<StepResult> {
         let mut r = StepResult { metrics: None, tokens: 0, batches: Vec::new(), skipped: Vec::new() };
-        let done = |id| pb::TrainedBatch { batch_id: id, skipped: false, skip_reason: String::new() };
         for report in reports {
             let Some(id) = report.batch_id else { continue };
+            let member = report.member.clone();
+            let done = |id| pb::TrainedBatch {
+                batch_id: id,
+                skipped: false,
+                skip_reason: String::new(),
+                member: member.clone(),
+            };
             match report.outcome {
                 ReplicaOutcome::Duplicate => {
                     tracing::info!("batch {id} was already trained; not training it again");
@@ -567,14 +732,24 @@ impl TrainLoop {
                 }
                 ReplicaOutcome::Skipped(reason) => {
                     self.record(id);
-                    r.batches.push(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: reason.clone() });
+                    r.batches.push(pb::TrainedBatch {
+                        batch_id: id,
+                        skipped: true,
+                        skip_reason: reason.clone(),
+                        member: member.clone(),
+                    });
                     dflash_telemetry::metrics().batches.with_label_values(&["skipped"]).inc();
                     dflash_telemetry::metrics().errors.with_label_values(&["non_finite"]).inc();
                     r.skipped.push((reason, ErrorKind::NonFinite));
                 }
                 ReplicaOutcome::Rejected(reason) => {
                     self.record(id);
-                    r.batches.push(pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: reason.clone() });
+                    r.batches.push(pb::TrainedBatch {
+                        batch_id: id,
+                        skipped: true,
+                        skip_reason: reason.clone(),
+                        member: member.clone(),
+                    });
                     r.skipped.push((reason, ErrorKind::BadBatch));
                 }
             }

@@ -292,7 +292,7 @@ mod tests {
             input_ids: samples.iter().flat_map(|s| s.1.iter().copied()).collect(),
             loss_mask: samples.iter().flat_map(|s| vec![1u8; s.1.len()]).collect(),
             trace: Default::default(),
-            lease: Leases::new().hold(batch_id),
+            lease: Leases::new().hold(batch_id, Default::default()),
         }
     }
 

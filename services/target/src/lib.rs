@@ -1,7 +1,8 @@
 //! The target service: the frozen target forward with layer capture per
 //! device (`forward`, its CUDA ids upload in `upload`, reuse of earlier
 //! epochs in `feature_cache`), the postprocess pool (`postprocess`), the
-//! hidden-state senders (`sender`), and the lease loop feeding them
+//! hidden-state senders (`sender`, one set per drafter group member, which
+//! `router` picks by each batch's lease), and the lease loop feeding them
 //! (`work`). `inspect` checks a model directory the way the service loads it.
 
 pub mod feature_cache;
@@ -9,6 +10,7 @@ pub mod forward;
 pub mod inspect;
 pub mod leases;
 pub mod postprocess;
+pub mod router;
 pub mod sender;
 pub mod upload;
 pub mod work;

@@ -21,6 +21,7 @@ use dflash_target::feature_cache::FeatureCache;
 use dflash_target::forward::{self, ForwardLoop};
 use dflash_target::leases::Leases;
 use dflash_target::postprocess::{self, PostprocessSink, Postprocessor};
+use dflash_target::router::Router;
 use dflash_target::{inspect, sender, work};
 
 #[derive(Parser, Debug)]
@@ -107,7 +108,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     let stats = Arc::new(forward::ForwardStats::new(c.devices.target.devices().len()));
     let (renew, load_stats) = (leases.clone(), Arc::clone(&stats));
     session.spawn_heartbeat(stages, move || renew.ids(), move || load_stats.load());
-    let drafter_endpoint = session.spawn_event_watch(stages);
+    let group = session.spawn_event_watch(stages);
 
     let dataset = Arc::new(tokio::task::block_in_place(|| work::load_dataset(session))?);
     let devices = c.devices.target.devices().to_vec();
@@ -138,17 +139,8 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     let streams = c.pipeline.streams_per_target as usize;
     let window = (c.pipeline.max_inflight_batches as usize).div_ceil(streams);
     let reports = sender::spawn_reporter(Arc::clone(session), stages);
-    for i in 0..streams {
-        let s = sender::Sender::new(
-            Arc::clone(session),
-            host_rx.clone(),
-            drafter_endpoint.clone(),
-            window,
-            reports.clone(),
-            i,
-        );
-        stages.spawn_task(&format!("sender-{i}"), s.run());
-    }
+    let router = Router { session: Arc::clone(session), stages: stages.clone(), group, streams, window, reports };
+    stages.spawn_task("route", router.run(host_rx));
     Ok(())
 }
 

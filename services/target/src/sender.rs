@@ -79,6 +79,10 @@ impl Sender {
         let stop = self.session.stop.clone();
         let mut delays = dflash_telemetry::retry_delays();
         loop {
+            // The route closed: the member left the group.
+            if self.drafter_endpoint.has_changed().is_err() {
+                return Ok(());
+            }
             // Wait for a drafter to exist.
             let endpoint = loop {
                 if let Some(e) = self.drafter_endpoint.borrow_and_update().clone() {
@@ -105,6 +109,7 @@ impl Sender {
                     );
                     tokio::select! {
                         _ = tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(5))) => {}
+                        r = self.drafter_endpoint.changed() => if r.is_err() { return Ok(()) },
                         _ = stop.stopped() => return Ok(()),
                     }
                 }

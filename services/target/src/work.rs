@@ -13,7 +13,7 @@ use dflash_proto::CoordinatorError;
 use dflash_role::{KindExt, Session, with_timeout};
 use dflash_telemetry::{ErrorKind, Reaction};
 
-use crate::leases::{Lease, Leases};
+use crate::leases::{Destination, Lease, Leases};
 
 /// One leased batch, tokenized and packed: the forward loop's input.
 #[derive(Clone, Debug)]
@@ -108,7 +108,12 @@ pub async fn lease_loop(
         let wait = match resp {
             Ok(r) if !r.leases.is_empty() => {
                 for lease in &r.leases {
-                    let item = work_item(&ds, lease, leases.hold(lease.batch_id))?;
+                    let to = Destination {
+                        generation: lease.generation,
+                        instance_id: lease.drafter_instance.clone(),
+                        endpoint: lease.drafter_endpoint.clone(),
+                    };
+                    let item = work_item(&ds, lease, leases.hold(lease.batch_id, to))?;
                     dflash_telemetry::metrics().queue_depth.with_label_values(&["work"]).set(out.len() as i64 + 1);
                     tokio::select! {
                         r = out.send_async(item) => if r.is_err() { return Ok(()) },
@@ -125,7 +130,7 @@ pub async fn lease_loop(
             Err(s) => match dflash_telemetry::on_coordinator_error(CoordinatorError::from_status(&s).as_ref()) {
                 // The heartbeat registers again and stops the role when the
                 // run is over or the coordinator gone; leasing waits.
-                Reaction::Retry | Reaction::Register | Reaction::RunOver(_) => {
+                Reaction::Retry | Reaction::Register | Reaction::RunOver(_) | Reaction::Rejoin => {
                     tracing::debug!("lease request failed: {}", s.message());
                     delays.next().unwrap_or(Duration::from_secs(5))
                 }

@@ -251,8 +251,12 @@ impl Lander {
             m.batches.with_label_values(&["rejected"]).inc();
             m.errors.with_label_values(&[dflash_telemetry::ErrorKind::BadBatch.as_str()]).inc();
             if r.skip {
-                let skip =
-                    pb::TrainedBatch { batch_id: id, skipped: true, skip_reason: format!("rejected: {}", r.reason) };
+                let skip = pb::TrainedBatch {
+                    batch_id: id,
+                    skipped: true,
+                    skip_reason: format!("rejected: {}", r.reason),
+                    member: String::new(),
+                };
                 if !dflash_role::send_until_stop(&self.queue, Arrival::Rejected(skip), &self.stop) {
                     return false;
                 }

@@ -1,0 +1,226 @@
+//! This drafter's membership in the drafter group: joining a generation
+//! through the coordinator, the rendezvous rank 0 serves (PyTorch's
+//! TCPStore), the collective on top (Gloo between CPU members, NCCL between
+//! GPU members, its unique id handed over through the store), and leaving
+//! when the generation ends -- the process exits with
+//! [`dflash_role::EXIT_GROUP_REFORM`] so that its supervisor starts it again
+//! into the next generation, from the last committed checkpoint.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dflash_models::collective::{Collective, Reduce};
+use dflash_models::gloo::{GlooGroup, GroupStore};
+use dflash_proto as pb;
+use dflash_role::{KindExt, Session, Stages, StopCause, with_timeout};
+use dflash_telemetry::ErrorKind;
+use tokio::sync::watch;
+
+/// The generation this drafter trains in, and its rank.
+#[derive(Clone, Debug)]
+pub struct Membership {
+    pub generation: u64,
+    pub rank: usize,
+    pub world: usize,
+    /// Instance id of each rank.
+    pub names: Vec<String>,
+}
+
+/// Asks the coordinator for a place in the next generation until the group
+/// is formed (the coordinator fails the run when too few come within
+/// `group.wait_ms`).
+pub async fn join(session: &Session) -> anyhow::Result<Membership> {
+    let stop = session.stop.clone();
+    let mut delays = dflash_telemetry::retry_delays();
+    let mut client = session.client();
+    loop {
+        let req = pb::JoinGroupRequest {
+            run_id: session.run_id.clone(),
+            instance_id: session.instance_id.clone(),
+            generation: 0,
+            store_address: String::new(),
+        };
+        let r = tokio::select! {
+            r = with_timeout(session.rpc_timeout(), client.join_group(req)) => r,
+            _ = stop.stopped() => anyhow::bail!("stopped while joining the drafter group"),
+        };
+        match r {
+            Ok(r) if r.formed => {
+                let m = Membership {
+                    generation: r.generation,
+                    rank: r.rank as usize,
+                    world: r.world as usize,
+                    names: r.members.iter().map(|m| m.instance_id.clone()).collect(),
+                };
+                tracing::info!(
+                    "drafter group generation {}: rank {} of {} ({})",
+                    m.generation,
+                    m.rank,
+                    m.world,
+                    m.names.join(", ")
+                );
+                session.set_group(m.generation, m.world as u32);
+                return Ok(m);
+            }
+            Ok(_) => delays = dflash_telemetry::retry_delays(),
+            Err(s) => {
+                let e = dflash_proto::CoordinatorError::from_status(&s);
+                if dflash_telemetry::on_coordinator_error(e.as_ref()) == dflash_telemetry::Reaction::Fail {
+                    return Err(anyhow::anyhow!("joining the drafter group: {}", s.message()))
+                        .kind(ErrorKind::Protocol);
+                }
+                if let Some(dflash_proto::CoordinatorError::RunOver { message, .. }) = e {
+                    anyhow::bail!("the run is over: {message}");
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(5))) => {}
+                    _ = stop.stopped() => anyhow::bail!("stopped while joining the drafter group"),
+                }
+            }
+        }
+    }
+}
+
+/// The host part of an endpoint URL (`http://10.0.0.7:50052` -> `10.0.0.7`):
+/// where the other members reach this one.
+pub fn host_of(endpoint: &str) -> String {
+    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    match authority.rsplit_once(':') {
+        Some((h, p)) if p.chars().all(|c| c.is_ascii_digit()) => h.trim_matches(['[', ']']).to_string(),
+        _ => authority.to_string(),
+    }
+}
+
+/// The rendezvous: rank 0 serves the store and tells the coordinator where;
+/// the others wait for that and connect. Err with [`StopCause::GroupReform`]
+/// semantics when the generation ended meanwhile.
+pub async fn rendezvous(session: &Session, m: &Membership, own_host: &str) -> anyhow::Result<GroupStore> {
+    let timeout = Duration::from_millis(session.config.group.collective_timeout_ms);
+    let ask = |store_address: String| pb::JoinGroupRequest {
+        run_id: session.run_id.clone(),
+        instance_id: session.instance_id.clone(),
+        generation: m.generation,
+        store_address,
+    };
+    if m.rank == 0 {
+        let (host, world, generation) = (own_host.to_string(), m.world, m.generation);
+        let store = tokio::task::spawn_blocking(move || GroupStore::serve(&host, world, generation, timeout))
+            .await?
+            .kind(ErrorKind::Device)?;
+        let mut client = session.client();
+        with_timeout(session.rpc_timeout(), client.join_group(ask(store.address.clone())))
+            .await
+            .map_err(|s| anyhow::anyhow!("publishing the group's rendezvous: {}", s.message()))
+            .kind(ErrorKind::PeerLost)?;
+        return Ok(store);
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut client = session.client();
+    loop {
+        let r = with_timeout(session.rpc_timeout(), client.join_group(ask(String::new()))).await;
+        match r {
+            Ok(r) if r.formed && r.generation == m.generation && !r.store_address.is_empty() => {
+                let (address, generation) = (r.store_address, m.generation);
+                return tokio::task::spawn_blocking(move || GroupStore::connect(&address, generation, timeout))
+                    .await?
+                    .kind(ErrorKind::PeerLost);
+            }
+            Ok(r) if !r.formed && r.generation != m.generation => {
+                anyhow::bail!("generation {} ended before its rendezvous", m.generation)
+            }
+            _ if tokio::time::Instant::now() >= deadline => {
+                anyhow::bail!("rank 0 published no rendezvous within group.collective_timeout_ms")
+            }
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// A GPU member's NCCL communicator, with the store that handed out its id
+/// (rank 0 serves it for as long as the group lives).
+struct NcclMember {
+    comm: dflash_models::dp::Replica,
+    _store: GroupStore,
+}
+
+impl Collective for NcclMember {
+    fn rank(&self) -> usize {
+        self.comm.rank
+    }
+    fn world(&self) -> usize {
+        self.comm.world
+    }
+    fn all_reduce(&self, t: &tch::Tensor, op: Reduce) -> Result<(), dflash_models::ModelError> {
+        self.comm.all_reduce(t, op)
+    }
+}
+
+/// Forms the collective over the store (collective: every member calls it).
+pub fn collective(
+    store: GroupStore,
+    m: &Membership,
+    own_host: &str,
+    device: tch::Device,
+) -> anyhow::Result<Box<dyn Collective>> {
+    match device {
+        tch::Device::Cuda(ordinal) => {
+            let id = if m.rank == 0 {
+                let id = dflash_models::dp::new_group_id().kind(ErrorKind::Device)?;
+                let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
+                store.set("nccl-id", &bytes).kind(ErrorKind::PeerLost)?;
+                id
+            } else {
+                let bytes = store.get("nccl-id", 128).kind(ErrorKind::PeerLost)?;
+                let mut internal = [0 as std::ffi::c_char; 128];
+                for (d, b) in internal.iter_mut().zip(bytes) {
+                    *d = b as std::ffi::c_char;
+                }
+                cudarc::nccl::Id::uninit(internal)
+            };
+            let comm = dflash_models::dp::Replica::join(id, m.rank, m.world, ordinal).kind(ErrorKind::Device)?;
+            Ok(Box::new(NcclMember { comm, _store: store }))
+        }
+        _ => Ok(Box::new(GlooGroup::join(store, own_host, m.rank, m.world).kind(ErrorKind::PeerLost)?)),
+    }
+}
+
+/// Leaves the group (stops the role with [`StopCause::GroupReform`]) when
+/// the coordinator announces that this generation is over.
+pub fn spawn_leave_watch(
+    session: &Arc<Session>,
+    stages: &Stages,
+    mut group: watch::Receiver<Option<pb::DrafterGroup>>,
+    m: &Membership,
+) {
+    let (stop, me, generation) = (session.stop.clone(), session.instance_id.clone(), m.generation);
+    stages.spawn_task("group-watch", async move {
+        loop {
+            let over = group.borrow_and_update().as_ref().is_some_and(|g| {
+                g.generation > generation
+                    || (g.generation == generation && !g.members.iter().any(|x| x.instance_id == me))
+            });
+            if over {
+                stop.stop(StopCause::GroupReform(format!("generation {generation} of the drafter group ended")));
+                return Ok(());
+            }
+            tokio::select! {
+                r = group.changed() => if r.is_err() { return Ok(()) },
+                _ = stop.stopped() => return Ok(()),
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_of;
+
+    #[test]
+    fn the_host_of_an_endpoint() {
+        assert_eq!(host_of("http://10.0.0.7:50052"), "10.0.0.7");
+        assert_eq!(host_of("https://drafter-1.drafters.ns.svc:50052/"), "drafter-1.drafters.ns.svc");
+        assert_eq!(host_of("http://[::1]:80"), "::1");
+        assert_eq!(host_of("drafter"), "drafter");
+    }
+}

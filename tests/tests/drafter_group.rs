@@ -1,0 +1,152 @@
+//! A drafter group: several `dflash-drafter serve` processes train one
+//! drafter together (data parallel over libtorch's Gloo on CPU), the
+//! coordinator dealing each batch to one member, targets streaming to each
+//! member directly. A member lost ends the generation; the others leave and
+//! join the next (exit code 75, started again by their supervisor, here the
+//! test), which resumes from the last committed checkpoint at whatever size
+//! the group has then -- smaller, and again larger when a replacement comes.
+
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use dflash_coordinator::ledger::Ledger;
+use dflash_tests::{Cluster, Proc, Workspace, free_port};
+use nix::sys::signal::Signal;
+
+/// Every batch committed exactly once; returns how many each member trained.
+fn audit(ledger: &std::path::Path, batches: usize) -> BTreeMap<String, usize> {
+    let l = Ledger::open(ledger).unwrap();
+    let audit = l.audit().unwrap();
+    assert_eq!(audit.len(), batches);
+    let mut by_member = BTreeMap::new();
+    for a in &audit {
+        assert_eq!((a.state.as_str(), a.commits), ("committed", 1), "{a:?}");
+        *by_member.entry(a.member.clone().unwrap_or_default()).or_insert(0) += 1;
+    }
+    by_member
+}
+
+const GROUP: &str = "[run]\nmax_steps = 30\n[checkpoint]\ninterval_steps = 5\n[pipeline]\nmax_batch_size = 4\n\
+                     token_budget = 512\n[faults]\ninstance_timeout_ms = 3000\n";
+
+#[test]
+fn two_drafter_processes_train_one_drafter_with_two_targets() {
+    let ws = Workspace::synthetic(600, 3);
+    let config = ws.config("group", &format!("{GROUP}[group]\nsize = 2\ncollective_timeout_ms = 20000\n"));
+    let cluster = Cluster::new(&ws, config);
+    let mut coord = cluster.coordinator(&[]);
+    let mut a = cluster.drafter_at("drafter-a", free_port());
+    let mut b = cluster.drafter_at("drafter-b", free_port());
+    let mut t0 = cluster.target("target-0");
+    let mut t1 = cluster.target("target-1");
+    assert!(coord.expect_exit(Duration::from_secs(240)).success(), "{}", coord.log_text());
+    for p in [&mut a, &mut b, &mut t0, &mut t1] {
+        let s = p.expect_exit(Duration::from_secs(30));
+        assert!(s.success(), "{} exited with {s}:\n{}", p.name, p.log_text());
+    }
+    let (la, lb) = (a.log_text(), b.log_text());
+    let leader = if la.contains("rank 0 of 2") { &la } else { &lb };
+    assert!(la.contains("of 2 (") && lb.contains("of 2 ("), "both members in one generation:\n{la}\n{lb}");
+    // Checked at every checkpoint interval: the members' weights agree.
+    assert!(leader.contains("weights identical on all 2 replicas"), "{leader}");
+    assert!(coord.log_text().contains("drafter group generation 1 formed with 2 member(s)"), "{}", coord.log_text());
+    // 30 steps of two batches; each member trained its half.
+    let by_member = audit(&cluster.ledger, 60);
+    assert_eq!(by_member.len(), 2, "{by_member:?}");
+    assert!(by_member.values().all(|&n| n == 30), "{by_member:?}");
+}
+
+/// One member slot: the process now in it, and how many it has had.
+struct Slot {
+    port: u16,
+    name: &'static str,
+    proc: Option<Proc>,
+    starts: u32,
+}
+
+impl Slot {
+    fn start(&mut self, cluster: &Cluster) {
+        self.starts += 1;
+        self.proc = Some(cluster.drafter_at(&format!("{}-{}", self.name, self.starts), self.port));
+    }
+
+    /// Starts the slot's drafter again if it left its group (exit 75), as
+    /// its supervisor would; true while it runs.
+    fn supervise(&mut self, cluster: &Cluster) -> bool {
+        let Some(p) = self.proc.as_mut() else { return false };
+        match p.child.try_wait().unwrap() {
+            None => true,
+            Some(s) if s.code() == Some(75) => {
+                self.start(cluster);
+                true
+            }
+            Some(s) => {
+                assert!(s.success(), "{} exited with {s}:\n{}", p.name, p.log_text());
+                false
+            }
+        }
+    }
+}
+
+#[test]
+fn a_killed_member_ends_its_generation_the_group_shrinks_then_grows_back() {
+    let ws = Workspace::synthetic(600, 3);
+    let group = "[group]\nsize = 2\nmin_size = 1\nwait_ms = 1500\ncollective_timeout_ms = 20000\n";
+    let cluster = Cluster::new(&ws, ws.config("group-loss", &format!("{GROUP}{group}")));
+    let mut coord = cluster.coordinator(&[]);
+    let mut slots = [("drafter-a"), ("drafter-b")].map(|name| Slot { port: free_port(), name, proc: None, starts: 0 });
+    for s in &mut slots {
+        s.start(&cluster);
+    }
+    let mut t0 = cluster.target("target-0");
+    let mut t1 = cluster.target("target-1");
+    let coord_log = |c: &Proc, needle: &str| c.log_text().contains(needle);
+    let deadline = Instant::now() + Duration::from_secs(240);
+    // Phase 1: both train; kill b after the first checkpoint.
+    while !coord_log(&coord, "checkpoint at step 10 committed") {
+        assert!(Instant::now() < deadline, "{}", coord.log_text());
+        slots.iter_mut().for_each(|s| {
+            s.supervise(&cluster);
+        });
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let killed = Instant::now();
+    slots[1].proc.as_ref().unwrap().signal(Signal::SIGKILL);
+    slots[1].proc.as_mut().unwrap().expect_exit(Duration::from_secs(5));
+    slots[1].proc = None;
+    // Phase 2: a leaves (75), comes back alone; after group.wait_ms the
+    // group goes on with one member.
+    while !coord_log(&coord, "generation 2 formed with 1 member(s)") {
+        assert!(Instant::now() < deadline, "{}", coord.log_text());
+        slots[0].supervise(&cluster);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("member SIGKILL to the group of one formed: {:.2} s", killed.elapsed().as_secs_f64());
+    // Phase 3: the replacement arrives; the group grows back to two.
+    slots[1].start(&cluster);
+    while coord.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "{}", coord.log_text());
+        slots.iter_mut().for_each(|s| {
+            s.supervise(&cluster);
+        });
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = coord.log_text();
+    assert!(coord.expect_exit(Duration::from_secs(1)).success(), "{log}");
+    assert!(log.contains("formed with 2 member(s)") && log.matches("formed with").count() >= 3, "{log}");
+    for s in &mut slots {
+        if let Some(p) = s.proc.as_mut() {
+            let st = p.expect_exit(Duration::from_secs(30));
+            assert!(st.success() || st.code() == Some(75), "{} exited with {st}:\n{}", p.name, p.log_text());
+        }
+    }
+    for t in [&mut t0, &mut t1] {
+        assert!(t.expect_exit(Duration::from_secs(30)).success(), "{}", t.log_text());
+    }
+    assert!(slots[0].starts >= 3, "a left and came back twice ({} starts)", slots[0].starts);
+    // Whatever the world size of each stretch, every batch once.
+    let by_member = audit(&cluster.ledger, 60);
+    assert!(by_member.len() >= 3, "{by_member:?}");
+}
