@@ -7,6 +7,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use dflash_models::blocks::BlockSettings;
+use dflash_models::collective::Collective;
+use dflash_models::gloo::GroupStore;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::perf::{matmul_peak, sync_device};
 use dflash_models::synthetic::{SHAPE_PRESETS, shape_preset};
@@ -38,6 +40,16 @@ pub struct BenchStepArgs {
     /// chunked mask).
     #[arg(long, default_value = "split,masked")]
     pub attention: String,
+    /// Comma-separated step paths: none (one process alone, as a drafter
+    /// outside a group) and group-of-one (the drafter group's step over a
+    /// real one-member collective formed through the group's store: NCCL
+    /// on a GPU, Gloo on the CPU -- agreement, gradient all-reduce, then
+    /// the optimizer step).
+    #[arg(long, default_value = "none")]
+    pub collective: String,
+    /// The training objective: ce or dpace (alpha 0.5).
+    #[arg(long, default_value = "ce")]
+    pub objective: String,
     /// Tokens per batch (packed sequences).
     #[arg(long, default_value_t = 11_000)]
     pub batch_tokens: usize,
@@ -71,6 +83,7 @@ pub struct BenchStepArgs {
 
 #[derive(Serialize)]
 struct Row {
+    collective: String,
     attention: String,
     anchors: usize,
     chunk_blocks: usize,
@@ -179,8 +192,24 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             other => anyhow::bail!("--attention: {other:?} is neither split nor masked"),
         }
     }
-    for (split, anchors, chunk) in attention_grid(&modes, &a.anchors, &a.chunks)? {
-        {
+    let objective = match a.objective.as_str() {
+        "ce" => dflash_models::Objective::CrossEntropy,
+        "dpace" => dflash_models::Objective::Dpace { alpha: dflash_config::DEFAULT_DPACE_ALPHA },
+        other => anyhow::bail!("--objective: {other:?} is neither ce nor dpace"),
+    };
+    let mut collectives = Vec::new();
+    for c in a.collective.split(',').map(str::trim) {
+        match c {
+            "none" | "group-of-one" => collectives.push(c),
+            other => anyhow::bail!("--collective: {other:?} is neither none nor group-of-one"),
+        }
+    }
+    for collective in collectives {
+        let group = match collective {
+            "group-of-one" => Some(group_of_one(device)?),
+            _ => None,
+        };
+        for (split, anchors, chunk) in attention_grid(&modes, &a.anchors, &a.chunks)? {
             let settings = TrainSettings {
                 blocks: BlockSettings {
                     block_size: a.block as usize,
@@ -196,6 +225,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
                 attention_chunk_blocks: chunk,
                 context_pad_multiple: a.context_multiple,
                 seed: 0,
+                objective,
             };
             tch::manual_seed(0);
             let mut drafter = Drafter::new(config.clone(), device, kind);
@@ -209,7 +239,11 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
                     t0 = Instant::now();
                 }
                 let b = i % batches.len();
-                if let StepOutcome::Skipped(r) = trainer.train_batch(&batches[b]) {
+                let outcome = match &group {
+                    None => trainer.train_batch(&batches[b]),
+                    Some(g) => group_step(&mut trainer, g.as_ref(), &batches[b], device)?,
+                };
+                if let StepOutcome::Skipped(r) = outcome {
                     anyhow::bail!("benchmark step skipped: {r}");
                 }
                 if i >= a.warmup {
@@ -222,6 +256,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             let secs = t0.elapsed().as_secs_f64();
             let mem = if device.is_cuda() { device_memory_used_gib() } else { 0.0 };
             rows.push(Row {
+                collective: collective.into(),
                 attention: if split { "split" } else { "masked" }.into(),
                 anchors,
                 chunk_blocks: chunk,
@@ -234,13 +269,14 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "{:>9} {:>8} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}",
-        "attention", "anchors", "chunk", "step ms", "samples/s", "tokens/s", "MFU", "mem GiB"
+        "{:>12} {:>9} {:>8} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}",
+        "collective", "attention", "anchors", "chunk", "step ms", "samples/s", "tokens/s", "MFU", "mem GiB"
     );
     for r in &rows {
         let chunk = if r.chunk_blocks >= r.anchors { "dense".to_string() } else { r.chunk_blocks.to_string() };
         println!(
-            "{:>9} {:>8} {:>7} {:>10.1} {:>10.2} {:>10.0} {:>6.1}% {:>9.1}",
+            "{:>12} {:>9} {:>8} {:>7} {:>10.1} {:>10.2} {:>10.0} {:>6.1}% {:>9.1}",
+            r.collective,
             r.attention,
             r.anchors,
             chunk,
@@ -254,6 +290,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
     if let Some(p) = &a.json {
         let v = serde_json::json!({
             "bench": "drafter_step",
+            "objective": a.objective,
             "shape": a.shape,
             "layers": a.layers,
             "block": a.block,
@@ -266,6 +303,32 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }
     Ok(())
+}
+
+/// A one-member drafter group formed as the service forms one: a store
+/// served on this host, then the device's collective over it.
+fn group_of_one(device: Device) -> anyhow::Result<Box<dyn Collective>> {
+    let timeout = std::time::Duration::from_secs(60);
+    let store = GroupStore::serve("127.0.0.1", 1, 1, timeout)?;
+    Ok(dflash_models::group::join(store, "127.0.0.1", 0, 1, device)?)
+}
+
+/// One step as a group member takes it (`services/drafter/src/train_loop.rs`):
+/// gradients, the members' agreement on who contributes, the gradient
+/// average, then the optimizer step.
+fn group_step(
+    trainer: &mut Trainer,
+    group: &dyn Collective,
+    batch: &DeviceBatch,
+    device: Device,
+) -> anyhow::Result<StepOutcome> {
+    let metrics = match trainer.compute_gradients(batch) {
+        StepOutcome::Trained(m) => m,
+        skipped => return Ok(skipped),
+    };
+    let agreed = group.agree(&[1.0, 1.0, 0.0], device)?;
+    group.average_gradients(&trainer.drafter().named_parameters(), agreed[0])?;
+    Ok(trainer.apply_gradients(metrics))
 }
 
 /// Every (split, anchors, chunk) combination of the arguments, in order.

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use dflash_data::ChatTokenizer;
 use dflash_models::evaluation::{EvalReport, evaluate, greedy_reference, read_prompts};
+use dflash_models::generate::{SpecSettings, first_block_logits};
 use dflash_models::{Drafter, LoadScope, TargetModel};
 use tch::{Device, Kind};
 
@@ -38,6 +39,11 @@ pub struct EvalArgs {
     /// the bf16 served weights.
     #[arg(long)]
     pub master_weights: bool,
+    /// Also write, for the first N prompts, the trained drafter's logits
+    /// of the first block it drafts (`block_logits` in --json): what a
+    /// client of the export must reproduce from the same target features.
+    #[arg(long, default_value_t = 0, requires = "json")]
+    pub block_logits: usize,
 }
 
 fn resolve_checkpoint(p: &Path) -> anyhow::Result<PathBuf> {
@@ -130,7 +136,26 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
     }
     reports.push(run("trained", &drafter));
     if let Some(path) = &a.json {
-        let v = serde_json::json!({ "checkpoint": ckpt, "prompts": a.prompts, "greedy_tokens_per_s": greedy_tps, "reports": reports });
+        let s = SpecSettings {
+            embed: &embed,
+            lm_head: &lm_head,
+            max_new_tokens: a.slice.max_new_tokens,
+            stop_ids: &tok.stop_ids,
+        };
+        let block_logits: Vec<Vec<Vec<f32>>> = prompts
+            .iter()
+            .take(a.block_logits)
+            .map(|p| Vec::<Vec<f32>>::try_from(first_block_logits(&target, &drafter, &p.ids, &s)))
+            .collect::<Result<_, _>>()?;
+        let v = serde_json::json!({
+            "checkpoint": ckpt,
+            "prompts": a.prompts,
+            "greedy_tokens_per_s": greedy_tps,
+            "max_new_tokens": a.slice.max_new_tokens,
+            "stop_ids": tok.stop_ids,
+            "reports": reports,
+            "block_logits": block_logits,
+        });
         std::fs::write(path, serde_json::to_string_pretty(&v)?)?;
     }
     Ok(())

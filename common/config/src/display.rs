@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::{MalformedPolicy, RunConfig};
+use crate::{DEFAULT_DPACE_ALPHA, MalformedPolicy, Objective, RunConfig};
 
 fn opt<T: fmt::Display>(v: &Option<T>) -> String {
     v.as_ref().map_or_else(|| "unset".to_string(), T::to_string)
@@ -42,6 +42,16 @@ impl fmt::Display for RunConfig {
             opt(&d.mask_token_id),
             opt(&d.effective_gamma())
         )?;
+        if let Some(types) = &d.layer_types {
+            let names: Vec<&str> = types
+                .iter()
+                .map(|t| match t {
+                    crate::DrafterLayerType::FullAttention => "full",
+                    crate::DrafterLayerType::SlidingAttention => "sliding",
+                })
+                .collect();
+            writeln!(f, "  Layer attention: {} (sliding window {})", names.join(", "), opt(&d.sliding_window))?;
+        }
         writeln!(
             f,
             "  Devices: {}, init from: {}{}",
@@ -74,6 +84,15 @@ impl fmt::Display for RunConfig {
             t.lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.grad_clip
         )?;
         writeln!(f, "  Schedule: warmup {}% then cosine to {}x", t.warmup_ratio * 100.0, t.min_lr_ratio)?;
+        let objective = match t.loss {
+            Objective::Ce => format!("cross-entropy, slots decayed by gamma {}", opt(&d.effective_gamma())),
+            Objective::Dpace => format!(
+                "D-PACE (cross-entropy weighted by expected acceptance, alpha {})",
+                t.dpace_alpha.unwrap_or(DEFAULT_DPACE_ALPHA)
+            ),
+            Objective::Kd => "distillation (not supported)".into(),
+        };
+        writeln!(f, "  Objective: {objective}")?;
         writeln!(
             f,
             "  Anchors per sequence: {}, feature noise std: {}, max blocks per micro-batch: {}",
@@ -171,6 +190,17 @@ mod tests {
                  Target postprocess depth: 2, split FC layers: false"
             ),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn printout_names_the_objective() {
+        let mut c = RunConfig::default();
+        assert!(c.to_string().contains("Objective: cross-entropy, slots decayed by gamma 7"), "{c}");
+        c.training.loss = Objective::Dpace;
+        c.training.dpace_alpha = Some(0.25);
+        assert!(
+            c.to_string().contains("Objective: D-PACE (cross-entropy weighted by expected acceptance, alpha 0.25)")
         );
     }
 }

@@ -106,6 +106,21 @@ pub struct DrafterSection {
     /// Start the decoder layers from the target's top layers (and the final
     /// norm from the target's) instead of random weights.
     pub init_from_target_layers: bool,
+    /// Attention of each layer, one entry per layer (unset: every layer
+    /// `full_attention`). A `sliding_attention` layer is causal over
+    /// [context; block] within `sliding_window` positions, as the `dflash`
+    /// package and the serving engines read `layer_types`.
+    pub layer_types: Option<Vec<DrafterLayerType>>,
+    /// Window of the sliding-attention layers (required with one).
+    pub sliding_window: Option<u32>,
+}
+
+/// One drafter layer's attention (`drafter.layer_types`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DrafterLayerType {
+    FullAttention,
+    SlidingAttention,
 }
 
 impl Default for DrafterSection {
@@ -117,6 +132,8 @@ impl Default for DrafterSection {
             gamma: None,
             init_from: None,
             init_from_target_layers: false,
+            layer_types: None,
+            sliding_window: None,
         }
     }
 }
@@ -228,7 +245,32 @@ pub struct TrainingSection {
     /// Length of the learning-rate schedule in steps (0: every planned
     /// batch; the coordinator fills it in).
     pub total_steps: u64,
+    /// The training objective over the drafted slots.
+    pub loss: Objective,
+    /// D-PACE's smoothing `a` in `q = (1 - a) exp(-CE) + a` (unset: 0.5;
+    /// only with `loss = "dpace"`).
+    pub dpace_alpha: Option<f64>,
 }
+
+/// The loss over a block's drafted slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Objective {
+    /// Cross-entropy on the data tokens, slot k weighted `exp(-(k-1)/gamma)`
+    /// (the DFlash recipe).
+    #[default]
+    Ce,
+    /// Cross-entropy weighted per slot by D-PACE: `w_j = sum_{m>=j}
+    /// prod_{i<=m} q_i` with `q_i = (1 - a) exp(-CE_i) + a`, detached: the
+    /// expected acceptance a correct slot j still contributes to.
+    Dpace,
+    /// Distillation from the target's next-token distribution: named so that
+    /// it is refused with a reason (the targets do not ship that distribution).
+    Kd,
+}
+
+/// D-PACE's smoothing when `training.dpace_alpha` is unset.
+pub const DEFAULT_DPACE_ALPHA: f64 = 0.5;
 
 impl Default for TrainingSection {
     fn default() -> Self {
@@ -249,6 +291,8 @@ impl Default for TrainingSection {
             context_pad_multiple: 128,
             max_bad_batches_in_a_row: 5,
             total_steps: 0,
+            loss: Objective::Ce,
+            dpace_alpha: None,
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Validation, once, with errors that name the field.
 
-use crate::{ConfigError, FieldError, RunConfig, default_target_layer_ids};
+use crate::{ConfigError, DrafterLayerType, FieldError, Objective, RunConfig, default_target_layer_ids};
 
 /// What the coordinator learns from the target model to finish the config.
 #[derive(Clone, Debug, Default)]
@@ -47,9 +47,37 @@ impl RunConfig {
         c.require(d.block_size >= 2, "drafter.block_size", || {
             format!("is {}; a block needs the anchor and at least one mask", d.block_size)
         });
-        match d.effective_gamma() {
-            Some(g) => c.require(g.is_finite() && g > 0.0, "drafter.gamma", || format!("is {g}; must be positive")),
-            None => {
+        let sliding = d.layer_types.as_ref().is_some_and(|t| t.contains(&DrafterLayerType::SlidingAttention));
+        if let Some(types) = &d.layer_types {
+            c.require(types.len() == d.num_layers as usize, "drafter.layer_types", || {
+                format!("has {} entries; drafter.num_layers is {}: one per layer", types.len(), d.num_layers)
+            });
+        }
+        match d.sliding_window {
+            None => c.require(!sliding, "drafter.sliding_window", || {
+                "is required: drafter.layer_types names sliding_attention".into()
+            }),
+            Some(w) => {
+                c.require(sliding, "drafter.sliding_window", || {
+                    format!("is set ({w}) but no layer in drafter.layer_types is sliding_attention")
+                });
+                c.require(w >= 1, "drafter.sliding_window", || "must be at least 1".into());
+                c.require(w < self.data.max_seq_len, "drafter.sliding_window", || {
+                    format!(
+                        "is {w}, not below data.max_seq_len ({}): the window would never bound a sequence; \
+                         use full_attention",
+                        self.data.max_seq_len
+                    )
+                });
+            }
+        }
+        // Gamma weights the slots of the cross-entropy objective only.
+        match (self.training.loss, d.effective_gamma()) {
+            (Objective::Dpace, _) => {}
+            (_, Some(g)) => {
+                c.require(g.is_finite() && g > 0.0, "drafter.gamma", || format!("is {g}; must be positive"))
+            }
+            (_, None) => {
                 c.require(false, "drafter.gamma", || format!("has no default for block size {}; set it", d.block_size))
             }
         }
@@ -102,6 +130,28 @@ impl RunConfig {
         c.require(t.attention_chunk_blocks >= 1, "training.attention_chunk_blocks", || "must be at least 1".into());
         c.require(t.context_pad_multiple >= 1, "training.context_pad_multiple", || "must be at least 1".into());
         c.require(t.max_bad_batches_in_a_row >= 1, "training.max_bad_batches_in_a_row", || "must be at least 1".into());
+        c.require(t.loss != Objective::Kd, "training.loss", || {
+            "is \"kd\": distillation needs the target's next-token distribution at every position (its \
+             final-layer state or top-k logits on the wire), which the targets of this build do not ship; \
+             use \"ce\" or \"dpace\""
+                .into()
+        });
+        if let Some(a) = t.dpace_alpha {
+            c.require(t.loss == Objective::Dpace, "training.dpace_alpha", || {
+                format!("is set ({a}) but training.loss is not \"dpace\": only D-PACE reads it")
+            });
+            c.require(a.is_finite() && (0.0..=1.0).contains(&a), "training.dpace_alpha", || {
+                format!("is {a}; must be in [0, 1]")
+            });
+        }
+        if let (Objective::Dpace, Some(g)) = (t.loss, self.drafter.gamma) {
+            c.require(false, "drafter.gamma", || {
+                format!(
+                    "is set ({g}) but training.loss = \"dpace\" weights the block slots by its own rule; \
+                     unset it (it weights slots under \"ce\")"
+                )
+            });
+        }
 
         let p = &self.pipeline;
         c.require(p.token_budget >= data.max_seq_len, "pipeline.token_budget", || {
@@ -218,7 +268,7 @@ impl RunConfig {
                 });
             }
         }
-        if self.drafter.gamma.is_none() {
+        if self.drafter.gamma.is_none() && self.training.loss == Objective::Ce {
             self.drafter.gamma = self.drafter.effective_gamma();
         }
         if c.0.is_empty() { Ok(()) } else { Err(ConfigError::Invalid(c.0)) }
@@ -324,5 +374,64 @@ mod tests {
         let err = c.resolve(&facts).unwrap_err().to_string();
         assert!(err.contains("drafter.mask_token_id"), "{err}");
         assert!(err.contains("model.target_layer_ids"), "{err}");
+    }
+
+    #[test]
+    fn objectives_are_read_or_refused_with_their_field() {
+        let mut c = valid();
+        c.training.loss = Objective::Kd;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("training.loss") && err.contains("distillation"), "{err}");
+        c.training.loss = Objective::Ce;
+        c.training.dpace_alpha = Some(0.5);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("training.dpace_alpha") && err.contains("only D-PACE"), "{err}");
+        c.training.loss = Objective::Dpace;
+        c.validate().unwrap();
+        c.training.dpace_alpha = Some(1.5);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("training.dpace_alpha") && err.contains("[0, 1]"), "{err}");
+        c.training.dpace_alpha = None;
+        c.drafter.gamma = Some(7.0);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("drafter.gamma") && err.contains("dpace"), "{err}");
+        // A block size without a gamma default needs none under D-PACE.
+        c.drafter.gamma = None;
+        c.drafter.block_size = 12;
+        c.validate().unwrap();
+        let parsed = crate::from_toml_str("[training]\nloss = \"dpace\"\n").unwrap();
+        assert_eq!(parsed.training.loss, Objective::Dpace);
+        let bad = crate::from_toml_str("[training]\nloss = \"lk\"\n").unwrap_err().to_string();
+        assert!(bad.contains("loss") && bad.contains("dpace"), "{bad}");
+    }
+
+    #[test]
+    fn sliding_layers_are_refused_where_they_do_not_add_up() {
+        use DrafterLayerType::{FullAttention, SlidingAttention};
+        let mut c = valid();
+        c.drafter.num_layers = 2;
+        c.drafter.layer_types = Some(vec![SlidingAttention]);
+        c.drafter.sliding_window = Some(64);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("drafter.layer_types") && err.contains("has 1 entries"), "{err}");
+        c.drafter.layer_types = Some(vec![SlidingAttention, FullAttention]);
+        c.validate().unwrap();
+        c.drafter.sliding_window = None;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("drafter.sliding_window") && err.contains("required"), "{err}");
+        c.drafter.sliding_window = Some(c.data.max_seq_len);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("drafter.sliding_window") && err.contains("data.max_seq_len"), "{err}");
+        c.drafter.layer_types = Some(vec![FullAttention, FullAttention]);
+        c.drafter.sliding_window = Some(64);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("no layer") && err.contains("sliding_attention"), "{err}");
+        let parsed = crate::from_toml_str(
+            "[drafter]\nnum_layers = 2\nlayer_types = [\"sliding_attention\", \"full_attention\"]\nsliding_window = 64\n",
+        )
+        .unwrap();
+        assert_eq!(parsed.drafter.layer_types, Some(vec![SlidingAttention, FullAttention]));
+        let bad = crate::from_toml_str("[drafter]\nlayer_types = [\"chunked_attention\"]\n").unwrap_err().to_string();
+        assert!(bad.contains("layer_types") && bad.contains("sliding_attention"), "{bad}");
     }
 }

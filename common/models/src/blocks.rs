@@ -141,6 +141,11 @@ impl BlockLayout {
         self.weights.iter().map(|&w| w as f64).sum()
     }
 
+    /// Slots with a label to learn (weight > 0).
+    pub fn supervised_slots(&self) -> usize {
+        self.weights.iter().filter(|&&w| w > 0.0).count()
+    }
+
     /// The attention mask `[n * G, 1, C*B, S + C*B]` for G = blocks / C
     /// chunks of C blocks: a query of block j sees context positions
     /// strictly before its anchor and every slot of its own block, nothing
@@ -156,6 +161,37 @@ impl BlockLayout {
         let ctx_pos = Tensor::arange(s, (Kind::Int64, device));
         let sees_ctx = ctx_pos.view([1, 1, 1, s]).lt_tensor(&anchor_of_q.unsqueeze(-1)); // [n, G, CB, S]
         let sees_block = q_block.unsqueeze(1).eq_tensor(&q_block.unsqueeze(0)); // [CB, CB]
+        Tensor::cat(&[sees_ctx, sees_block.view([1, 1, cb, cb]).expand([n, g, cb, cb], false)], -1).view([
+            n * g,
+            1,
+            cb,
+            s + cb,
+        ])
+    }
+}
+
+impl BlockLayout {
+    /// The mask of a sliding-attention layer, laid out as
+    /// [`BlockLayout::attention_mask`]: the slot at position p (anchor +
+    /// slot) sees the context positions p - window < c < anchor and the
+    /// earlier slots of its own block within the window (causal, itself
+    /// included) -- what the `dflash` package applies when it decodes.
+    pub fn sliding_attention_mask(&self, device: Device, window: i64) -> Tensor {
+        let (n, b, s) = (self.n as i64, self.block_size as i64, self.context_len as i64);
+        let c = self.chunk_blocks as i64;
+        let g = self.blocks as i64 / c;
+        let cb = c * b;
+        let anchors = Tensor::from_slice(&self.anchors).view([n, g, c]).to_device(device);
+        let q_index = Tensor::arange(cb, (Kind::Int64, device));
+        let q_block = q_index.divide_scalar_mode(b, "floor"); // [CB]
+        let q_slot = q_index.remainder(b); // [CB]
+        let anchor_of_q = anchors.index_select(2, &q_block); // [n, G, CB]
+        let q_pos = (&anchor_of_q + &q_slot).unsqueeze(-1); // [n, G, CB, 1]
+        let ctx_pos = Tensor::arange(s, (Kind::Int64, device)).view([1, 1, 1, s]);
+        let sees_ctx = ctx_pos.lt_tensor(&anchor_of_q.unsqueeze(-1)).logical_and(&(&q_pos - &ctx_pos).lt(window));
+        let same_block = q_block.unsqueeze(1).eq_tensor(&q_block.unsqueeze(0)); // [CB, CB]
+        let back = q_slot.unsqueeze(1) - q_slot.unsqueeze(0); // query slot - key slot
+        let sees_block = same_block.logical_and(&back.ge(0)).logical_and(&back.lt(window));
         Tensor::cat(&[sees_ctx, sees_block.view([1, 1, cb, cb]).expand([n, g, cb, cb], false)], -1).view([
             n * g,
             1,
@@ -206,6 +242,29 @@ mod tests {
         }
         // The anchor's own feature is invisible (strict <): the classic bug.
         assert!(!sees(0, 2));
+    }
+
+    #[test]
+    fn a_sliding_layer_sees_its_window_causally() {
+        let ids: Vec<u32> = (10..30).collect();
+        let mask = vec![1u8; 20];
+        let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors: vec![4, 13] }];
+        let l = BlockLayout::new(&seqs, &settings(3), 8);
+        let window = 5;
+        let m = l.sliding_attention_mask(Device::Cpu, window); // [1, 1, 6, 20 + 6]
+        assert_eq!(m.size(), vec![1, 1, 6, 26]);
+        let sees = |q: i64, kv: i64| m.int64_value(&[0, 0, q, kv]) == 1;
+        for q in 0..6 {
+            let (block, anchor, slot) = if q < 3 { (0, 4, q) } else { (1, 13, q - 3) };
+            let pos = anchor + slot;
+            for kv in 0..20 {
+                assert_eq!(sees(q, kv), kv < anchor && pos - kv < window, "query {q} context {kv}");
+            }
+            for kv in 0..6 {
+                let (kb, ks) = (kv / 3, kv % 3);
+                assert_eq!(sees(q, 20 + kv), kb == block && ks <= slot && slot - ks < window, "query {q} slot {kv}");
+            }
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::ModelError;
-use crate::drafter::DrafterConfig;
+use crate::drafter::{DrafterConfig, LayerType};
 use crate::trainer::Trainer;
 use crate::weights::write_safetensors;
 
@@ -227,8 +227,23 @@ pub struct TrainerState {
     pub run_id: String,
 }
 
-/// config.json of a served DFlash drafter.
+/// config.json of a served DFlash drafter. With sliding-attention layers
+/// it names them as transformers' Qwen3 config reads them: `layer_types`,
+/// `sliding_window` and `use_sliding_window` (without which transformers
+/// drops the window).
 pub fn hf_config_json(c: &DrafterConfig) -> serde_json::Value {
+    let mut v = hf_config_base(c);
+    if let Some(w) = c.window() {
+        let types: Vec<&str> = (0..c.num_layers as usize).map(|i| c.layer_type(i).name()).collect();
+        v["layer_types"] = serde_json::json!(types);
+        v["use_sliding_window"] = serde_json::json!(true);
+        v["sliding_window"] = serde_json::json!(w);
+        v["max_window_layers"] = serde_json::json!(c.num_layers);
+    }
+    v
+}
+
+fn hf_config_base(c: &DrafterConfig) -> serde_json::Value {
     serde_json::json!({
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -279,10 +294,37 @@ pub fn read_drafter_config(dir: &Path) -> Result<DrafterConfig, ModelError> {
         .unwrap_or_default();
     let hidden = int("hidden_size")?;
     let heads = int("num_attention_heads")?;
+    let num_layers = int("num_hidden_layers")?;
+    let bad = |message: String| ModelError::Config { path: path.clone(), message };
+    let layer_types: Vec<LayerType> = match v.get("layer_types") {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .map(|t| {
+                t.as_str().and_then(LayerType::parse).ok_or_else(|| {
+                    bad(format!("layer_types: {t} is neither \"full_attention\" nor \"sliding_attention\""))
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => return Err(bad(format!("layer_types: {other} is not a list"))),
+    };
+    if !layer_types.is_empty() && layer_types.len() as i64 != num_layers {
+        return Err(bad(format!("layer_types has {} entries for {num_layers} layers", layer_types.len())));
+    }
+    // As transformers reads it: the window only with use_sliding_window.
+    let sliding_window = match v.get("use_sliding_window").and_then(serde_json::Value::as_bool) {
+        Some(true) => v.get("sliding_window").and_then(serde_json::Value::as_i64),
+        _ => None,
+    };
+    if layer_types.contains(&LayerType::SlidingAttention) && sliding_window.is_none_or(|w| w < 1) {
+        return Err(bad(
+            "layer_types names sliding_attention but no positive sliding_window with use_sliding_window = true".into(),
+        ));
+    }
     Ok(DrafterConfig {
         hidden_size: hidden,
         intermediate_size: int("intermediate_size")?,
-        num_layers: int("num_hidden_layers")?,
+        num_layers,
         num_heads: heads,
         num_kv_heads: int("num_key_value_heads").unwrap_or(heads),
         head_dim: int("head_dim").unwrap_or(hidden / heads),
@@ -296,6 +338,8 @@ pub fn read_drafter_config(dir: &Path) -> Result<DrafterConfig, ModelError> {
         })?,
         target_layer_ids: ids,
         num_target_layers: int("num_target_layers").unwrap_or(0),
+        layer_types,
+        sliding_window,
     })
 }
 
@@ -309,11 +353,61 @@ fn sync_dir(dir: &Path) -> Result<(), ModelError> {
     std::fs::File::open(dir).and_then(|f| f.sync_all()).map_err(|e| ModelError::io(dir, e))
 }
 
-/// Exports only the served layout (config.json + bf16 model.safetensors).
+/// The model card written into every export: what the drafter is and the
+/// loading paths that work. There is no `auto_map` (no remote code ships
+/// with it), so transformers' `AutoModel.from_pretrained(dir,
+/// trust_remote_code=True)` would build a plain Qwen3 model without `fc`
+/// and `hidden_norm`: the card says so and names the paths that load it.
+pub fn model_card(c: &DrafterConfig) -> String {
+    format!(
+        r#"---
+library_name: dflash
+tags:
+  - dflash
+  - speculative-decoding
+  - draft-model
+---
+
+# DFlash drafter
+
+A DFlash block drafter trained by dflash: {layers} Qwen3-style layer(s) (hidden size {hidden},
+{heads} attention heads, {kv} KV heads), block size {block} (the anchor token and {draft} drafted
+tokens), conditioned on the target's hidden states after layers {ids:?} of its
+{target_layers}; mask token id {mask}. It shares the target's token embedding and LM head,
+which are not in this folder: serve it next to the target it was trained on.
+
+## Loading it
+
+- vLLM: `vllm serve TARGET --speculative-config '{{"method": "dflash", "model": "THIS_DIR", "num_speculative_tokens": {draft}}}'`
+- SGLang: `python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH --speculative-draft-model-path THIS_DIR`
+- The DFlash authors' package (`pip install dflash`):
+  `from dflash.model import DFlashDraftModel, dflash_generate`, then
+  `DFlashDraftModel.from_pretrained("THIS_DIR")` and `dflash_generate(drafter, target, input_ids, ...)`
+  with the target loaded by transformers (`output_hidden_states` is what feeds it).
+
+`transformers.AutoModel.from_pretrained(THIS_DIR, trust_remote_code=True)` does NOT load it:
+this folder ships no remote code (`auto_map`), so transformers would build a plain Qwen3 model
+without the drafter's `fc` and `hidden_norm`.
+"#,
+        layers = c.num_layers,
+        hidden = c.hidden_size,
+        heads = c.num_heads,
+        kv = c.num_kv_heads,
+        block = c.block_size,
+        draft = c.block_size - 1,
+        ids = c.target_layer_ids,
+        target_layers = c.num_target_layers,
+        mask = c.mask_token_id,
+    )
+}
+
+/// Exports only the served layout (config.json + bf16 model.safetensors)
+/// and its model card (README.md).
 pub fn export_drafter(dir: &Path, trainer: &Trainer) -> Result<(), ModelError> {
     let c = &trainer.drafter.config;
     let config = serde_json::to_vec_pretty(&hf_config_json(c)).expect("json");
     write_file(&dir.join("config.json"), &config)?;
+    write_file(&dir.join("README.md"), model_card(c).as_bytes())?;
     let weights: Vec<(String, Tensor)> =
         trainer.drafter.named_parameters().into_iter().map(|(n, t)| (n, t.detach().to_kind(Kind::BFloat16))).collect();
     write_safetensors(&dir.join("model.safetensors"), &weights)?;

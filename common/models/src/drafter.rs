@@ -33,6 +33,43 @@ pub struct DrafterConfig {
     pub target_layer_ids: Vec<i64>,
     /// Layers of the target (recorded in the exported config).
     pub num_target_layers: i64,
+    /// Attention of each layer (empty: every layer full attention).
+    #[serde(default)]
+    pub layer_types: Vec<LayerType>,
+    /// Window of the sliding-attention layers, in positions.
+    #[serde(default)]
+    pub sliding_window: Option<i64>,
+}
+
+/// How a drafter layer's block slots attend (the `layer_types` of the
+/// exported config). A full-attention layer sees the whole context before
+/// its anchor and its whole block (non-causal). A sliding-attention layer
+/// is what the `dflash` package and transformers' Qwen3 apply: causal over
+/// [context; block] and bounded by the window, so the slot at position p
+/// sees positions p - window < k <= p.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerType {
+    FullAttention,
+    SlidingAttention,
+}
+
+impl LayerType {
+    /// The name configs use.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerType::FullAttention => "full_attention",
+            LayerType::SlidingAttention => "sliding_attention",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "full_attention" => Some(LayerType::FullAttention),
+            "sliding_attention" => Some(LayerType::SlidingAttention),
+            _ => None,
+        }
+    }
 }
 
 impl DrafterConfig {
@@ -59,7 +96,20 @@ impl DrafterConfig {
             mask_token_id,
             target_layer_ids,
             num_target_layers: t.num_layers,
+            layer_types: Vec::new(),
+            sliding_window: None,
         }
+    }
+
+    /// The attention of layer `i`.
+    pub fn layer_type(&self, i: usize) -> LayerType {
+        self.layer_types.get(i).copied().unwrap_or(LayerType::FullAttention)
+    }
+
+    /// The sliding window, when some layer slides.
+    pub fn window(&self) -> Option<i64> {
+        (0..self.num_layers as usize).any(|i| self.layer_type(i) == LayerType::SlidingAttention).then_some(())?;
+        self.sliding_window
     }
 
     /// Width of the concatenated target features: k * H.
@@ -124,9 +174,11 @@ pub struct DrafterInput<'a> {
 
 /// How the block slots' attention is computed.
 pub enum BlockAttention<'a> {
-    /// Boolean attention mask `[n * G, 1, Q/G, S + Q/G]` (true: may attend)
-    /// for G chunks of block slots; see [`crate::blocks::BlockLayout::attention_mask`].
-    Masked(&'a Tensor),
+    /// Boolean attention masks `[n * G, 1, Q/G, S + Q/G]` (true: may attend)
+    /// for G chunks of block slots: `full` for full-attention layers,
+    /// `sliding` for sliding-attention ones (needed when any layer slides);
+    /// see [`crate::blocks::BlockLayout::attention_mask`].
+    Masked { full: &'a Tensor, sliding: Option<&'a Tensor> },
     /// The DFlash mask's keys exactly, without a mask (CUDA, bf16/f16); see
     /// [`crate::split_attention`].
     Split(&'a SplitIndex),
@@ -334,7 +386,11 @@ impl Drafter {
         if self.uses_split_attention() {
             self.forward(&input(BlockAttention::Split(&SplitPlan::new(layout).to_device(dev))))
         } else {
-            self.forward(&input(BlockAttention::Masked(&layout.attention_mask(dev))))
+            let sliding = self.config.window().map(|w| layout.sliding_attention_mask(dev, w));
+            self.forward(&input(BlockAttention::Masked {
+                full: &layout.attention_mask(dev),
+                sliding: sliding.as_ref(),
+            }))
         }
     }
 
@@ -345,9 +401,14 @@ impl Drafter {
         self.split_attention = on;
     }
 
-    /// Whether [`Drafter::forward_layout`] attends by the split attention here.
+    /// Whether [`Drafter::forward_layout`] attends by the split attention
+    /// here. Not with sliding-attention layers: the split attention's
+    /// mask-free calls cannot bound each slot's window, so those drafters
+    /// train with the chunked mask on every device.
     pub fn uses_split_attention(&self) -> bool {
-        self.split_attention && split_attention::supported(self.device(), self.kind(), self.config.head_dim)
+        self.split_attention
+            && self.config.window().is_none()
+            && split_attention::supported(self.device(), self.kind(), self.config.head_dim)
     }
 
     /// Like [`Drafter::forward`] with the fused context `[n, S, H]` given.
@@ -364,8 +425,8 @@ impl Drafter {
             blk_sin: bs.unsqueeze(2),
         };
         let mut x = input.block_embeds.to_kind(kind);
-        for layer in &self.layers {
-            x = layer.forward(&x, ctx, &rope, &input.attention, &self.config);
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(&x, ctx, &rope, &input.attention, &self.config, self.config.layer_type(i));
         }
         self.norm.forward(&x)
     }
@@ -379,7 +440,15 @@ struct RopeTables {
 }
 
 impl DrafterLayer {
-    fn forward(&self, x: &Tensor, ctx: &Tensor, rope: &RopeTables, attn: &BlockAttention, c: &DrafterConfig) -> Tensor {
+    fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Tensor,
+        rope: &RopeTables,
+        attn: &BlockAttention,
+        c: &DrafterConfig,
+        layer_type: LayerType,
+    ) -> Tensor {
         let a = &self.self_attn;
         let (n, q_len, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
         let (nh, kv, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
@@ -395,7 +464,12 @@ impl DrafterLayer {
         let vc = a.v_proj.forward(ctx).view([n, s, kv, d]);
         let vb = a.v_proj.forward(&xn).view([n, q_len, kv, d]);
         let o = match attn {
-            BlockAttention::Masked(mask) => {
+            BlockAttention::Masked { full, sliding } => {
+                let mask = match (layer_type, sliding) {
+                    (LayerType::FullAttention, _) => full,
+                    (LayerType::SlidingAttention, Some(m)) => m,
+                    (LayerType::SlidingAttention, None) => panic!("a sliding-attention layer without its mask"),
+                };
                 // G chunks of CB query slots each: keys of a chunk are the
                 // whole context followed by the chunk's own slots.
                 let g = mask.size()[0] / n;
@@ -416,6 +490,7 @@ impl DrafterLayer {
                 o.transpose(1, 2).reshape([n, q_len, nh * d])
             }
             BlockAttention::Split(index) => {
+                assert!(layer_type == LayerType::FullAttention, "the split attention has no sliding window");
                 let flat = |t: &Tensor, rows: i64, heads: i64| t.reshape([rows, heads, d]);
                 let o = split_attention::split_attention(
                     &flat(&q, n * q_len, nh),

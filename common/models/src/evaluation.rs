@@ -79,6 +79,22 @@ pub struct EvalReport {
     /// layout's at the same anchor (1.0 unless training and decoding see
     /// the drafter's inputs differently).
     pub step_agreement: Option<f64>,
+    /// What each prompt's decoding did, for clients that replay it (the
+    /// public-client test decodes the same prompts with the `dflash` package).
+    pub decodes: Vec<PromptDecode>,
+}
+
+/// One prompt's speculative decoding, token by token.
+#[derive(Clone, Debug, Serialize)]
+pub struct PromptDecode {
+    pub id: String,
+    pub prompt_ids: Vec<u32>,
+    /// The generated tokens (greedy's, by construction).
+    pub tokens: Vec<u32>,
+    /// Tokens each verify step produced (accepted + bonus).
+    pub per_step: Vec<u32>,
+    /// The drafter's proposal at each verify step.
+    pub proposals: Vec<Vec<u32>>,
 }
 
 /// Decodes every prompt speculatively and measures tau.
@@ -101,6 +117,7 @@ pub fn evaluate(
     let mut elapsed = Duration::ZERO;
     let mut cats: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     let mut per_prompt = Vec::with_capacity(prompts.len());
+    let mut decodes = Vec::with_capacity(prompts.len());
     let mut lossless = true;
     let mut check = LayoutCheck::default();
     for (i, p) in prompts.iter().enumerate() {
@@ -117,6 +134,13 @@ pub fn evaluate(
         e.0 += produced as f64;
         e.1 += r.per_step.len() as f64;
         per_prompt.push((p.id.clone(), r.tau()));
+        decodes.push(PromptDecode {
+            id: p.id.clone(),
+            prompt_ids: p.ids.clone(),
+            proposals: r.steps.iter().map(|st| st.proposal.clone()).collect(),
+            tokens: r.tokens,
+            per_step: r.per_step,
+        });
     }
     EvalReport {
         label: label.to_string(),
@@ -130,6 +154,7 @@ pub fn evaluate(
         lossless: reference.map(|_| lossless),
         simulated_tau: reference.map(|_| check.sim_sum / check.sim_anchors.max(1) as f64),
         step_agreement: reference.map(|_| check.agreed as f64 / check.compared.max(1) as f64),
+        decodes,
     }
 }
 

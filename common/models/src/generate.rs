@@ -115,6 +115,55 @@ pub struct SpecSettings<'a> {
     pub stop_ids: &'a [u32],
 }
 
+/// The drafter's logits `[block - 1, vocab]` for the block after
+/// `context` (`[1, S, k*H]`, the target's features of every token before
+/// `last`): block `[last, MASK...]` at positions `S..` sees the whole context.
+fn draft_block(drafter: &Drafter, context: &Tensor, last: i64, s: &SpecSettings) -> Tensor {
+    let c = &drafter.config;
+    let (bsz, ddev) = (c.block_size, drafter.device());
+    let ctx_len = context.size()[1];
+    let mut block = vec![c.mask_token_id; bsz as usize];
+    block[0] = last;
+    let block_t = Tensor::from_slice(&block).view([1, bsz]).to_device(ddev);
+    let embeds = Tensor::embedding(s.embed, &block_t, -1, false, false);
+    let positions = (Tensor::arange(bsz, (Kind::Int64, ddev)) + ctx_len).unsqueeze(0);
+    let full = Tensor::ones([1, 1, bsz, ctx_len + bsz], (Kind::Bool, ddev));
+    // A sliding layer's slot at position p sees keys p - window < k <= p.
+    let sliding = c.window().map(|w| {
+        let q_pos = positions.view([bsz, 1]);
+        let k_pos = Tensor::arange(ctx_len + bsz, (Kind::Int64, ddev)).view([1, ctx_len + bsz]);
+        let back = q_pos - k_pos;
+        back.ge(0).logical_and(&back.lt(w)).view([1, 1, bsz, ctx_len + bsz])
+    });
+    let h = drafter.forward(&DrafterInput {
+        features: context,
+        block_embeds: &embeds,
+        block_positions: &positions,
+        attention: BlockAttention::Masked { full: &full, sliding: sliding.as_ref() },
+    });
+    h.narrow(1, 1, bsz - 1).linear(s.lm_head, None::<Tensor>).squeeze_dim(0)
+}
+
+/// The drafter's logits `[block - 1, vocab]` (f32, on the CPU) for the
+/// first block speculative decoding of `prompt` drafts: after the prompt,
+/// anchored at the target's first greedy token. What a client of the
+/// exported drafter (the `dflash` package, vLLM, SGLang) must reproduce.
+pub fn first_block_logits(target: &TargetModel, drafter: &Drafter, prompt: &[u32], s: &SpecSettings) -> Tensor {
+    let _guard = tch::no_grad_guard();
+    let dev = target.device;
+    let layers: Vec<i64> = drafter.config.target_layer_ids.clone();
+    let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
+    let n = ids.len() as i64;
+    let mut cache = target.new_cache(1);
+    let ids_t = Tensor::from_slice(&ids).view([1, n]).to_device(dev);
+    let pos = Tensor::arange(n, (Kind::Int64, dev)).unsqueeze(0);
+    let (hidden, feats) =
+        target.forward_cached(&ids_t, &pos, &Tensor::ones([1, n], (Kind::Bool, dev)), &mut cache, &layers);
+    let context = Tensor::cat(&feats, -1).to_device(drafter.device()).to_kind(drafter.kind());
+    let last = target.logits(&hidden.select(1, n - 1)).argmax(-1, false).int64_value(&[0]);
+    draft_block(drafter, &context, last, s).to_kind(Kind::Float).to_device(Device::Cpu)
+}
+
 /// Greedy speculative decoding of one prompt: the drafter proposes a block
 /// from the target's features of everything before the last token, the
 /// target verifies the block in one forward, the longest matching prefix
@@ -143,20 +192,7 @@ pub fn speculative_generate(target: &TargetModel, drafter: &Drafter, prompt: &[u
     let ddev = drafter.device();
     while out.len() < s.max_new_tokens && !s.stop_ids.contains(&(last as u32)) {
         let ctx_len = context.size()[1];
-        // Draft: block [last, MASK...] at positions ctx_len.. sees the whole context.
-        let mut block = vec![c.mask_token_id; bsz as usize];
-        block[0] = last;
-        let block_t = Tensor::from_slice(&block).view([1, bsz]).to_device(ddev);
-        let embeds = Tensor::embedding(s.embed, &block_t, -1, false, false);
-        let positions = (Tensor::arange(bsz, (Kind::Int64, ddev)) + ctx_len).unsqueeze(0);
-        let mask = Tensor::ones([1, 1, bsz, ctx_len + bsz], (Kind::Bool, ddev));
-        let h = drafter.forward(&DrafterInput {
-            features: &context,
-            block_embeds: &embeds,
-            block_positions: &positions,
-            attention: BlockAttention::Masked(&mask),
-        });
-        let proposal = h.narrow(1, 1, bsz - 1).linear(s.lm_head, None::<Tensor>).argmax(-1, false).view([-1]);
+        let proposal = draft_block(drafter, &context, last, s).argmax(-1, false).view([-1]);
         let proposal = Vec::<i64>::try_from(&proposal.to_device(Device::Cpu)).expect("1-D");
         // Verify: the target reads [last, proposal...] in one forward.
         let mut verify = vec![last];

@@ -17,6 +17,7 @@ pub mod generate;
 pub mod gguf;
 pub mod gloo;
 pub mod gpu;
+pub mod group;
 pub mod hf_config;
 mod kv_cache;
 pub mod layers;
@@ -35,11 +36,11 @@ pub mod zoo;
 
 use std::path::{Path, PathBuf};
 
-pub use drafter::{BlockAttention, Drafter, DrafterConfig, DrafterInput};
+pub use drafter::{BlockAttention, Drafter, DrafterConfig, DrafterInput, LayerType};
 pub use kv_cache::KvCache;
 pub use target::{LoadScope, TargetModel, load_embeddings};
 pub use target_config::{Family, MoeConfig, TargetConfig};
-pub use trainer::{DeviceBatch, StepMetrics, StepOutcome, TrainSettings, Trainer};
+pub use trainer::{DeviceBatch, Objective, StepMetrics, StepOutcome, TrainSettings, Trainer};
 
 /// Why a model could not be loaded, run or saved. Variants name the file.
 #[derive(Debug, thiserror::Error)]

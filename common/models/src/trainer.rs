@@ -31,6 +31,32 @@ pub struct TrainSettings {
     pub context_pad_multiple: usize,
     /// Seed of anchor sampling (combined with the batch id).
     pub seed: u64,
+    pub objective: Objective,
+}
+
+/// The loss over the drafted slots of a batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Objective {
+    /// Cross-entropy, slot k weighted by the layout (`exp(-(k-1)/gamma)`),
+    /// normalized by the batch's total weight.
+    CrossEntropy,
+    /// D-PACE: the cross-entropy of slot j weighted by `w_j = sum_{m>=j}
+    /// prod_{i<=m} q_i`, `q_i = (1 - alpha) p_i + alpha` with `p_i` the
+    /// drafter's probability of the label (detached: weights, not a path
+    /// for gradients); a slot without a label is a no-op in the products
+    /// and adds nothing to the sums. Normalized by the batch's supervised
+    /// slots, so the loss reads as weighted cross-entropy per slot.
+    Dpace { alpha: f64 },
+}
+
+/// D-PACE's weights `[blocks, B-1]` from the label probabilities `p` and
+/// the supervised slots `valid` (both `[blocks, B-1]`), in `p`'s kind.
+pub fn dpace_weights(p: &Tensor, valid: &Tensor, alpha: f64) -> Tensor {
+    let q = (p * (1.0 - alpha) + alpha).where_self(valid, &p.ones_like());
+    let prefix = q.cumprod(1, p.kind());
+    let counted = prefix * valid.to_kind(p.kind());
+    let suffix = counted.flip([1]).cumsum(1, p.kind()).flip([1]);
+    suffix * valid.to_kind(p.kind())
 }
 
 /// A batch on the drafter's device, ready to train on.
@@ -207,7 +233,10 @@ impl Trainer {
                     .with_context_multiple(s.context_pad_multiple)
             })
             .collect();
-        let total_weight: f64 = layouts.iter().map(BlockLayout::total_weight).sum();
+        let total_weight: f64 = match s.objective {
+            Objective::CrossEntropy => layouts.iter().map(BlockLayout::total_weight).sum(),
+            Objective::Dpace { .. } => layouts.iter().map(|l| l.supervised_slots() as f64).sum(),
+        };
         if total_weight <= 0.0 {
             return StepOutcome::Skipped(format!("batch {}: no trainable block positions", batch.batch_id));
         }
@@ -296,7 +325,8 @@ impl Trainer {
         // The kind sums are taken in: f64 for an f64 drafter (tests), else fp32.
         let acc = if kind == Kind::Double { Kind::Double } else { Kind::Float };
         let probs_kind = probability_kind(kind);
-        let scale = weights.to_kind(acc) / total_weight; // [M]: each row's share of the loss
+        let bm1 = (layout.block_size - 1) as i64;
+        let mut row_weights = Vec::new(); // each chunk's rows' weights, in `acc`
         let mut grad = Tensor::empty([m, h], (kind, device));
         let mut correct_parts = Vec::new();
         let mut loss_parts = Vec::new();
@@ -316,11 +346,22 @@ impl Trainer {
             // a log-sum-exp would report more (its gradient is exact either way).
             let p_label = probs.gather(1, &lab, false).squeeze_dim(1);
             let ce = p_label.to_kind(Kind::Double).clamp_min(f64::from(f32::MIN_POSITIVE)).log().neg();
+            // Chunks hold whole blocks (B-1 rows each), so D-PACE's per-block
+            // products see every slot of a block.
+            let w = match self.settings.objective {
+                Objective::CrossEntropy => w.to_kind(acc),
+                Objective::Dpace { alpha } => {
+                    let valid = w.gt(0.0).view([-1, bm1]);
+                    dpace_weights(&p_label.to_kind(acc).view([-1, bm1]), &valid, alpha).view([-1])
+                }
+            };
             loss_parts.push((&ce * w.to_kind(Kind::Double)).sum(Kind::Double));
+            row_weights.push(w);
             let _ = probs.scatter_add_(1, &lab, &Tensor::full([len, 1], -1.0, (probs_kind, device)));
             let _ = probs.to_kind(kind).matmul_out(&grad.narrow(0, start, len), &self.lm_head);
             start += len;
         }
+        let scale = Tensor::cat(&row_weights, 0) / total_weight; // [M]: each row's share of the loss
         let _ = grad.g_mul_(&scale.unsqueeze(1).to_kind(kind));
         drop(no_grad);
         (&rows * &grad).sum(Kind::Float).backward();
@@ -329,7 +370,6 @@ impl Trainer {
         tally.loss_sum += Tensor::stack(&loss_parts, 0).sum(Kind::Double).double_value(&[]);
 
         // Metrics over supervised slots (weight > 0), per block of B-1 rows.
-        let bm1 = (layout.block_size - 1) as i64;
         let valid = weights.gt(0.0).view([-1, bm1]);
         let correct = Tensor::cat(&correct_parts, 0).view([-1, bm1]).logical_and(&valid);
         let per_slot_correct =
@@ -394,6 +434,32 @@ mod tests {
     /// the loss within `loss_tol` (relative), every gradient within
     /// `grad_tol` of its largest entry.
     fn cross_entropy_against_autograd(device: Device, kind: Kind, loss_tol: f64, grad_tol: f64) {
+        objective_against_autograd(device, kind, Objective::CrossEntropy, loss_tol, grad_tol);
+    }
+
+    /// D-PACE's weights on a small case worked by hand: an unsupervised
+    /// slot is a no-op in the products and adds nothing to the sums.
+    #[test]
+    fn dpace_weights_match_the_definition() {
+        let p = Tensor::from_slice(&[0.5f64, 0.2, 0.9, 0.5, 0.2, 0.9]).view([2, 3]);
+        let valid = Tensor::from_slice(&[true, true, true, true, false, true]).view([2, 3]);
+        let w = Vec::<f64>::try_from(dpace_weights(&p, &valid, 0.5).view([-1])).unwrap();
+        // q = 0.5 p + 0.5; w_j = sum_{m>=j} prod_{i<=m} q_i over supervised slots.
+        let want = [0.75 + 0.45 + 0.4275, 0.45 + 0.4275, 0.4275, 0.75 + 0.7125, 0.0, 0.7125];
+        for (g, w) in w.iter().zip(want) {
+            assert!((g - w).abs() < 1e-12, "{g} vs {w}");
+        }
+    }
+
+    /// D-PACE through `Trainer::micro_batch` against autograd of the
+    /// weighted cross-entropy, the weights computed slot by slot from the
+    /// reference's own label probabilities.
+    #[test]
+    fn dpace_matches_autograd_in_f64() {
+        objective_against_autograd(Device::Cpu, Kind::Double, Objective::Dpace { alpha: 0.5 }, 1e-9, 1e-9);
+    }
+
+    fn objective_against_autograd(device: Device, kind: Kind, objective: Objective, loss_tol: f64, grad_tol: f64) {
         let tc = synthetic_target_config(2);
         tch::manual_seed(7);
         let dc = DrafterConfig::for_target(&tc, 1, 4, 3, vec![0, 1]);
@@ -411,6 +477,7 @@ mod tests {
             attention_chunk_blocks: 100,
             context_pad_multiple: 1,
             seed: 1,
+            objective,
         };
         let trainer = Trainer::new(drafter, embed, head, settings);
         let ids: Vec<u32> = (0..19).map(|i| 10 + (i * 13) % 150).collect();
@@ -420,7 +487,10 @@ mod tests {
         let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors: vec![3, 5, 8, 12, 16] }];
         let layout = BlockLayout::new(&seqs, &trainer.settings.blocks, 100);
         let features = Tensor::randn([19, 2 * tc.hidden_size], opts);
-        let total = layout.total_weight() * 1.5; // as if other micro-batches shared the step
+        let total = match objective {
+            Objective::CrossEntropy => layout.total_weight(),
+            Objective::Dpace { .. } => layout.supervised_slots() as f64,
+        } * 1.5; // as if other micro-batches shared the step
         let grads = |t: &Trainer| -> Vec<Tensor> {
             t.drafter.named_parameters().into_iter().map(|(_, p)| p.grad().to_kind(Kind::Double)).collect()
         };
@@ -447,7 +517,20 @@ mod tests {
             -100,
             0.0,
         );
-        let weights = Tensor::from_slice(&layout.weights).to_device(device).to_kind(Kind::Double);
+        let mut weights = Tensor::from_slice(&layout.weights).to_device(device).to_kind(Kind::Double);
+        if let Objective::Dpace { alpha } = objective {
+            let p = Vec::<f64>::try_from(ce.detach().to_kind(Kind::Double).neg().exp().to_device(Device::Cpu)).unwrap();
+            let b = layout.block_size - 1;
+            let mut w = vec![0.0; p.len()];
+            for blk in 0..p.len() / b {
+                let ok = |j: usize| layout.weights[blk * b + j] > 0.0;
+                let q = |j: usize| if ok(j) { (1.0 - alpha) * p[blk * b + j] + alpha } else { 1.0 };
+                for j in (0..b).filter(|&j| ok(j)) {
+                    w[blk * b + j] = (j..b).filter(|&m| ok(m)).map(|m| (0..=m).map(q).product::<f64>()).sum::<f64>();
+                }
+            }
+            weights = Tensor::from_slice(&w).to_device(device);
+        }
         let want_loss = (ce.to_kind(Kind::Double) * weights).sum(Kind::Double) / total;
         want_loss.backward();
         let want = want_loss.double_value(&[]);

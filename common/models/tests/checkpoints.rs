@@ -34,6 +34,7 @@ fn trainer(seed: i64) -> Trainer {
         attention_chunk_blocks: 4,
         context_pad_multiple: 1,
         seed: 5,
+        objective: dflash_models::Objective::CrossEntropy,
     };
     Trainer::new(drafter, embed, head, settings)
 }

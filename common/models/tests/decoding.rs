@@ -7,7 +7,7 @@
 use dflash_models::acceptance::block_predictions;
 use dflash_models::generate::{SpecSettings, greedy_generate, speculative_generate};
 use dflash_models::synthetic::{synthetic_target_config, write_synthetic_target};
-use dflash_models::{Drafter, DrafterConfig, LoadScope, TargetModel};
+use dflash_models::{Drafter, DrafterConfig, LayerType, LoadScope, TargetModel};
 use tch::{Device, Kind};
 
 fn target() -> (tempfile::TempDir, TargetModel) {
@@ -23,8 +23,19 @@ fn target_of(config: dflash_models::TargetConfig) -> (tempfile::TempDir, TargetM
 
 /// A freshly initialised drafter (seeded) reading target layers 0 and 2.
 fn drafter(t: &TargetModel, seed: i64, layers: i64, block: i64) -> Drafter {
+    sliding_drafter(t, seed, layers, block, None)
+}
+
+/// With `window`, layer 0 slides over that many positions, the rest attend fully.
+fn sliding_drafter(t: &TargetModel, seed: i64, layers: i64, block: i64, window: Option<i64>) -> Drafter {
     tch::manual_seed(seed);
-    Drafter::new(DrafterConfig::for_target(&t.config, layers, block, 3, vec![0, 2]), Device::Cpu, Kind::Float)
+    let mut c = DrafterConfig::for_target(&t.config, layers, block, 3, vec![0, 2]);
+    if let Some(w) = window {
+        c.layer_types =
+            (0..layers).map(|i| if i == 0 { LayerType::SlidingAttention } else { LayerType::FullAttention }).collect();
+        c.sliding_window = Some(w);
+    }
+    Drafter::new(c, Device::Cpu, Kind::Float)
 }
 
 fn settings(t: &TargetModel, max_new_tokens: usize) -> SpecSettings<'_> {
@@ -70,8 +81,10 @@ fn decoding_proposes_what_the_training_layout_predicts_at_the_same_anchors() {
     // by each verify step): its proposals at every anchor decoding visits
     // must be the same tokens.
     let (_d, t) = target();
-    for (seed, block) in [(3i64, 4i64), (4, 8)] {
-        let drafter = drafter(&t, seed, 2, block);
+    // The last case has a sliding layer whose window (10) is shorter than
+    // the sequence: training and decoding must bound it the same way.
+    for (seed, block, window) in [(3i64, 4i64, None), (4, 8, None), (5, 4, Some(10))] {
+        let drafter = sliding_drafter(&t, seed, 2, block, window);
         let prompt: Vec<u32> = (60..75).collect();
         let got = speculative_generate(&t, &drafter, &prompt, &settings(&t, 48));
         assert!(got.steps.len() >= 6, "{} steps", got.steps.len());

@@ -21,6 +21,7 @@ fn settings(chunk: usize, micro: usize) -> TrainSettings {
         attention_chunk_blocks: chunk,
         context_pad_multiple: 1,
         seed: 5,
+        objective: dflash_models::Objective::CrossEntropy,
     }
 }
 

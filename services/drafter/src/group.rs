@@ -9,8 +9,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dflash_models::collective::{Collective, Reduce};
-use dflash_models::gloo::{GlooGroup, GroupStore};
+use dflash_models::collective::Collective;
+use dflash_models::gloo::GroupStore;
 use dflash_proto as pb;
 use dflash_role::{KindExt, Session, Stages, StopCause, with_timeout};
 use dflash_telemetry::ErrorKind;
@@ -137,52 +137,16 @@ pub async fn rendezvous(session: &Session, m: &Membership, own_host: &str) -> an
     }
 }
 
-/// A GPU member's NCCL communicator, with the store that handed out its id
-/// (rank 0 serves it for as long as the group lives).
-struct NcclMember {
-    comm: dflash_models::dp::Replica,
-    _store: GroupStore,
-}
-
-impl Collective for NcclMember {
-    fn rank(&self) -> usize {
-        self.comm.rank
-    }
-    fn world(&self) -> usize {
-        self.comm.world
-    }
-    fn all_reduce(&self, t: &tch::Tensor, op: Reduce) -> Result<(), dflash_models::ModelError> {
-        self.comm.all_reduce(t, op)
-    }
-}
-
 /// Forms the collective over the store (collective: every member calls it).
+/// A GPU member that fails here has a device problem; a CPU member, a lost peer.
 pub fn collective(
     store: GroupStore,
     m: &Membership,
     own_host: &str,
     device: tch::Device,
 ) -> anyhow::Result<Box<dyn Collective>> {
-    match device {
-        tch::Device::Cuda(ordinal) => {
-            let id = if m.rank == 0 {
-                let id = dflash_models::dp::new_group_id().kind(ErrorKind::Device)?;
-                let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
-                store.set("nccl-id", &bytes).kind(ErrorKind::PeerLost)?;
-                id
-            } else {
-                let bytes = store.get("nccl-id", 128).kind(ErrorKind::PeerLost)?;
-                let mut internal = [0 as std::ffi::c_char; 128];
-                for (d, b) in internal.iter_mut().zip(bytes) {
-                    *d = b as std::ffi::c_char;
-                }
-                cudarc::nccl::Id::uninit(internal)
-            };
-            let comm = dflash_models::dp::Replica::join(id, m.rank, m.world, ordinal).kind(ErrorKind::Device)?;
-            Ok(Box::new(NcclMember { comm, _store: store }))
-        }
-        _ => Ok(Box::new(GlooGroup::join(store, own_host, m.rank, m.world).kind(ErrorKind::PeerLost)?)),
-    }
+    let kind = if device.is_cuda() { ErrorKind::Device } else { ErrorKind::PeerLost };
+    dflash_models::group::join(store, own_host, m.rank, m.world, device).kind(kind)
 }
 
 /// Leaves the group (stops the role with [`StopCause::GroupReform`]) when

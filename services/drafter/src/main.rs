@@ -13,7 +13,7 @@ use dflash_config::Device;
 use dflash_models::blocks::BlockSettings;
 use dflash_models::collective::Collective;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
-use dflash_models::{Drafter, DrafterConfig, TrainSettings, Trainer};
+use dflash_models::{Drafter, DrafterConfig, LayerType, TrainSettings, Trainer};
 use dflash_proto as pb;
 use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop, StopCause, registration_failed};
 use dflash_telemetry::ErrorKind;
@@ -211,13 +211,24 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
     let target_dir = Path::new(&c.model.target_path);
     let (target, embed, lm_head) = dflash_models::load_embeddings(target_dir, device, kind).kind(ErrorKind::Model)?;
     let mask = c.drafter.mask_token_id.context("drafter.mask_token_id is unresolved").kind(ErrorKind::Config)?;
-    let dc = DrafterConfig::for_target(
+    let mut dc = DrafterConfig::for_target(
         &target,
         c.drafter.num_layers as i64,
         c.drafter.block_size as i64,
         mask as i64,
         c.model.target_layer_ids.iter().map(|&i| i as i64).collect(),
     );
+    dc.layer_types = c
+        .drafter
+        .layer_types
+        .iter()
+        .flatten()
+        .map(|t| match t {
+            dflash_config::DrafterLayerType::FullAttention => LayerType::FullAttention,
+            dflash_config::DrafterLayerType::SlidingAttention => LayerType::SlidingAttention,
+        })
+        .collect();
+    dc.sliding_window = c.drafter.sliding_window.map(i64::from);
     tch::manual_seed(c.run.seed as i64);
     let mut drafter = Drafter::new(dc, device, kind);
     if c.drafter.init_from_target_layers {
@@ -247,7 +258,11 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
         blocks: BlockSettings {
             block_size: c.drafter.block_size as usize,
             mask_token_id: mask as i64,
-            gamma: c.drafter.effective_gamma().context("drafter.gamma is unresolved")?,
+            // D-PACE weighs slots itself: only which slots count matters then.
+            gamma: match t.loss {
+                dflash_config::Objective::Dpace => 1.0,
+                _ => c.drafter.effective_gamma().context("drafter.gamma is unresolved")?,
+            },
             anchors_per_sequence: t.anchors_per_sequence as usize,
         },
         schedule: LrSchedule::new(t.lr, t.total_steps, t.warmup_ratio, t.min_lr_ratio),
@@ -263,6 +278,15 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
         attention_chunk_blocks: t.attention_chunk_blocks as usize,
         context_pad_multiple: t.context_pad_multiple as usize,
         seed: c.run.seed,
+        objective: match t.loss {
+            dflash_config::Objective::Ce => dflash_models::Objective::CrossEntropy,
+            dflash_config::Objective::Dpace => {
+                dflash_models::Objective::Dpace { alpha: t.dpace_alpha.unwrap_or(dflash_config::DEFAULT_DPACE_ALPHA) }
+            }
+            dflash_config::Objective::Kd => {
+                anyhow::bail!("training.loss = \"kd\" is not supported (refused at validation)")
+            }
+        },
     };
     Ok(Trainer::new(drafter, embed, lm_head, settings))
 }

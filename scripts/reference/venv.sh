@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The reference Python environment the tests and scripts run against (never
+# imported by the project's code): PyTorch 2.11 (the wheel setup-libtorch.sh
+# caches, its CUDA dependencies from PyPI: it runs on CPUs too),
+# transformers, and the DFlash authors' `dflash` package and SpecForge
+# installed without their dependencies (both run with torch + transformers
+# alone). Cached in .cache/ref-venv; a second run is a no-op. Prints the
+# folder's python on stdout. Several callers at once wait for one install.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+venv=${DFLASH_REF_VENV:-$root/.cache/ref-venv}
+wheels=${DFLASH_WHEEL_CACHE:-$root/.cache/wheels}
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
+if [ ! -f "$venv/.complete" ]; then
+  rm -rf "$venv"
+  echo "installing the reference venv into $venv (torch, transformers, dflash, specforge) ..." >&2
+  python3 -m venv "$venv"
+  pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" >&2; }
+  torch_whl=$(ls "$wheels"/torch-2.11.0-*.whl 2>/dev/null | head -n 1 || true)
+  pip install "${torch_whl:-torch==2.11.0}" "transformers==5.15.0" "safetensors" "numpy"
+  pip install --no-deps "dflash==0.1.0" "specforge==0.2.0"
+  "$venv/bin/python" -c "import torch, transformers, dflash; from dflash.model import DFlashDraftModel" >&2
+  touch "$venv/.complete"
+fi
+echo "$venv/bin/python"

@@ -1,0 +1,140 @@
+//! The public client: the DFlash authors' `dflash` package (installed with
+//! transformers and torch by scripts/reference/venv.sh into `.cache`) loads
+//! our export unmodified; its first-block logits equal our forward's for the
+//! same target features and block, and its `dflash_generate` decodes every
+//! prompt to the tokens of our `eval` (and of transformers' own greedy
+//! decoding) with the same acceptance at every verify step.
+
+#![allow(clippy::unwrap_used)] // tests panic on failure by design
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use dflash_tests::{Workspace, bin};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The reference venv's python (installed on first use, then cached).
+fn reference_python() -> PathBuf {
+    let out = Command::new(root().join("scripts/reference/venv.sh")).output().unwrap();
+    assert!(out.status.success(), "scripts/reference/venv.sh failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// Relative tolerance of the first-block logits: both sides compute in f32
+/// from the same bf16 weights; what differs is the order of the sums.
+const LOGITS_TOLERANCE: f64 = 1e-4;
+
+#[test]
+fn the_dflash_package_loads_our_export_and_decodes_exactly_as_our_eval() {
+    decodes_as_the_package("[drafter]\nnum_layers = 2\n", None);
+}
+
+/// A drafter with a sliding-attention layer (window 8: shorter than every
+/// prompt, so the window bounds what its slots see) and a full one.
+#[test]
+fn a_sliding_window_drafter_decodes_exactly_as_the_package_reads_it() {
+    let drafter =
+        "[drafter]\nnum_layers = 2\nlayer_types = [\"sliding_attention\", \"full_attention\"]\nsliding_window = 8\n";
+    decodes_as_the_package(drafter, Some(8));
+}
+
+/// Trains a drafter with `extra` config, exports it, and checks the package
+/// against our eval; `window`: the sliding window the export must name.
+fn decodes_as_the_package(extra: &str, window: Option<i64>) {
+    let python = reference_python();
+    let ws = Workspace::synthetic(240, 6);
+    // What is compared is the export, not what training taught it: five
+    // steps. (On a random target a drafter soon proposes its few most
+    // frequent tokens; the logits comparison below is the exact one.)
+    let config = ws.config("client", &format!("[run]\nmax_steps = 5\n{extra}"));
+    let mut up = dflash_tests::up(&ws, &config, &["--no-final-eval"], &[]);
+    assert!(up.expect_exit(Duration::from_secs(240)).success(), "{}", up.log_text());
+    let latest = std::fs::read_to_string(ws.path("checkpoints/latest")).unwrap();
+    let export = ws.path("checkpoints").join(latest.trim());
+    let card = std::fs::read_to_string(export.join("README.md")).unwrap();
+    assert!(card.contains("DFlashDraftModel") && card.contains("\"method\": \"dflash\""), "{card}");
+    let exported: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap()).unwrap();
+    match window {
+        Some(w) => {
+            assert_eq!(exported["sliding_window"], w);
+            assert_eq!(exported["use_sliding_window"], true);
+            assert_eq!(exported["layer_types"], serde_json::json!(["sliding_attention", "full_attention"]));
+        }
+        None => assert!(exported.get("layer_types").is_none(), "{exported}"),
+    }
+
+    let eval_json = ws.path("eval.json");
+    let eval = Command::new(bin("dflash"))
+        .args(["eval", "--target"])
+        .arg(ws.path("model"))
+        .arg("--drafter")
+        .arg(&export)
+        .arg("--prompts")
+        .arg(ws.path("data.jsonl"))
+        .args(["--offset", "200", "--limit", "6", "--max-new-tokens", "40", "--block-logits", "6", "--threads", "1"])
+        .arg("--json")
+        .arg(&eval_json)
+        .output()
+        .unwrap();
+    assert!(eval.status.success(), "{}", String::from_utf8_lossy(&eval.stderr));
+
+    // Our own decoding and our training layout agree at every verify step.
+    let ours: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&eval_json).unwrap()).unwrap();
+    let trained = ours["reports"].as_array().unwrap().iter().find(|r| r["label"] == "trained").unwrap();
+    assert_eq!(trained["step_agreement"], 1.0, "{trained}");
+    assert_eq!(trained["lossless"], true, "{trained}");
+
+    let client = Command::new(&python)
+        .arg(root().join("scripts/reference/public_client.py"))
+        .arg(ws.path("model"))
+        .arg(&export)
+        .arg(&eval_json)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(client.status.success(), "public_client.py failed:\n{}", String::from_utf8_lossy(&client.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&client.stdout).unwrap();
+    println!("{}", serde_json::to_string(&r).unwrap());
+
+    let windows = match window {
+        Some(w) => serde_json::json!([w, null]),
+        None => serde_json::json!([null, null]),
+    };
+    assert_eq!(r["layer_windows"], windows, "the package read other layer windows");
+    assert_eq!(r["layer_causal"], serde_json::json!([window.is_some(), false]));
+    let prompts = r["prompts"].as_array().unwrap();
+    assert_eq!(prompts.len(), 6);
+    let mut proposed = std::collections::BTreeSet::new();
+    for p in prompts {
+        assert_eq!(p["tokens_equal"], true, "the package decoded other tokens: {p}");
+        assert_eq!(p["equals_transformers_greedy"], true, "{p}");
+        let ours: Vec<u64> = p["ours_per_step"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let theirs: Vec<u64> = p["theirs_per_step"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        assert_eq!(ours.len(), theirs.len(), "{p}");
+        // Once fewer tokens are left than a block, the package drafts a
+        // shorter block (ours drafts a whole one and keeps what fits):
+        // compare the steps with whole blocks.
+        let full = p["full_block_steps"].as_u64().unwrap() as usize;
+        assert!(full >= 4, "{p}");
+        assert_eq!(ours[..full], theirs[..full], "acceptance per verify step differs: {p}");
+        let (our_props, their_props) =
+            (p["ours_proposals"].as_array().unwrap(), p["theirs_proposals"].as_array().unwrap());
+        assert_eq!(our_props[..full], their_props[..full], "the drafter proposed other tokens: {p}");
+        proposed
+            .extend(our_props[..full].iter().flat_map(|b| b.as_array().unwrap().iter().map(|t| t.as_u64().unwrap())));
+    }
+    // A drafter that always proposed one token would compare little.
+    assert!(proposed.len() >= 2, "proposals {proposed:?}: too few distinct tokens to compare");
+    let blocks = r["block_logits"].as_array().unwrap();
+    assert_eq!(blocks.len(), 6);
+    for b in blocks {
+        let (diff, scale) = (b["max_abs_diff"].as_f64().unwrap(), b["max_abs"].as_f64().unwrap());
+        assert!(diff <= LOGITS_TOLERANCE * scale.max(1.0), "first-block logits differ by {diff} (scale {scale}): {b}");
+        assert_eq!(b["argmax_equal"], true, "{b}");
+    }
+}
