@@ -27,7 +27,10 @@ pub struct RoleArgs {
     /// Coordinator URL.
     #[arg(long, env = "DFLASH_COORDINATOR", default_value = "http://127.0.0.1:50051")]
     pub coordinator: String,
-    /// Stable id of this instance (default: role-host-pid).
+    /// Name of this instance (default: role-host-pid). The instance id is
+    /// the name plus a suffix drawn at process start: a restarted process
+    /// is a new instance, even where the name stays (a container's pid 1,
+    /// a Kubernetes pod name).
     #[arg(long, env = "DFLASH_INSTANCE_ID")]
     pub instance_id: Option<String>,
     /// Seconds to keep trying to reach the coordinator at startup.
@@ -89,16 +92,25 @@ pub fn coordinator_client(url: &str, security: &Security) -> anyhow::Result<Coor
     Ok(CoordinatorClient::with_interceptor(lazy_channel(url, security)?, security.client_auth()))
 }
 
-fn default_instance_id(role: pb::Role) -> String {
+fn default_instance_name(role: pb::Role) -> String {
     let host = hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "host".into());
     format!("{}-{host}-{}", role.name(), std::process::id())
+}
+
+/// This process's instance id: `name` and a suffix unique to the process
+/// start. The coordinator keys everything an instance holds (leases, a
+/// place in the drafter group) by it, so a process that restarts under the
+/// same name must not inherit what its predecessor held.
+fn instance_id(name: &str) -> String {
+    format!("{name}-{:06x}", rand::random::<u32>() & 0xff_ffff)
 }
 
 impl Session {
     /// Registers with the coordinator, retrying until `connect_timeout_s`,
     /// and returns the session with the validated run config.
     pub async fn register(args: &RoleArgs, announce: Announce, stop: Stop) -> anyhow::Result<Arc<Self>> {
-        let instance_id = args.instance_id.clone().unwrap_or_else(|| default_instance_id(announce.role));
+        let instance_id =
+            instance_id(&args.instance_id.clone().unwrap_or_else(|| default_instance_name(announce.role)));
         let host = hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
         let request = pb::RegisterRequest {
             protocol_version: dflash_proto::PROTOCOL_VERSION,
@@ -408,11 +420,20 @@ impl Session {
     }
 
     async fn finish_inner(&self, result: anyhow::Result<()>) -> i32 {
-        if let Err(e) = &result {
-            let kind = kind_of(e);
-            tracing::error!("{}", format_chain(e));
-            self.report_error(kind, e).await;
-            self.stop.stop(StopCause::Fatal(format_chain(e)));
+        match (&result, self.stop.cause()) {
+            // The error is why this member leaves its drafter group (a peer
+            // or the rendezvous lost): it joins the next generation, the
+            // run goes on.
+            (Err(e), Some(StopCause::GroupReform(_))) => {
+                tracing::warn!("leaving the drafter group: {}", format_chain(e))
+            }
+            (Err(e), _) => {
+                let kind = kind_of(e);
+                tracing::error!("{}", format_chain(e));
+                self.report_error(kind, e).await;
+                self.stop.stop(StopCause::Fatal(format_chain(e)));
+            }
+            (Ok(()), _) => {}
         }
         let cause = self.stop.cause().unwrap_or(StopCause::RunCompleted);
         let code = cause.exit_code();

@@ -45,11 +45,7 @@ impl Router {
                 b = input.recv_async() => {
                     let Ok(b) = b else { return Ok(()) };
                     let to = b.lease.destination().clone();
-                    let ended = self.group.borrow().as_ref().is_some_and(|g| {
-                        to.generation < g.generation
-                            || (to.generation == g.generation && !g.members.iter().any(|m| m.endpoint == to.endpoint))
-                    });
-                    if ended || to.endpoint.is_empty() {
+                    if self.ended(&to) {
                         tracing::info!(
                             "batch {} was routed to generation {} of the drafter group, which ended: dropped, it is \
                              dealt out again",
@@ -59,32 +55,70 @@ impl Router {
                         continue;
                     }
                     let queue = routes.entry(to.endpoint.clone()).or_insert_with(|| self.open(&to.endpoint)).queue.clone();
-                    tokio::select! {
-                        r = queue.send_async(b) => if r.is_err() { routes.remove(&to.endpoint); },
-                        _ = stop.stopped() => return Ok(()),
+                    // A member that is gone takes no more batches: waiting for
+                    // its queue must not keep the router from learning that
+                    // the group changed (every later batch would wait too).
+                    let (id, send) = (b.lease.batch_id(), queue.send_async(b));
+                    tokio::pin!(send);
+                    loop {
+                        tokio::select! {
+                            r = &mut send => {
+                                if r.is_err() {
+                                    routes.remove(&to.endpoint);
+                                }
+                                break;
+                            }
+                            r = self.group.changed() => {
+                                if r.is_err() { return Ok(()) }
+                                if self.ended(&to) {
+                                    tracing::info!(
+                                        "batch {id} waited for {}, which left the drafter group: dropped, it is dealt \
+                                         out again",
+                                        to.endpoint
+                                    );
+                                    break;
+                                }
+                            }
+                            _ = stop.stopped() => return Ok(()),
+                        }
                     }
+                    self.prune(&mut routes);
                 }
                 r = self.group.changed() => {
                     if r.is_err() { return Ok(()) }
-                    let members: Vec<String> = self
-                        .group
-                        .borrow()
-                        .as_ref()
-                        .map(|g| g.members.iter().map(|m| m.endpoint.clone()).collect())
-                        .unwrap_or_default();
-                    // A member that left (or a group re-forming) has nothing
-                    // more to receive; what it did not acknowledge is redone.
-                    routes.retain(|endpoint, _| {
-                        let keep = members.contains(endpoint);
-                        if !keep {
-                            tracing::info!("closing the streams to {endpoint}: no longer in the drafter group");
-                        }
-                        keep
-                    });
+                    self.prune(&mut routes);
                 }
                 _ = stop.stopped() => return Ok(()),
             }
         }
+    }
+
+    /// Whether a batch for `to` belongs to a generation (or a member) that
+    /// is no longer in the group.
+    fn ended(&self, to: &crate::leases::Destination) -> bool {
+        to.endpoint.is_empty()
+            || self.group.borrow().as_ref().is_some_and(|g| {
+                to.generation < g.generation
+                    || (to.generation == g.generation && !g.members.iter().any(|m| m.endpoint == to.endpoint))
+            })
+    }
+
+    /// Closes the routes of members no longer in the group: they have
+    /// nothing more to receive; what they did not acknowledge is redone.
+    fn prune(&self, routes: &mut HashMap<String, Route>) {
+        let members: Vec<String> = self
+            .group
+            .borrow()
+            .as_ref()
+            .map(|g| g.members.iter().map(|m| m.endpoint.clone()).collect())
+            .unwrap_or_default();
+        routes.retain(|endpoint, _| {
+            let keep = members.contains(endpoint);
+            if !keep {
+                tracing::info!("closing the streams to {endpoint}: no longer in the drafter group");
+            }
+            keep
+        });
     }
 
     /// Starts the senders of a member's route.
