@@ -10,6 +10,8 @@ use dflash_models::generate::{SpecSettings, first_block_logits};
 use dflash_models::{Drafter, LoadScope, TargetModel};
 use tch::{Device, Kind};
 
+use crate::meter::Meter;
+
 #[derive(clap::Args, Debug)]
 pub struct EvalArgs {
     /// Target model directory.
@@ -106,9 +108,13 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
         a.slice.max_new_tokens,
         config.block_size
     );
-    let (reference, greedy_tps) = greedy_reference(&target, &prompts, a.slice.max_new_tokens, &tok.stop_ids);
+    let mut meter = Meter::new("greedy reference", prompts.len() as u64, "prompts");
+    let (reference, greedy_tps) =
+        greedy_reference(&target, &prompts, a.slice.max_new_tokens, &tok.stop_ids, &mut || meter.add(1, ""));
+    meter.finish();
     println!("{:<10} {:>6.1} tok/s", "greedy", greedy_tps);
     let run = |name: &str, drafter: &Drafter| {
+        let mut meter = Meter::new(&format!("{name} drafter"), prompts.len() as u64, "prompts");
         let r = evaluate(
             name,
             &target,
@@ -119,7 +125,9 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
             a.slice.max_new_tokens,
             &tok.stop_ids,
             Some(&reference),
+            &mut || meter.add(1, ""),
         );
+        meter.finish();
         print_report(&r, greedy_tps);
         r
     };

@@ -13,6 +13,7 @@ mod bench_step;
 mod bench_transport;
 mod eval;
 mod launcher;
+mod meter;
 mod plot;
 mod prepare;
 mod progress;

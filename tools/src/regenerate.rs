@@ -12,6 +12,8 @@ use dflash_models::generate::greedy_generate;
 use dflash_models::{LoadScope, TargetModel};
 use tch::{Device, Kind};
 
+use crate::meter::Meter;
+
 /// Which prompts of a JSONL file to decode, and how far.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PromptSlice {
@@ -116,7 +118,7 @@ pub fn regenerate(a: &RegenArgs) -> anyhow::Result<()> {
     let mut answers: Vec<Option<String>> = vec![None; prompts.len()];
     let started = Instant::now();
     let mut generated = 0usize;
-    let mut done = 0usize;
+    let mut meter = Meter::new("regenerate", order.len() as u64, "prompts");
     for range in plan_batches(&lens, a.batch_size, a.max_batch_tokens, a.prompts.max_new_tokens) {
         let chunk = &order[range];
         let batch: Vec<Vec<u32>> = chunk.iter().map(|&i| prompts[i].ids.clone()).collect();
@@ -125,13 +127,12 @@ pub fn regenerate(a: &RegenArgs) -> anyhow::Result<()> {
             generated += ids.len();
             answers[i] = Some(tok.decode(&ids)?.trim().to_string());
         }
-        done += chunk.len();
-        tracing::info!(
-            "regenerated {done}/{} prompts, {:.0} new tokens/s",
-            order.len(),
-            generated as f64 / started.elapsed().as_secs_f64()
+        meter.add(
+            chunk.len() as u64,
+            &format!("{:.0} new tokens/s", generated as f64 / started.elapsed().as_secs_f64()),
         );
     }
+    meter.finish();
     let tmp = a.output.with_extension("tmp");
     if let Some(dir) = a.output.parent() {
         std::fs::create_dir_all(dir)?;

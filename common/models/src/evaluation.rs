@@ -110,6 +110,7 @@ pub fn evaluate(
     max_new_tokens: usize,
     stop_ids: &[u32],
     reference: Option<&[Vec<u32>]>,
+    progress: &mut dyn FnMut(),
 ) -> EvalReport {
     let s = SpecSettings { embed, lm_head, max_new_tokens, stop_ids };
     let mut steps = 0u64;
@@ -141,6 +142,7 @@ pub fn evaluate(
             tokens: r.tokens,
             per_step: r.per_step,
         });
+        progress();
     }
     EvalReport {
         label: label.to_string(),
@@ -206,11 +208,16 @@ pub fn greedy_reference(
     prompts: &[EvalPrompt],
     max_new: usize,
     stop_ids: &[u32],
+    progress: &mut dyn FnMut(),
 ) -> (Vec<Vec<u32>>, f64) {
     let t0 = Instant::now();
     let outs: Vec<Vec<u32>> = prompts
         .iter()
-        .map(|p| greedy_generate(target, std::slice::from_ref(&p.ids), max_new, stop_ids).remove(0))
+        .map(|p| {
+            let out = greedy_generate(target, std::slice::from_ref(&p.ids), max_new, stop_ids).remove(0);
+            progress();
+            out
+        })
         .collect();
     let n: usize = outs.iter().map(Vec::len).sum();
     (outs, n as f64 / t0.elapsed().as_secs_f64())

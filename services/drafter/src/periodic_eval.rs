@@ -59,6 +59,7 @@ impl PeriodicEval {
             self.max_new_tokens,
             &self.stop_ids,
             None,
+            &mut || {},
         );
         let cats: Vec<String> = r.per_category.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
         dflash_telemetry::metrics().acceptance_length.with_label_values(&["eval"]).set(r.tau);
