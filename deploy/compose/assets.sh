@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fills the Compose stack's data folder with what a run reads: SmolLM2 as a
 # Hugging Face directory, training data answered by SmolLM2 itself, and the
-# run config. Uses this checkout's release binaries (the same the image has).
+# run configs (run.toml; run-group.toml for docker-compose.group.yml). Uses
+# this checkout's release binaries (the same the image has).
 #
 # Usage: deploy/compose/assets.sh [data-dir] [prompts] [new-tokens]
 #        (defaults: .cache/compose 64 64)
@@ -21,6 +22,8 @@ if [ ! -f "$dir/data/train.jsonl" ]; then
     --output "$dir/data/train.jsonl"
 fi
 [ -f "$dir/run.toml" ] || cp "$root/deploy/compose/run.toml" "$dir/run.toml"
+# The same run for docker-compose.group.yml's group of two drafters.
+[ -f "$dir/run-group.toml" ] || cat "$dir/run.toml" "$root/deploy/compose/group.toml" > "$dir/run-group.toml"
 # The containers run as uid 10001: let them write the state.
 chmod -R a+rwX "$dir"
 echo "$dir"

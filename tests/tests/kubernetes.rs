@@ -65,7 +65,7 @@ fn the_gpu_overlay_renders_the_design_topology_and_validates() {
     validate("gpu", &y);
     for want in [
         "nvidia.com/gpu: \"5\"",
-        "nvidia.com/gpu: \"3\"",
+        "nvidia.com/gpu: \"1\"",
         "kind: NetworkPolicy",
         "kind: PersistentVolumeClaim",
         "terminationGracePeriodSeconds: 120",
@@ -73,11 +73,12 @@ fn the_gpu_overlay_renders_the_design_topology_and_validates() {
         "value: http://jaeger:4317",
         "name: dflash-run-config",
         "target = \"0,1,2,3,4\"",
-        "drafter = \"0,1,2\"",
+        "drafter = \"0\"",
         "image: registry.example.com/dflash:cuda",
     ] {
         assert!(y.contains(want), "gpu overlay lacks {want:?}:\n{y}");
     }
+    the_drafter_is_a_group_of(&y, "base/run.toml", 3);
 }
 
 #[test]
@@ -86,4 +87,68 @@ fn the_cpu_demo_overlay_requests_no_gpus_and_validates() {
     validate("cpu-demo", &y);
     assert!(!y.contains("nvidia.com/gpu"), "{y}");
     assert!(y.contains("prepare-synthetic") && y.contains("target = \"cpu\""), "{y}");
+    the_drafter_is_a_group_of(&y, "overlays/cpu-demo/run.toml", 2);
+}
+
+/// The rendered objects as JSON (PyYAML comes with the validator).
+fn objects(rendered: &str) -> Vec<serde_json::Value> {
+    validator(); // installs the cached folder on first use
+    let dir = root().join(".cache/kubernetes-validate-1.37.0");
+    let mut child = Command::new("python3")
+        .env("PYTHONPATH", &dir)
+        .args(["-c", "import json,sys,yaml; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    child.stdin.take().unwrap().write_all(rendered.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The drafter is a StatefulSet of `members` pods, one GPU (or the CPU)
+/// each, behind a headless Service that publishes members before they are
+/// ready (the group meets before its members report ready), allowed to
+/// reach each other on any port; and the run config the overlay ships
+/// parses, validates and names the same group size.
+fn the_drafter_is_a_group_of(rendered: &str, run_config: &str, members: u32) {
+    let objects = objects(rendered);
+    let of = |kind: &str, name: &str| {
+        objects
+            .iter()
+            .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name} in:\n{rendered}"))
+    };
+    assert!(!objects.iter().any(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "drafter"));
+    let set = &of("StatefulSet", "drafter")["spec"];
+    assert_eq!(set["replicas"], members);
+    assert_eq!(set["serviceName"], "drafter");
+    assert_eq!(set["podManagementPolicy"], "Parallel");
+    let container = &set["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = container["command"].as_array().unwrap().iter().filter_map(|a| a.as_str()).collect();
+    assert!(args.contains(&"--advertise=http://$(POD_NAME).drafter:50052"), "{args:?}");
+    let pod_name = container["env"].as_array().unwrap().iter().find(|e| e["name"] == "POD_NAME").unwrap();
+    assert_eq!(pod_name["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name");
+    let gpus = &container["resources"]["limits"]["nvidia.com/gpu"];
+    assert!(gpus.is_null() || *gpus == "1", "one GPU per member: {gpus}");
+
+    let service = &of("Service", "drafter")["spec"];
+    assert_eq!(service["clusterIP"], "None");
+    assert_eq!(service["publishNotReadyAddresses"], true);
+    let policy = &of("NetworkPolicy", "drafter-from-targets-and-its-group")["spec"];
+    let any_port_from_members = policy["ingress"].as_array().unwrap().iter().any(|rule| {
+        rule["ports"].is_null()
+            && rule["from"].as_array().is_some_and(|f| {
+                f.iter().any(|p| p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "drafter")
+            })
+    });
+    assert!(any_port_from_members, "the members must reach each other on any port: {policy}");
+
+    let path = root().join("deploy/k8s").join(run_config);
+    let config = dflash_config::from_toml_str(&std::fs::read_to_string(&path).unwrap())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    config.validate().unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(config.group.size, members, "{}: group.size must equal the StatefulSet's replicas", path.display());
 }
