@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
 use crate::drafter::{BlockAttention, Drafter, DrafterInput};
+use crate::kv_cache::KvCache;
 use crate::target::TargetModel;
 
 /// Greedy continuations of `prompts` (token ids), generated together with
@@ -150,6 +151,14 @@ fn draft_block(drafter: &Drafter, context: &Tensor, last: i64, s: &SpecSettings)
 /// exported drafter (the `dflash` package, vLLM, SGLang) must reproduce.
 pub fn first_block_logits(target: &TargetModel, drafter: &Drafter, prompt: &[u32], s: &SpecSettings) -> Tensor {
     let _guard = tch::no_grad_guard();
+    let (_, context, last) = prefill(target, drafter, prompt);
+    draft_block(drafter, &context, last, s).to_kind(Kind::Float).to_device(Device::Cpu)
+}
+
+/// The target's forward over `prompt`: its cache, the drafter's context
+/// `[1, S, k*H]` (features of the captured layers, in the drafter's kind
+/// and device) and the first greedy token.
+fn prefill(target: &TargetModel, drafter: &Drafter, prompt: &[u32]) -> (KvCache, Tensor, i64) {
     let dev = target.device;
     let layers: Vec<i64> = drafter.config.target_layer_ids.clone();
     let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
@@ -161,7 +170,7 @@ pub fn first_block_logits(target: &TargetModel, drafter: &Drafter, prompt: &[u32
         target.forward_cached(&ids_t, &pos, &Tensor::ones([1, n], (Kind::Bool, dev)), &mut cache, &layers);
     let context = Tensor::cat(&feats, -1).to_device(drafter.device()).to_kind(drafter.kind());
     let last = target.logits(&hidden.select(1, n - 1)).argmax(-1, false).int64_value(&[0]);
-    draft_block(drafter, &context, last, s).to_kind(Kind::Float).to_device(Device::Cpu)
+    (cache, context, last)
 }
 
 /// Greedy speculative decoding of one prompt: the drafter proposes a block
@@ -177,15 +186,7 @@ pub fn speculative_generate(target: &TargetModel, drafter: &Drafter, prompt: &[u
     let bsz = c.block_size;
     let layers: Vec<i64> = c.target_layer_ids.clone();
     let kind = drafter.kind();
-    let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
-    let n = ids.len() as i64;
-    let mut cache = target.new_cache(1);
-    let ids_t = Tensor::from_slice(&ids).view([1, n]).to_device(dev);
-    let pos = Tensor::arange(n, (Kind::Int64, dev)).unsqueeze(0);
-    let (hidden, feats) =
-        target.forward_cached(&ids_t, &pos, &Tensor::ones([1, n], (Kind::Bool, dev)), &mut cache, &layers);
-    let mut context = Tensor::cat(&feats, -1).to_device(drafter.device()).to_kind(kind); // [1, S, k*H]
-    let mut last = target.logits(&hidden.select(1, n - 1)).argmax(-1, false).int64_value(&[0]);
+    let (mut cache, mut context, mut last) = prefill(target, drafter, prompt);
     let mut out = vec![last as u32];
     let mut per_step = Vec::new();
     let mut steps = Vec::new();

@@ -16,6 +16,13 @@ use tokio::sync::{mpsc, watch};
 use crate::postprocess::OutboundBatch;
 use crate::sender::Sender;
 
+/// A route is one member process: its instance at its endpoint. A member
+/// that restarts at the same address is another instance and gets fresh
+/// senders (the old ones' credits and replays belong to the one that died).
+fn route_key(instance_id: &str, endpoint: &str) -> String {
+    format!("{instance_id}@{endpoint}")
+}
+
 /// One member's queue and the endpoint its senders stream to (dropping
 /// both ends the senders).
 struct Route {
@@ -54,7 +61,8 @@ impl Router {
                         );
                         continue;
                     }
-                    let queue = routes.entry(to.endpoint.clone()).or_insert_with(|| self.open(&to.endpoint)).queue.clone();
+                    let key = route_key(&to.instance_id, &to.endpoint);
+                    let queue = routes.entry(key.clone()).or_insert_with(|| self.open(&to.endpoint)).queue.clone();
                     // A member that is gone takes no more batches: waiting for
                     // its queue must not keep the router from learning that
                     // the group changed (every later batch would wait too).
@@ -64,7 +72,7 @@ impl Router {
                         tokio::select! {
                             r = &mut send => {
                                 if r.is_err() {
-                                    routes.remove(&to.endpoint);
+                                    routes.remove(&key);
                                 }
                                 break;
                             }
@@ -99,7 +107,8 @@ impl Router {
         to.endpoint.is_empty()
             || self.group.borrow().as_ref().is_some_and(|g| {
                 to.generation < g.generation
-                    || (to.generation == g.generation && !g.members.iter().any(|m| m.endpoint == to.endpoint))
+                    || (to.generation == g.generation
+                        && !g.members.iter().any(|m| m.endpoint == to.endpoint && m.instance_id == to.instance_id))
             })
     }
 
@@ -110,12 +119,12 @@ impl Router {
             .group
             .borrow()
             .as_ref()
-            .map(|g| g.members.iter().map(|m| m.endpoint.clone()).collect())
+            .map(|g| g.members.iter().map(|m| route_key(&m.instance_id, &m.endpoint)).collect())
             .unwrap_or_default();
-        routes.retain(|endpoint, _| {
-            let keep = members.contains(endpoint);
+        routes.retain(|key, _| {
+            let keep = members.contains(key);
             if !keep {
-                tracing::info!("closing the streams to {endpoint}: no longer in the drafter group");
+                tracing::info!("closing the streams to {key}: no longer in the drafter group");
             }
             keep
         });
