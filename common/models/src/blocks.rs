@@ -152,12 +152,9 @@ impl BlockLayout {
     /// else. Keys of a chunk are the context followed by the chunk's slots.
     pub fn attention_mask(&self, device: Device) -> Tensor {
         let (n, b, s) = (self.n as i64, self.block_size as i64, self.context_len as i64);
-        let c = self.chunk_blocks as i64;
-        let g = self.blocks as i64 / c;
-        let cb = c * b;
-        let anchors = Tensor::from_slice(&self.anchors).view([n, g, c]).to_device(device);
+        let (g, cb) = self.chunks();
         let q_block = Tensor::arange(cb, (Kind::Int64, device)).divide_scalar_mode(b, "floor"); // [CB]
-        let anchor_of_q = anchors.index_select(2, &q_block); // [n, G, CB]
+        let anchor_of_q = self.anchor_of_queries(device); // [n, G, CB]
         let ctx_pos = Tensor::arange(s, (Kind::Int64, device));
         let sees_ctx = ctx_pos.view([1, 1, 1, s]).lt_tensor(&anchor_of_q.unsqueeze(-1)); // [n, G, CB, S]
         let sees_block = q_block.unsqueeze(1).eq_tensor(&q_block.unsqueeze(0)); // [CB, CB]
@@ -171,33 +168,36 @@ impl BlockLayout {
 }
 
 impl BlockLayout {
+    /// Attention chunks and query slots per chunk: (G, C*B).
+    fn chunks(&self) -> (i64, i64) {
+        let c = self.chunk_blocks as i64;
+        (self.blocks as i64 / c, c * self.block_size as i64)
+    }
+
+    /// The anchor of every query slot, `[n, G, C*B]`.
+    fn anchor_of_queries(&self, device: Device) -> Tensor {
+        let (g, cb) = self.chunks();
+        let anchors = Tensor::from_slice(&self.anchors).view([self.n as i64, g, self.chunk_blocks as i64]);
+        let q_block = Tensor::arange(cb, (Kind::Int64, device)).divide_scalar_mode(self.block_size as i64, "floor");
+        anchors.to_device(device).index_select(2, &q_block)
+    }
+
     /// The mask of a sliding-attention layer, laid out as
-    /// [`BlockLayout::attention_mask`]: the slot at position p (anchor +
-    /// slot) sees the context positions p - window < c < anchor and the
-    /// earlier slots of its own block within the window (causal, itself
-    /// included) -- what the `dflash` package applies when it decodes.
+    /// [`BlockLayout::attention_mask`]: that mask, further bounded so that
+    /// the slot at position p (anchor + slot) sees only keys at positions
+    /// p - window < k <= p -- the context within the window and the
+    /// earlier slots of its own block, itself included (causal) -- what the
+    /// `dflash` package applies when it decodes.
     pub fn sliding_attention_mask(&self, device: Device, window: i64) -> Tensor {
         let (n, b, s) = (self.n as i64, self.block_size as i64, self.context_len as i64);
-        let c = self.chunk_blocks as i64;
-        let g = self.blocks as i64 / c;
-        let cb = c * b;
-        let anchors = Tensor::from_slice(&self.anchors).view([n, g, c]).to_device(device);
-        let q_index = Tensor::arange(cb, (Kind::Int64, device));
-        let q_block = q_index.divide_scalar_mode(b, "floor"); // [CB]
-        let q_slot = q_index.remainder(b); // [CB]
-        let anchor_of_q = anchors.index_select(2, &q_block); // [n, G, CB]
-        let q_pos = (&anchor_of_q + &q_slot).unsqueeze(-1); // [n, G, CB, 1]
-        let ctx_pos = Tensor::arange(s, (Kind::Int64, device)).view([1, 1, 1, s]);
-        let sees_ctx = ctx_pos.lt_tensor(&anchor_of_q.unsqueeze(-1)).logical_and(&(&q_pos - &ctx_pos).lt(window));
-        let same_block = q_block.unsqueeze(1).eq_tensor(&q_block.unsqueeze(0)); // [CB, CB]
-        let back = q_slot.unsqueeze(1) - q_slot.unsqueeze(0); // query slot - key slot
-        let sees_block = same_block.logical_and(&back.ge(0)).logical_and(&back.lt(window));
-        Tensor::cat(&[sees_ctx, sees_block.view([1, 1, cb, cb]).expand([n, g, cb, cb], false)], -1).view([
-            n * g,
-            1,
-            cb,
-            s + cb,
-        ])
+        let (g, cb) = self.chunks();
+        let slot = Tensor::arange(cb, (Kind::Int64, device)).remainder(b); // [CB]
+        let q_pos = self.anchor_of_queries(device) + slot; // [n, G, CB]
+        let ctx_pos = Tensor::arange(s, (Kind::Int64, device)).view([1, 1, s]).expand([n, g, s], false);
+        let k_pos = Tensor::cat(&[ctx_pos, q_pos.shallow_clone()], -1); // [n, G, S + CB]
+        let back = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2); // [n, G, CB, S + CB]
+        let within = back.ge(0).logical_and(&back.lt(window)).view([n * g, 1, cb, s + cb]);
+        self.attention_mask(device).logical_and(&within)
     }
 }
 

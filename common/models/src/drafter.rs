@@ -108,8 +108,8 @@ impl DrafterConfig {
 
     /// The sliding window, when some layer slides.
     pub fn window(&self) -> Option<i64> {
-        (0..self.num_layers as usize).any(|i| self.layer_type(i) == LayerType::SlidingAttention).then_some(())?;
-        self.sliding_window
+        let slides = (0..self.num_layers as usize).any(|i| self.layer_type(i) == LayerType::SlidingAttention);
+        if slides { self.sliding_window } else { None }
     }
 
     /// Width of the concatenated target features: k * H.
