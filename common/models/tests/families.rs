@@ -299,3 +299,67 @@ fn drafter_can_start_from_the_targets_top_layers_and_final_norm() {
     assert!(p["layers.0.mlp.down_proj.weight"].equal(&target[&format!("model.layers.{last}.mlp.down_proj.weight")]));
     assert!(p["fc.weight"].equal(&fc_before), "the fusion stays fresh");
 }
+
+/// Transformers 5 keeps a MoE block's experts fused in memory
+/// (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj`
+/// `[E, H, I]`); a checkpoint written in that layout loads to the same
+/// model as the published per-expert keys, matching transformers' outputs.
+#[test]
+fn fused_expert_weights_load_to_the_same_model_as_per_expert_keys() {
+    let src = fixtures().join("tiny-qwen3-moe");
+    let c = TargetConfig::from_dir(&src).unwrap();
+    let experts = c.moe.as_ref().unwrap().num_experts;
+    let mut tensors: std::collections::BTreeMap<String, Tensor> =
+        dflash_models::weights::Weights::load(&src, Device::Cpu, Kind::Float, |_| true)
+            .unwrap()
+            .into_tensors()
+            .into_iter()
+            .collect();
+    let mut fused_layers = 0;
+    for l in 0..c.num_layers {
+        let p = format!("model.layers.{l}.mlp.experts");
+        if !tensors.contains_key(&format!("{p}.0.gate_proj.weight")) {
+            continue; // a dense layer (mlp_only_layers)
+        }
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for e in 0..experts {
+            let mut take = |w: &str| tensors.remove(&format!("{p}.{e}.{w}.weight")).unwrap();
+            let (g, u, d) = (take("gate_proj"), take("up_proj"), take("down_proj"));
+            gate_up.push(Tensor::cat(&[g, u], 0));
+            down.push(d);
+        }
+        tensors.insert(format!("{p}.gate_up_proj"), Tensor::stack(&gate_up, 0));
+        tensors.insert(format!("{p}.down_proj"), Tensor::stack(&down, 0));
+        fused_layers += 1;
+    }
+    assert!(fused_layers >= 2, "the fixture has sparse layers to fuse");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let tensors: Vec<(String, Tensor)> = tensors.into_iter().collect();
+    dflash_models::weights::write_safetensors(&dir.path().join("model.safetensors"), &tensors).unwrap();
+
+    let fused = TargetModel::load(dir.path(), Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
+    let r = reference(&src);
+    let all: Vec<i64> = (0..fused.config.num_layers).collect();
+    let ids = Tensor::from_slice(&r.ids);
+    let captured = fused.capture_packed(&ids, &[r.ids.len() as i64], &all);
+    for (l, want) in r.hidden.iter().enumerate() {
+        let err = max_rel_err(&captured[l], want);
+        assert!(err < TOLERANCE, "fused layout, layer {l}: {err}");
+    }
+    // A fused tensor of the wrong shape is named.
+    let bad: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            let t = if n == "model.layers.0.mlp.experts.down_proj" {
+                t.narrow(0, 0, experts - 1)
+            } else {
+                t.shallow_clone()
+            };
+            (n.clone(), t)
+        })
+        .collect();
+    dflash_models::weights::write_safetensors(&dir.path().join("model.safetensors"), &bad).unwrap();
+    let err = load_err(dir.path());
+    assert!(err.contains("model.layers.0.mlp.experts.down_proj"), "{err}");
+}

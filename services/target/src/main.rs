@@ -112,6 +112,8 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
 
     let dataset = Arc::new(tokio::task::block_in_place(|| work::load_dataset(session))?);
     let devices = c.devices.target.devices().to_vec();
+    let spec = FeatureSpec::of(c);
+    check_model(&c.model.target_path, &spec)?;
     let gpus = c.devices.target.cuda_indices();
     if !gpus.is_empty() {
         dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
@@ -119,7 +121,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
         dflash_role::memory::keep_freed_memory_mapped();
     }
     let post = Postprocessor {
-        spec: FeatureSpec::of(c),
+        spec,
         seed: c.run.seed,
         target_instance: session.instance_id.clone(),
         gpu: None,
@@ -141,6 +143,19 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     let reports = sender::spawn_reporter(Arc::clone(session), stages);
     let router = Router { session: Arc::clone(session), stages: stages.clone(), group, streams, window, reports };
     stages.spawn_task("route", router.run(host_rx));
+    Ok(())
+}
+
+/// Checks the model directory as loading it will (the config, every
+/// tensor's name, shape and dtype, the shards) without reading a weight:
+/// a bad model is refused, naming the file and tensor or field, before any
+/// GPU work starts.
+fn check_model(dir: &str, spec: &FeatureSpec) -> anyhow::Result<()> {
+    let last_layer =
+        spec.layer_ids.iter().map(|&i| i as i64).max().ok_or_else(|| anyhow::anyhow!("no captured layers"))?;
+    let scope = LoadScope::CaptureUpTo { last_layer };
+    tokio::task::block_in_place(|| TargetModel::inspect(Path::new(dir), kind_of(spec.dtype), scope))
+        .kind(ErrorKind::Model)?;
     Ok(())
 }
 
