@@ -1,5 +1,5 @@
 //! Tests that need GPUs (ignored elsewhere; run on GPU hosts with
-//! `--ignored`, see scripts/device/). They start the real binaries.
+//! `--ignored`, `scripts/device/gpu-tests.sh`). They start the real binaries.
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 

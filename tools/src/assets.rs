@@ -85,7 +85,7 @@ pub fn prepare_smollm2(a: &SmolArgs) -> anyhow::Result<()> {
     let gguf_path = tmp.join("model.gguf");
     std::fs::write(&gguf_path, &gguf)?;
     drop(gguf);
-    let config = dflash_models::gguf::convert_llama_gguf(&gguf_path, &tmp)?;
+    let config = crate::gguf::convert_llama_gguf(&gguf_path, &tmp)?;
     std::fs::remove_file(&gguf_path)?;
     std::fs::write(tmp.join(".complete"), SMOLLM2_SHA256)?;
     if a.out.exists() && !a.out.join(".complete").is_file() {

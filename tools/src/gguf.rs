@@ -10,9 +10,9 @@ use std::path::Path;
 use half::f16;
 use tch::{Kind, Tensor};
 
-use crate::ModelError;
-use crate::target_config::{Family, TargetConfig};
-use crate::weights::write_safetensors;
+use dflash_models::ModelError;
+use dflash_models::target_config::{Family, TargetConfig};
+use dflash_models::weights::write_safetensors;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -313,7 +313,7 @@ pub fn convert_llama_gguf(gguf_path: &Path, out: &Path) -> Result<TargetConfig, 
         num_kv_heads: n_kv,
         head_dim: hidden / n_head,
         rms_norm_eps: g.f64("llama.attention.layer_norm_rms_epsilon")?,
-        rope: crate::rope::RopeConfig::plain(g.f64("llama.rope.freq_base").unwrap_or(10_000.0)),
+        rope: dflash_models::rope::RopeConfig::plain(g.f64("llama.rope.freq_base").unwrap_or(10_000.0)),
         vocab_size: tokens.len() as i64,
         tie_word_embeddings: !has_output,
         qkv_bias: false,

@@ -12,6 +12,7 @@ mod bench_capture;
 mod bench_step;
 mod bench_transport;
 mod eval;
+mod gguf;
 mod launcher;
 mod meter;
 mod plot;

@@ -14,7 +14,6 @@ pub mod drafter;
 pub mod evaluation;
 pub mod features;
 pub mod generate;
-pub mod gguf;
 pub mod gloo;
 pub mod gpu;
 pub mod group;
