@@ -7,7 +7,7 @@
 //! drains it has completed (callers synchronize the stream first); a
 //! [`DeviceBuf`] is freed only when the batch that owns it is dropped.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result, sys};
@@ -38,59 +38,57 @@ pub fn record_torch_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent, ModelErro
     torch_stream(ctx).record_event(None).map_err(|e| cuda_err("recording an event", e))
 }
 
-/// A bounded pool of reusable resources: taking waits (with a timeout)
-/// when all are in use; a taken item returns when its guard drops.
+/// A bounded pool of reusable resources: taking waits when all are in use;
+/// a taken item returns when its guard drops. The free items sit in a
+/// bounded channel, so a wait for one can also wait on a stop signal.
 pub struct Pool<T> {
-    inner: Arc<PoolInner<T>>,
+    free: flume::Receiver<T>,
+    give_back: flume::Sender<T>,
 }
 
 impl<T> Clone for Pool<T> {
     fn clone(&self) -> Self {
-        Self { inner: Arc::clone(&self.inner) }
+        Self { free: self.free.clone(), give_back: self.give_back.clone() }
     }
-}
-
-struct PoolInner<T> {
-    free: Mutex<Vec<T>>,
-    available: Condvar,
 }
 
 /// An item taken from a [`Pool`]; returns to it on drop.
 pub struct Pooled<T> {
     item: Option<T>,
-    pool: Arc<PoolInner<T>>,
+    give_back: flume::Sender<T>,
 }
 
 impl<T> Pool<T> {
     pub fn new(items: Vec<T>) -> Self {
-        Self { inner: Arc::new(PoolInner { free: Mutex::new(items), available: Condvar::new() }) }
+        let (give_back, free) = flume::bounded(items.len().max(1));
+        for item in items {
+            assert!(give_back.try_send(item).is_ok(), "the channel holds every item");
+        }
+        Self { free, give_back }
+    }
+
+    fn guard(&self, item: T) -> Pooled<T> {
+        Pooled { item: Some(item), give_back: self.give_back.clone() }
     }
 
     /// A free item, waiting up to `timeout`; None on timeout.
     pub fn take(&self, timeout: Duration) -> Option<Pooled<T>> {
-        let mut free = self.inner.free.lock().expect("pool lock");
-        if free.is_empty() {
-            free = self.inner.available.wait_timeout(free, timeout).expect("pool lock").0;
-        }
-        free.pop().map(|item| Pooled { item: Some(item), pool: Arc::clone(&self.inner) })
+        self.free.recv_timeout(timeout).ok().map(|item| self.guard(item))
     }
 
-    /// A free item, waiting as long as it takes unless `stopped()` turns
-    /// true (checked every 100 ms): None then. The one place the roles wait
-    /// for a pooled buffer, so every such wait is cancellable.
-    pub fn take_until(&self, stopped: impl Fn() -> bool) -> Option<Pooled<T>> {
-        loop {
-            if let Some(item) = self.take(Duration::from_millis(100)) {
-                return Some(item);
-            }
-            if stopped() {
-                return None;
-            }
+    /// A free item, waiting as long as it takes unless `stop` disconnects
+    /// (a role's stop signal): None then. The one place the roles wait for a
+    /// pooled buffer, so every such wait is cancellable.
+    pub fn take_until(&self, stop: &flume::Receiver<()>) -> Option<Pooled<T>> {
+        if stop.is_disconnected() {
+            return None;
         }
+        flume::Selector::new().recv(&self.free, |r| r.ok().map(|item| self.guard(item))).recv(stop, |_| None).wait()
     }
 
+    /// How many items are free now.
     pub fn free_count(&self) -> usize {
-        self.inner.free.lock().expect("pool lock").len()
+        self.free.len()
     }
 }
 
@@ -110,8 +108,10 @@ impl<T> std::ops::DerefMut for Pooled<T> {
 impl<T> Drop for Pooled<T> {
     fn drop(&mut self) {
         if let Some(item) = self.item.take() {
-            self.pool.free.lock().expect("pool lock").push(item);
-            self.pool.available.notify_one();
+            // The pool's channel holds every item, so this never blocks;
+            // it fails only when every pool handle is gone (the item is
+            // freed then).
+            let _ = self.give_back.try_send(item);
         }
     }
 }
@@ -304,4 +304,38 @@ pub fn sync(stream: &CudaStream) -> Result<(), ModelError> {
 /// Makes `stream` wait (on the GPU) for `event`.
 pub fn wait_event(stream: &CudaStream, event: &CudaEvent) -> Result<(), ModelError> {
     stream.wait(event).map_err(|e| cuda_err("stream wait", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::Pool;
+
+    #[test]
+    fn a_taken_item_comes_back_on_drop_and_a_wait_for_one_ends_at_stop() {
+        let pool = Pool::new(vec![1u32, 2]);
+        let (_keep, never) = flume::bounded::<()>(1);
+        let a = pool.take_until(&never).expect("free");
+        let b = pool.take(Duration::from_millis(10)).expect("free");
+        assert_eq!(pool.free_count(), 0);
+        assert!(pool.take(Duration::from_millis(10)).is_none(), "both are out");
+        drop(a);
+        assert_eq!(pool.free_count(), 1);
+        let c = pool.take_until(&never).expect("back in the pool");
+        // All out: a waiter wakes the moment the stop channel disconnects.
+        let (stop_tx, stop) = flume::bounded::<()>(1);
+        let p2 = pool.clone();
+        let waiter = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            (p2.take_until(&stop).is_none(), t0.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        drop(stop_tx);
+        let (gave_up, waited) = waiter.join().unwrap();
+        assert!(gave_up, "stopped, not served");
+        assert!(waited < Duration::from_secs(2), "woke at the stop: {waited:?}");
+        drop((b, c));
+        assert_eq!(pool.free_count(), 2, "nothing lost");
+    }
 }

@@ -36,6 +36,9 @@ pub enum CoordinatorError {
     /// The ledger's storage failed.
     #[error("ledger: {0}")]
     Ledger(String),
+    /// The coordinator serves this many event streams already.
+    #[error("the coordinator serves at most {max} event streams at once")]
+    TooManyWatchers { max: u64 },
 }
 
 impl CoordinatorError {
@@ -50,6 +53,7 @@ impl CoordinatorError {
             CoordinatorError::InvalidRequest { .. } => Code::InvalidArgument,
             CoordinatorError::Refused(_) => Code::Aborted,
             CoordinatorError::Ledger(_) => Code::Internal,
+            CoordinatorError::TooManyWatchers { .. } => Code::ResourceExhausted,
         }
     }
 
@@ -72,6 +76,7 @@ impl CoordinatorError {
             }
             CoordinatorError::Refused(why) => ("refused", vec![("why", why.clone())]),
             CoordinatorError::Ledger(why) => ("ledger", vec![("why", why.clone())]),
+            CoordinatorError::TooManyWatchers { max } => ("too_many_watchers", vec![("max", max.to_string())]),
         }
     }
 
@@ -102,6 +107,7 @@ impl CoordinatorError {
             "invalid_request" => CoordinatorError::InvalidRequest { field: field(&f, "field"), why: field(&f, "why") },
             "refused" => CoordinatorError::Refused(field(&f, "why")),
             "ledger" => CoordinatorError::Ledger(field(&f, "why")),
+            "too_many_watchers" => CoordinatorError::TooManyWatchers { max: num("max")? },
             _ => return None,
         })
     }
@@ -143,6 +149,9 @@ pub enum DrafterError {
     /// The drafter is stopping (a restart comes up elsewhere).
     #[error("the drafter is stopping")]
     Stopping,
+    /// The drafter cannot take the stream now (the OS refused it a thread).
+    #[error("the drafter cannot take the stream now: {0}")]
+    Overloaded(String),
 }
 
 impl DrafterError {
@@ -161,6 +170,7 @@ impl DrafterError {
             DrafterError::Compressed => Code::Unimplemented,
             DrafterError::UnknownMethod(_) => Code::Unimplemented,
             DrafterError::Stopping => Code::Unavailable,
+            DrafterError::Overloaded(_) => Code::ResourceExhausted,
         }
     }
 
@@ -184,6 +194,7 @@ impl DrafterError {
             DrafterError::Compressed => ("compressed", vec![]),
             DrafterError::UnknownMethod(path) => ("unknown_method", vec![("path", path.clone())]),
             DrafterError::Stopping => ("stopping", vec![]),
+            DrafterError::Overloaded(why) => ("overloaded", vec![("why", why.clone())]),
         }
     }
 
@@ -213,6 +224,7 @@ impl DrafterError {
             "compressed" => DrafterError::Compressed,
             "unknown_method" => DrafterError::UnknownMethod(field(&f, "path")),
             "stopping" => DrafterError::Stopping,
+            "overloaded" => DrafterError::Overloaded(field(&f, "why")),
             _ => return None,
         })
     }
@@ -257,6 +269,7 @@ mod tests {
             CoordinatorError::InvalidRequest { field: "instance_id".into(), why: "is empty".into() },
             CoordinatorError::Refused("no".into()),
             CoordinatorError::Ledger("disk".into()),
+            CoordinatorError::TooManyWatchers { max: 256 },
         ]
     }
 
@@ -274,6 +287,7 @@ mod tests {
             DrafterError::Compressed,
             DrafterError::UnknownMethod("/x".into()),
             DrafterError::Stopping,
+            DrafterError::Overloaded("no thread".into()),
         ]
     }
 
@@ -288,7 +302,9 @@ mod tests {
             Code::InvalidArgument,
             Code::Aborted,
             Code::Internal,
+            Code::ResourceExhausted,
         ];
+        assert_eq!(coordinator_errors().len(), want.len());
         for (e, code) in coordinator_errors().into_iter().zip(want) {
             let s = e.clone().into_status();
             assert_eq!(s.code(), code, "{e:?}");
@@ -309,7 +325,9 @@ mod tests {
             Code::Unimplemented,
             Code::Unimplemented,
             Code::Unavailable,
+            Code::ResourceExhausted,
         ];
+        assert_eq!(drafter_errors().len(), want.len());
         for (e, code) in drafter_errors().into_iter().zip(want) {
             let s = e.clone().into_status();
             assert_eq!(s.code(), code, "{e:?}");

@@ -51,24 +51,39 @@ impl Stages {
     /// Runs blocking work (a forward or train loop) on its own OS thread.
     /// A panic counts as an error.
     pub fn spawn_thread(&self, name: &str, f: impl FnOnce() -> anyhow::Result<()> + Send + 'static) {
+        self.try_spawn_thread(name, f).expect("spawn thread");
+    }
+
+    /// [`Stages::spawn_thread`] for threads started per connection, where
+    /// the OS refusing a thread must refuse that connection, not stop the
+    /// role.
+    pub fn try_spawn_thread(
+        &self,
+        name: &str,
+        f: impl FnOnce() -> anyhow::Result<()> + Send + 'static,
+    ) -> std::io::Result<()> {
         let this = self.clone();
         let n = name.to_string();
-        let handle = std::thread::Builder::new()
-            .name(name.to_string())
-            .spawn(move || match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => this.fail(&n, e),
-                Err(p) => {
-                    let msg = p
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_else(|| "unknown panic".into());
-                    this.fail(&n, anyhow::anyhow!("panicked: {msg}"));
+        let handle =
+            std::thread::Builder::new().name(name.to_string()).spawn(move || {
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => this.fail(&n, e),
+                    Err(p) => {
+                        let msg = p
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_else(|| "unknown panic".into());
+                        this.fail(&n, anyhow::anyhow!("panicked: {msg}"));
+                    }
                 }
-            })
-            .expect("spawn thread");
-        self.threads.lock().expect("threads lock").push((name.to_string(), handle));
+            })?;
+        let mut threads = self.threads.lock().expect("threads lock");
+        // Keep the list to the threads still running (one per stream).
+        threads.retain(|(_, h)| !h.is_finished());
+        threads.push((name.to_string(), handle));
+        Ok(())
     }
 
     /// Runs async work on the runtime.

@@ -142,12 +142,12 @@ pub enum Reaction {
 /// | none (unreachable, timeout) | retry with backoff until `faults.coordinator_timeout_ms` |
 /// | `NotRegistered` | register again, then retry |
 /// | `RunOver` | stop for the run's reason |
-/// | `Ledger` (its storage failed) | retry with backoff |
+/// | `Ledger` (its storage failed), `TooManyWatchers` | retry with backoff |
 /// | `NotCurrentDrafter` | a drafter leaves its ended group generation to join the next |
 /// | `ProtocolVersion`, `WrongRun`, `InvalidRequest`, `Refused` | fail |
 pub fn on_coordinator_error(e: Option<&CoordinatorError>) -> Reaction {
     match e {
-        None | Some(CoordinatorError::Ledger(_)) => Reaction::Retry,
+        None | Some(CoordinatorError::Ledger(_) | CoordinatorError::TooManyWatchers { .. }) => Reaction::Retry,
         Some(CoordinatorError::NotRegistered(_)) => Reaction::Register,
         Some(CoordinatorError::RunOver { state, .. }) => Reaction::RunOver(*state),
         Some(CoordinatorError::NotCurrentDrafter(_)) => Reaction::Rejoin,
@@ -163,7 +163,7 @@ pub fn on_coordinator_error(e: Option<&CoordinatorError>) -> Reaction {
 /// | drafter's answer on a hidden-state stream | reaction |
 /// |---|---|
 /// | none (unreachable, reset) | reconnect with backoff; unacknowledged batches are replayed |
-/// | `TooManyStreams`, `Stalled`, `HelloTimeout`, `Stopping` | reconnect with backoff |
+/// | `TooManyStreams`, `Stalled`, `HelloTimeout`, `Stopping`, `Overloaded` | reconnect with backoff |
 /// | `ProtocolVersion`, `WrongRun`, `BadInstanceId`, `NoHello`, `MessageTooLarge`, `Malformed`, `Compressed`, `UnknownMethod` | fail: this target sends what the drafter cannot take |
 pub fn on_drafter_error(e: Option<&DrafterError>) -> Reaction {
     match e {
@@ -172,7 +172,8 @@ pub fn on_drafter_error(e: Option<&DrafterError>) -> Reaction {
             DrafterError::TooManyStreams { .. }
             | DrafterError::Stalled { .. }
             | DrafterError::HelloTimeout { .. }
-            | DrafterError::Stopping,
+            | DrafterError::Stopping
+            | DrafterError::Overloaded(_),
         ) => Reaction::Retry,
         Some(
             DrafterError::ProtocolVersion { .. }
@@ -228,33 +229,126 @@ mod tests {
     #[error("reading shard model-00002.safetensors")]
     struct Outer(#[source] std::io::Error);
 
-    #[test]
-    fn reactions_follow_the_table() {
-        assert_eq!(on_coordinator_error(None), Reaction::Retry);
-        assert_eq!(on_coordinator_error(Some(&CoordinatorError::NotRegistered("t".into()))), Reaction::Register);
+    /// Every variant of the coordinator's errors with the reaction the
+    /// table above gives it (the match below stops compiling when a
+    /// variant is added without a row here).
+    fn coordinator_rows() -> Vec<(CoordinatorError, Reaction)> {
         let over = CoordinatorError::RunOver { run_id: "r".into(), state: RunState::Cancelled, message: "^C".into() };
-        assert_eq!(on_coordinator_error(Some(&over)), Reaction::RunOver(RunState::Cancelled));
-        assert_eq!(on_coordinator_error(Some(&CoordinatorError::Ledger("io".into()))), Reaction::Retry);
-        assert_eq!(on_coordinator_error(Some(&CoordinatorError::Refused("no".into()))), Reaction::Fail);
-        assert_eq!(on_drafter_error(Some(&DrafterError::TooManyStreams { max: 2 })), Reaction::Retry);
-        assert_eq!(on_drafter_error(Some(&DrafterError::Stalled { ms: 1 })), Reaction::Retry);
-        assert_eq!(
-            on_drafter_error(Some(&DrafterError::WrongRun { got: "a".into(), trains: "b".into() })),
-            Reaction::Fail
-        );
-        let mut last = std::time::Duration::ZERO;
-        for d in retry_delays().take(12) {
-            assert!(d <= std::time::Duration::from_secs(10), "capped: {d:?}");
-            last = d;
+        let rows = vec![
+            (CoordinatorError::Ledger("io".into()), Reaction::Retry),
+            (CoordinatorError::TooManyWatchers { max: 256 }, Reaction::Retry),
+            (CoordinatorError::NotRegistered("t".into()), Reaction::Register),
+            (over, Reaction::RunOver(RunState::Cancelled)),
+            (CoordinatorError::NotCurrentDrafter("d".into()), Reaction::Rejoin),
+            (CoordinatorError::ProtocolVersion { got: 9, speaks: 3 }, Reaction::Fail),
+            (CoordinatorError::WrongRun { got: "a".into(), runs: "b".into() }, Reaction::Fail),
+            (CoordinatorError::InvalidRequest { field: "f".into(), why: "w".into() }, Reaction::Fail),
+            (CoordinatorError::Refused("no".into()), Reaction::Fail),
+        ];
+        for (e, _) in &rows {
+            match e {
+                CoordinatorError::Ledger(_)
+                | CoordinatorError::TooManyWatchers { .. }
+                | CoordinatorError::NotRegistered(_)
+                | CoordinatorError::RunOver { .. }
+                | CoordinatorError::NotCurrentDrafter(_)
+                | CoordinatorError::ProtocolVersion { .. }
+                | CoordinatorError::WrongRun { .. }
+                | CoordinatorError::InvalidRequest { .. }
+                | CoordinatorError::Refused(_) => {}
+            }
         }
+        rows
+    }
+
+    fn drafter_rows() -> Vec<(DrafterError, Reaction)> {
+        let rows = vec![
+            (DrafterError::TooManyStreams { max: 2 }, Reaction::Retry),
+            (DrafterError::Stalled { ms: 1 }, Reaction::Retry),
+            (DrafterError::HelloTimeout { ms: 1 }, Reaction::Retry),
+            (DrafterError::Stopping, Reaction::Retry),
+            (DrafterError::Overloaded("no thread".into()), Reaction::Retry),
+            (DrafterError::ProtocolVersion { got: 9, speaks: 3 }, Reaction::Fail),
+            (DrafterError::WrongRun { got: "a".into(), trains: "b".into() }, Reaction::Fail),
+            (DrafterError::BadInstanceId("x".into()), Reaction::Fail),
+            (DrafterError::NoHello, Reaction::Fail),
+            (DrafterError::MessageTooLarge { len: 9, limit: 8 }, Reaction::Fail),
+            (DrafterError::Malformed("m".into()), Reaction::Fail),
+            (DrafterError::Compressed, Reaction::Fail),
+            (DrafterError::UnknownMethod("/x".into()), Reaction::Fail),
+        ];
+        for (e, _) in &rows {
+            match e {
+                DrafterError::TooManyStreams { .. }
+                | DrafterError::Stalled { .. }
+                | DrafterError::HelloTimeout { .. }
+                | DrafterError::Stopping
+                | DrafterError::Overloaded(_)
+                | DrafterError::ProtocolVersion { .. }
+                | DrafterError::WrongRun { .. }
+                | DrafterError::BadInstanceId(_)
+                | DrafterError::NoHello
+                | DrafterError::MessageTooLarge { .. }
+                | DrafterError::Malformed(_)
+                | DrafterError::Compressed
+                | DrafterError::UnknownMethod(_) => {}
+            }
+        }
+        rows
+    }
+
+    #[test]
+    fn reactions_follow_the_table_for_every_variant_as_decoded_from_its_status() {
+        assert_eq!(on_coordinator_error(None), Reaction::Retry, "no answer: retry");
+        assert_eq!(on_drafter_error(None), Reaction::Retry, "no answer: reconnect");
+        for (e, want) in coordinator_rows() {
+            // What a client meets: the status on the wire, decoded.
+            let decoded = CoordinatorError::from_status(&e.clone().into_status());
+            assert_eq!(decoded.as_ref(), Some(&e));
+            assert_eq!(on_coordinator_error(decoded.as_ref()), want, "{e:?}");
+        }
+        for (e, want) in drafter_rows() {
+            let decoded = DrafterError::from_status(&e.clone().into_status());
+            assert_eq!(decoded.as_ref(), Some(&e));
+            assert_eq!(on_drafter_error(decoded.as_ref()), want, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn retry_delays_back_off_exponentially_to_a_cap() {
+        let delays: Vec<_> = retry_delays().take(12).collect();
+        assert!(delays[0] >= std::time::Duration::from_millis(200), "starts at 200 ms: {:?}", delays[0]);
+        for d in &delays {
+            assert!(*d <= std::time::Duration::from_secs(10), "capped: {d:?}");
+        }
+        let last = delays[delays.len() - 1];
         assert!(last >= std::time::Duration::from_secs(5), "grows to the cap: {last:?}");
+        assert!(delays[3] > delays[0], "grows: {delays:?}");
     }
 
     #[test]
     fn kinds_round_trip_through_the_protocol() {
-        for k in [ErrorKind::Config, ErrorKind::CheckpointUnavailable, ErrorKind::BadBatch, ErrorKind::PeerLost] {
+        use ErrorKind::*;
+        let all = [
+            Config,
+            Data,
+            Model,
+            Device,
+            Protocol,
+            NonFinite,
+            Checkpoint,
+            CheckpointUnavailable,
+            CheckpointWrite,
+            BadBatch,
+            Internal,
+            Transport,
+            CorruptBatch,
+            PeerLost,
+        ];
+        for k in all {
             assert_eq!(ErrorKind::from_proto(k.into()), k);
         }
+        assert_eq!(ErrorKind::from_proto(dflash_proto::ErrorKind::Unspecified), Internal);
     }
 
     #[test]

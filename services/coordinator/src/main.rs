@@ -130,8 +130,9 @@ async fn run(args: Args) -> anyhow::Result<i32> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     tracing::info!("coordinator listening on {} ({})", listener.local_addr()?, security.summary());
-    let service = CoordinatorService { run: Arc::clone(&run), streams: stages.clone() };
-    let service = InterceptedService::new(CoordinatorServer::new(service), security.server_auth());
+    let service = Arc::new(CoordinatorService::new(Arc::clone(&run), stages.clone()));
+    let service_at_end = Arc::clone(&service);
+    let service = InterceptedService::new(CoordinatorServer::from_arc(service), security.server_auth());
     let server_stop = stop.clone();
     let server = security
         // A request that is not complete within the RPC timeout (a
@@ -188,7 +189,7 @@ async fn run(args: Args) -> anyhow::Result<i32> {
     tokio::select! {
         _ = run.ended.cancelled() => {
             // Let every watcher receive the stop before the server goes.
-            tokio::time::sleep(Duration::from_secs(2)).await;
+            service_at_end.streams_delivered(Duration::from_secs(2)).await;
         }
         _ = stop.stopped() => {
             tracing::info!("coordinator stopping; the ledger keeps the run resumable");

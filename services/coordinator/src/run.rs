@@ -90,6 +90,11 @@ pub struct Run {
     flow: Mutex<crate::flow::Flow>,
     fate: Mutex<Fate>,
     events: broadcast::Sender<pb::RunEvent>,
+    /// Bumped whenever the drafter group may have moved (a member joined or
+    /// left, a generation formed or ended, rank 0 published its rendezvous,
+    /// batches were dealt out) or the run ended: what a waiting member's
+    /// request waits on instead of polling.
+    group_moves: tokio::sync::watch::Sender<u64>,
     /// Cancelled when the run reaches a terminal state.
     pub ended: CancellationToken,
 }
@@ -115,6 +120,7 @@ impl Run {
             flow: Mutex::new(crate::flow::Flow::default()),
             fate: Mutex::new(Fate { state: pb::RunState::Running, message: String::new() }),
             events,
+            group_moves: tokio::sync::watch::Sender::new(0),
             ended: CancellationToken::new(),
         }
     }
@@ -237,6 +243,7 @@ impl Run {
             reg.group.assign(&remaining);
         }
         drop(reg);
+        self.group_moved();
         self.progress.lock().expect("progress lock").committed_step = step;
         Ok((r, counts))
     }
@@ -319,7 +326,19 @@ impl Run {
             }
         }
         let _ = self.events.send(self.group_event());
+        self.group_moved();
         Ok(())
+    }
+
+    /// Wakes every request waiting for the group to move.
+    fn group_moved(&self) {
+        self.group_moves.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A receiver that changes whenever the group may have moved or the
+    /// run ended (see `group_moves`).
+    pub fn watch_group(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.group_moves.subscribe()
     }
 
     /// One attempt to place drafter `instance_id` in the group (see
@@ -356,6 +375,8 @@ impl Run {
             if generation > 0 && !store_address.is_empty() && book.publish_store(generation, instance_id, store_address)
             {
                 tracing::info!("generation {generation}: rank 0 serves the rendezvous at {store_address}");
+                // News to the members waiting for it.
+                self.group_moved();
             }
             if generation == 0 {
                 changes.extend(book.join(Member { instance_id: instance_id.to_string(), endpoint }, Instant::now()));
@@ -431,6 +452,7 @@ impl Run {
             let _ = self.events.send(ev);
         }
         self.ended.cancel();
+        self.group_moved();
     }
 
     /// Registers (or re-registers) an instance.
@@ -473,6 +495,7 @@ impl Run {
                     Ok(remaining) => self.registry.lock().expect("registry lock").group.assign(&remaining),
                     Err(e) => tracing::error!("drafter group: {e}"),
                 }
+                self.group_moved();
             }
         }
     }

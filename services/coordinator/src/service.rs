@@ -19,6 +19,30 @@ pub struct CoordinatorService {
     pub run: Arc<Run>,
     /// Owns the task behind each event stream (joined on shutdown).
     pub streams: dflash_role::Stages,
+    /// One permit per open event stream ([`MAX_WATCHERS`]).
+    pub watchers: Arc<tokio::sync::Semaphore>,
+}
+
+/// At most this many event streams at once: each role instance holds one,
+/// each `dflash status --watch` another.
+pub const MAX_WATCHERS: usize = 256;
+
+impl CoordinatorService {
+    pub fn new(run: Arc<Run>, streams: dflash_role::Stages) -> Self {
+        Self { run, streams, watchers: Arc::new(tokio::sync::Semaphore::new(MAX_WATCHERS)) }
+    }
+
+    /// Waits (at most `grace`) until every event stream delivered the run's
+    /// end to its watcher: a stream ends after the stop event.
+    pub async fn streams_delivered(&self, grace: std::time::Duration) {
+        let all = self.watchers.acquire_many(MAX_WATCHERS as u32);
+        if tokio::time::timeout(grace, all).await.is_err() {
+            tracing::warn!(
+                "{} event stream(s) still open {grace:?} after the run ended",
+                MAX_WATCHERS - self.watchers.available_permits()
+            );
+        }
+    }
 }
 
 /// The one place ledger errors become the coordinator's errors.
@@ -118,13 +142,19 @@ impl Coordinator for CoordinatorService {
     async fn watch_events(&self, req: Request<pb::WatchEventsRequest>) -> Result<Response<EventStream>, Status> {
         let req = req.into_inner();
         self.check_run(&req.run_id)?;
+        let Ok(permit) = Arc::clone(&self.watchers).try_acquire_owned() else {
+            return Err(CoordinatorError::TooManyWatchers { max: MAX_WATCHERS as u64 }.into());
+        };
         let run = Arc::clone(&self.run);
         let mut rx = run.subscribe();
         let (tx, out) = mpsc::channel(16);
         let stop = self.streams.stop().clone();
+        let is_stop = |ev: &pb::RunEvent| matches!(ev.event, Some(pb::run_event::Event::Stop(_)));
         self.streams.spawn_task("event-stream", async move {
+            let _permit = permit;
             for ev in run.snapshot_events() {
-                if tx.send(Ok(ev)).await.is_err() {
+                let last = is_stop(&ev);
+                if tx.send(Ok(ev)).await.is_err() || last {
                     return Ok(());
                 }
             }
@@ -141,7 +171,9 @@ impl Coordinator for CoordinatorService {
                     Err(broadcast::error::RecvError::Closed) => return Ok(()),
                 };
                 for ev in evs {
-                    if tx.send(Ok(ev)).await.is_err() {
+                    // The run's end is the stream's last event.
+                    let last = is_stop(&ev);
+                    if tx.send(Ok(ev)).await.is_err() || last {
                         return Ok(());
                     }
                 }
@@ -322,7 +354,14 @@ impl Coordinator for CoordinatorService {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
         let (batches, fingerprint) = self.run.plan().map_err(ledger_status)?;
-        let assigned = (req.generation > 0).then(|| self.run.assigned(&req.instance_id, req.generation)).flatten();
+        // A member asking for its batches of a generation waits (within
+        // half the RPC deadline) until they are dealt out.
+        let assigned = if req.generation > 0 {
+            let (instance, generation) = (req.instance_id.clone(), req.generation);
+            self.wait_for_group(|run| Ok(run.assigned(&instance, generation))).await?
+        } else {
+            None
+        };
         Ok(Response::new(pb::GetPlanResponse {
             fingerprint,
             assignment_ready: assigned.is_some(),
@@ -342,34 +381,53 @@ impl Coordinator for CoordinatorService {
     async fn join_group(&self, req: Request<pb::JoinGroupRequest>) -> Result<Response<pb::JoinGroupResponse>, Status> {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
-        // Answers within half the RPC deadline: formed, or ask again.
+        let joined = self
+            .wait_for_group(|run| {
+                let joined =
+                    run.join_group(&req.instance_id, req.generation, &req.store_address).map_err(ledger_status)?;
+                Ok(match joined {
+                    // Rank 0 needs no store address (it serves the store);
+                    // the others wait until it published one.
+                    Some(r) if r.rank == 0 || !r.store_address.is_empty() => Some(r),
+                    // The caller's generation ended while it waited.
+                    None if req.generation > 0 => Some(pb::JoinGroupResponse {
+                        formed: false,
+                        generation: run.generation(),
+                        ..Default::default()
+                    }),
+                    _ => None,
+                })
+            })
+            .await?;
+        Ok(Response::new(joined.unwrap_or_default()))
+    }
+}
+
+impl CoordinatorService {
+    /// Runs `check` until it answers, the run ends or half the RPC deadline
+    /// passes (None: ask again), waking whenever the drafter group moves
+    /// rather than polling.
+    async fn wait_for_group<T>(
+        &self,
+        mut check: impl FnMut(&Run) -> Result<Option<T>, Status>,
+    ) -> Result<Option<T>, Status> {
         let half = std::time::Duration::from_millis(self.run.config.faults.rpc_timeout_ms / 2);
         let deadline = tokio::time::Instant::now() + half;
+        let mut moves = self.run.watch_group();
         loop {
+            // Marked seen before the check: a move after it wakes the wait.
+            moves.borrow_and_update();
             if !self.run.is_running() {
                 let (state, message) = self.run.state();
-                return Err(CoordinatorError::RunOver { state, message, run_id: req.run_id }.into());
+                return Err(CoordinatorError::RunOver { state, message, run_id: self.run.run_id.clone() }.into());
             }
-            let joined =
-                self.run.join_group(&req.instance_id, req.generation, &req.store_address).map_err(ledger_status)?;
-            match joined {
-                // Rank 0 needs no store address (it serves the store); the
-                // others wait until it published one.
-                Some(r) if r.rank == 0 || !r.store_address.is_empty() => return Ok(Response::new(r)),
-                // The caller's generation ended while it waited.
-                None if req.generation > 0 => {
-                    return Ok(Response::new(pb::JoinGroupResponse {
-                        formed: false,
-                        generation: self.run.generation(),
-                        ..Default::default()
-                    }));
-                }
-                _ => {}
+            if let Some(answer) = check(&self.run)? {
+                return Ok(Some(answer));
             }
-            if tokio::time::Instant::now() >= deadline {
-                return Ok(Response::new(pb::JoinGroupResponse { formed: false, ..Default::default() }));
+            match tokio::time::timeout_at(deadline, moves.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => return Ok(None),
             }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
     }
 }

@@ -30,53 +30,87 @@ pub struct Membership {
 /// is formed (the coordinator fails the run when too few come within
 /// `group.wait_ms`).
 pub async fn join(session: &Session) -> anyhow::Result<Membership> {
-    let stop = session.stop.clone();
-    let mut delays = dflash_telemetry::retry_delays();
-    let mut client = session.client();
-    loop {
+    let r = ask_until(session, "joining the drafter group", None, || {
         let req = pb::JoinGroupRequest {
             run_id: session.run_id.clone(),
             instance_id: session.instance_id.clone(),
             generation: 0,
             store_address: String::new(),
         };
+        let mut client = session.client();
+        async move { with_timeout(session.rpc_timeout(), client.join_group(req)).await.map(|r| r.formed.then_some(r)) }
+    })
+    .await?;
+    let m = Membership {
+        generation: r.generation,
+        rank: r.rank as usize,
+        world: r.world as usize,
+        names: r.members.iter().map(|m| m.instance_id.clone()).collect(),
+    };
+    tracing::info!(
+        "drafter group generation {}: rank {} of {} ({})",
+        m.generation,
+        m.rank,
+        m.world,
+        m.names.join(", ")
+    );
+    session.set_group(m.generation, m.world as u32);
+    Ok(m)
+}
+
+/// Asks the coordinator until `call` answers `Some`, by the written policy:
+/// "not yet" (`None`) asks again at once -- the coordinator answers that
+/// only after waiting for the group to move -- and an error is retried with
+/// backoff while the policy says so, until `deadline` (if any) or the stop.
+pub async fn ask_until<T, Fut>(
+    session: &Session,
+    what: &str,
+    deadline: Option<tokio::time::Instant>,
+    mut call: impl FnMut() -> Fut,
+) -> anyhow::Result<T>
+where
+    Fut: std::future::Future<Output = Result<Option<T>, tonic::Status>>,
+{
+    use dflash_telemetry::Reaction;
+    let stop = session.stop.clone();
+    let mut delays = dflash_telemetry::retry_delays();
+    let far = tokio::time::Instant::now() + Duration::from_secs(365 * 24 * 3600);
+    let until = deadline.unwrap_or(far);
+    loop {
         let r = tokio::select! {
-            r = with_timeout(session.rpc_timeout(), client.join_group(req)) => r,
-            _ = stop.stopped() => anyhow::bail!("stopped while joining the drafter group"),
+            r = call() => r,
+            _ = stop.stopped() => anyhow::bail!("stopped while {what}"),
         };
-        match r {
-            Ok(r) if r.formed => {
-                let m = Membership {
-                    generation: r.generation,
-                    rank: r.rank as usize,
-                    world: r.world as usize,
-                    names: r.members.iter().map(|m| m.instance_id.clone()).collect(),
-                };
-                tracing::info!(
-                    "drafter group generation {}: rank {} of {} ({})",
-                    m.generation,
-                    m.rank,
-                    m.world,
-                    m.names.join(", ")
-                );
-                session.set_group(m.generation, m.world as u32);
-                return Ok(m);
+        let wait = match r {
+            Ok(Some(answer)) => return Ok(answer),
+            Ok(None) => {
+                delays = dflash_telemetry::retry_delays();
+                Duration::ZERO
             }
-            Ok(_) => delays = dflash_telemetry::retry_delays(),
             Err(s) => {
                 let e = dflash_proto::CoordinatorError::from_status(&s);
-                if dflash_telemetry::on_coordinator_error(e.as_ref()) == dflash_telemetry::Reaction::Fail {
-                    return Err(anyhow::anyhow!("joining the drafter group: {}", s.message()))
-                        .kind(ErrorKind::Protocol);
-                }
-                if let Some(dflash_proto::CoordinatorError::RunOver { message, .. }) = e {
-                    anyhow::bail!("the run is over: {message}");
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(5))) => {}
-                    _ = stop.stopped() => anyhow::bail!("stopped while joining the drafter group"),
+                match dflash_telemetry::on_coordinator_error(e.as_ref()) {
+                    Reaction::Fail => {
+                        return Err(anyhow::anyhow!("{what}: {}", s.message())).kind(ErrorKind::Protocol);
+                    }
+                    Reaction::RunOver(_) => anyhow::bail!("{what}: the run is over: {}", s.message()),
+                    // This member's generation is over: it leaves.
+                    Reaction::Rejoin => {
+                        return Err(anyhow::anyhow!("{what}: {}", s.message())).kind(ErrorKind::PeerLost);
+                    }
+                    // (Registering again is the session's heartbeat's job.)
+                    Reaction::Retry | Reaction::Register => delays.next().unwrap_or(Duration::from_secs(5)),
                 }
             }
+        };
+        let now = tokio::time::Instant::now();
+        if now >= until {
+            // Whoever should have moved the group on is gone.
+            return Err(anyhow::anyhow!("{what}: no answer in time")).kind(ErrorKind::PeerLost);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until((now + wait).min(until)) => {}
+            _ = stop.stopped() => anyhow::bail!("stopped while {what}"),
         }
     }
 }
@@ -116,25 +150,25 @@ pub async fn rendezvous(session: &Session, m: &Membership, own_host: &str) -> an
         return Ok(store);
     }
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut client = session.client();
-    loop {
-        let r = with_timeout(session.rpc_timeout(), client.join_group(ask(String::new()))).await;
-        match r {
-            Ok(r) if r.formed && r.generation == m.generation && !r.store_address.is_empty() => {
-                let (address, generation) = (r.store_address, m.generation);
-                return tokio::task::spawn_blocking(move || GroupStore::connect(&address, generation, timeout))
-                    .await?
-                    .kind(ErrorKind::PeerLost);
-            }
-            Ok(r) if !r.formed && r.generation != m.generation => {
-                anyhow::bail!("generation {} ended before its rendezvous", m.generation)
-            }
-            _ if tokio::time::Instant::now() >= deadline => {
-                anyhow::bail!("rank 0 published no rendezvous within group.collective_timeout_ms")
-            }
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+    let what = "waiting for rank 0's rendezvous (group.collective_timeout_ms)";
+    let address = ask_until(session, what, Some(deadline), || {
+        let (mut client, req) = (session.client(), ask(String::new()));
+        async move {
+            let r = with_timeout(session.rpc_timeout(), client.join_group(req)).await?;
+            Ok(if r.formed && r.generation == m.generation && !r.store_address.is_empty() {
+                Some(Ok(r.store_address))
+            } else if !r.formed && r.generation != m.generation {
+                Some(Err(anyhow::anyhow!("generation {} ended before its rendezvous", m.generation)))
+            } else {
+                None
+            })
         }
-    }
+    })
+    .await??;
+    let generation = m.generation;
+    tokio::task::spawn_blocking(move || GroupStore::connect(&address, generation, timeout))
+        .await?
+        .kind(ErrorKind::PeerLost)
 }
 
 /// Forms the collective over the store (collective: every member calls it).

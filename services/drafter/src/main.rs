@@ -159,21 +159,20 @@ fn device_name(d: tch::Device) -> String {
 /// (ready once rank 0 has resumed, which it has when the members met).
 async fn fetch_assignment(session: &Session, generation: u64) -> anyhow::Result<Vec<u64>> {
     let deadline = tokio::time::Instant::now() + Duration::from_millis(session.config.group.collective_timeout_ms);
-    loop {
+    let what = format!("asking for generation {generation}'s batches (group.collective_timeout_ms)");
+    let batches = group::ask_until(session, &what, Some(deadline), || {
         let req =
             pb::GetPlanRequest { run_id: session.run_id.clone(), instance_id: session.instance_id.clone(), generation };
         let mut client = session.client();
-        match dflash_role::with_timeout(session.rpc_timeout(), client.get_plan(req)).await {
-            Ok(p) if p.assignment_ready => return Ok(p.assigned_batch_ids),
-            _ if tokio::time::Instant::now() >= deadline => {
-                return Err(reform(
-                    session,
-                    anyhow::anyhow!("generation {generation}: the coordinator dealt out no batches in time"),
-                ));
-            }
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        async move {
+            let p = dflash_role::with_timeout(session.rpc_timeout(), client.get_plan(req)).await?;
+            Ok(p.assignment_ready.then_some(p.assigned_batch_ids))
         }
-    }
+    })
+    .await;
+    // Dealt out in time or not at all: a generation that cannot start is
+    // re-formed; a refusal or the run's end is what it is.
+    batches.map_err(|e| if dflash_role::kind_of(&e) == ErrorKind::PeerLost { reform(session, e) } else { e })
 }
 
 /// The generation this member trains in cannot go on (a member lost, a

@@ -52,7 +52,7 @@ impl Prefetcher {
             Some(g) => {
                 let mut buf = g
                     .buffers
-                    .take_until(|| self.stop.is_stopped())
+                    .take_until(self.stop.channel())
                     .ok_or_else(|| anyhow::anyhow!("stopped while waiting for a device buffer"))?;
                 buf.copy_from_host_async(&b.payload, &g.stream)?;
                 // The pinned payload may be reused only after the copy.

@@ -69,7 +69,7 @@ impl Sequencer {
     }
 
     fn is_trained(&self, id: u64) -> bool {
-        self.trained.lock().unwrap_or_else(|e| e.into_inner()).contains(&id)
+        self.trained.contains(id)
     }
 
     /// Moves past positions already trained (a resumed lineage).
@@ -180,7 +180,7 @@ mod tests {
     #[test]
     fn arrivals_leave_in_the_plans_order_and_trained_ones_at_once() {
         let trained = TrainedSet::default();
-        trained.lock().unwrap().extend([0, 1, 3]);
+        trained.reset_to([0, 1, 3]);
         let mut s = Sequencer::new([4, 0, 1, 2, 3, 5, 6], trained.clone(), 4);
         assert_eq!(s.next_id(), Some(2), "a resumed lineage starts at its first untrained batch");
         assert!(s.push(rejected(5)).is_empty());

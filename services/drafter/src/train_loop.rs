@@ -31,8 +31,33 @@ use crate::prefetch::Prepared;
 use crate::reporter::{Report, Reporter};
 use crate::sequencer::Arrival;
 
-/// Batch ids trained in this checkpoint lineage.
-pub type TrainedSet = Arc<Mutex<BTreeSet<u64>>>;
+/// Batch ids trained in this checkpoint lineage, as every stage that must
+/// know reads it: the replicas (a batch trained already is a duplicate)
+/// and the sequencer (it does not wait for one). The train loop's leader
+/// writes it, as it trains and when it resumes.
+#[derive(Clone, Default)]
+pub struct TrainedSet(Arc<Mutex<BTreeSet<u64>>>);
+
+impl TrainedSet {
+    fn ids(&self) -> std::sync::MutexGuard<'_, BTreeSet<u64>> {
+        // A panicking holder cannot leave the set half-written: every
+        // write is one insert or one replacement.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn contains(&self, id: u64) -> bool {
+        self.ids().contains(&id)
+    }
+
+    pub fn insert(&self, id: u64) {
+        self.ids().insert(id);
+    }
+
+    /// The lineage resumed from a checkpoint: exactly what it trained.
+    pub fn reset_to(&self, ids: impl IntoIterator<Item = u64>) {
+        *self.ids() = ids.into_iter().collect();
+    }
+}
 
 /// What happened to one replica's batch in one step.
 pub enum ReplicaOutcome {
@@ -59,6 +84,36 @@ pub struct ReplicaReport {
 pub struct Agreement {
     pub any_batch: bool,
     pub stopping: bool,
+}
+
+/// How long a replica waits for its next batch before it takes an idle
+/// step: the cadence at which idle replicas agree with each other (ready,
+/// stopping) and the leader retries what failed (a checkpoint write). A
+/// stop wakes the wait at once.
+const IDLE_TICK: Duration = Duration::from_millis(100);
+
+/// How long the leader waits for the other replicas' reports of a step
+/// they all took (they send them right after the step's collectives).
+const REPORT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What a replica's wait for its next batch brought.
+enum Next {
+    Batch(Prepared),
+    /// Nothing within [`IDLE_TICK`], or the role stopped.
+    Idle,
+    /// Prefetch is gone: no batch will come.
+    Closed,
+}
+
+fn next_prepared(input: &flume::Receiver<Prepared>, stop: &dflash_role::Stop) -> Next {
+    if stop.is_stopped() {
+        return Next::Idle;
+    }
+    flume::Selector::new()
+        .recv(input, |r| r.map_or(Next::Closed, Next::Batch))
+        .recv(stop.channel(), |_| Next::Idle)
+        .wait_timeout(IDLE_TICK)
+        .unwrap_or(Next::Idle)
 }
 
 /// One replica's side of the lockstep: take a batch if one comes within a
@@ -121,7 +176,10 @@ impl ReplicaStep {
         if self.group_member.is_some() {
             return self.member_step(trainer, stop);
         }
-        let prepared = self.input.recv_timeout(Duration::from_millis(100)).ok();
+        let prepared = match next_prepared(&self.input, stop) {
+            Next::Batch(p) => Some(p),
+            Next::Idle | Next::Closed => None,
+        };
         self.train_step(trainer, prepared, stop)
     }
 
@@ -133,10 +191,10 @@ impl ReplicaStep {
     ) -> anyhow::Result<(ReplicaReport, Agreement)> {
         let m = self.group_member.as_mut().expect("a group member");
         if m.held.is_none() && !m.exhausted {
-            match self.input.recv_timeout(Duration::from_millis(100)) {
-                Ok(p) => m.held = Some(p),
-                Err(flume::RecvTimeoutError::Disconnected) => m.exhausted = true,
-                Err(flume::RecvTimeoutError::Timeout) => {}
+            match next_prepared(&self.input, stop) {
+                Next::Batch(p) => m.held = Some(p),
+                Next::Closed => m.exhausted = true,
+                Next::Idle => {}
             }
         }
         let g = self.group.as_ref().expect("a group member has a collective");
@@ -237,7 +295,7 @@ impl ReplicaStep {
         let mut contributes = false;
         let mut pending = None;
         if let Some(b) = &batch {
-            let dup = self.trained.lock().expect("trained set lock").contains(&b.batch_id);
+            let dup = self.trained.contains(b.batch_id);
             if !dup {
                 match trainer.compute_gradients(b) {
                     StepOutcome::Trained(m) => {
@@ -322,7 +380,7 @@ pub fn follow_member(
         if let Some(id) = report.batch_id
             && !matches!(report.outcome, ReplicaOutcome::Duplicate)
         {
-            replica.trained.lock().expect("trained set lock").insert(id);
+            replica.trained.insert(id);
         }
     }
 }
@@ -492,7 +550,7 @@ impl TrainLoop {
 
     /// The batches trained in this lineage, shared with the replicas.
     pub fn trained_set(&self) -> TrainedSet {
-        Arc::clone(&self.trained_set)
+        self.trained_set.clone()
     }
 
     /// One control RPC, bounded by the RPC timeout.
@@ -626,7 +684,7 @@ impl TrainLoop {
             state.batch_ids.len(),
             short(&ck.content_hash)
         );
-        *self.trained_set.lock().expect("trained set lock") = state.batch_ids.iter().copied().collect();
+        self.trained_set.reset_to(state.batch_ids.iter().copied());
         self.trained = state.batch_ids;
         self.last_checkpoint_step = state.step;
         self.checkpointed = self.trained.len();
@@ -696,10 +754,12 @@ impl TrainLoop {
             reports.extend(m.take_gathered());
         }
         while reports.len() < replica.world() {
-            match followers.recv_timeout(Duration::from_millis(200)) {
+            // The step is taken: every replica reports it, stopping or not
+            // (a stop is honoured at the next step, after the checkpoint).
+            // A replica that died drops its sender.
+            match followers.recv_timeout(REPORT_TIMEOUT) {
                 Ok(r) => reports.push(r),
-                Err(flume::RecvTimeoutError::Timeout) if !stop.is_stopped() => {}
-                Err(_) => anyhow::bail!("a drafter replica stopped answering"),
+                Err(e) => anyhow::bail!("a drafter replica did not report its step: {e}"),
             }
         }
         Ok(Taken::Step(TakenStep { reports, seconds }))
@@ -831,7 +891,7 @@ impl TrainLoop {
 
     fn record(&mut self, id: u64) {
         self.trained.push(id);
-        self.trained_set.lock().expect("trained set lock").insert(id);
+        self.trained_set.insert(id);
     }
 
     /// Writes a checkpoint and hands its report on. A failed write (a full

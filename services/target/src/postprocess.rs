@@ -67,7 +67,7 @@ impl Postprocessor {
         let t0 = std::time::Instant::now();
         let mem = g
             .pool
-            .take_until(|| self.stop.is_stopped())
+            .take_until(self.stop.channel())
             .ok_or_else(|| anyhow::anyhow!("stopped while waiting for a pinned buffer"))?;
         let took = t0.elapsed();
         let mut buf = gpu::PinnedBuf::new(mem, bytes)?;

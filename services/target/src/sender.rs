@@ -184,7 +184,9 @@ impl Sender {
                     }
                     Ok(Some(_)) => {}
                     Ok(None) => return Ok(StreamEnd::Reconnect("drafter closed the stream".into())),
-                    Err(s) => return Ok(StreamEnd::Reconnect(s.message().to_string())),
+                    // The drafter ended the stream with a status: the
+                    // policy decides (a stall reconnects, a refusal fails).
+                    Err(s) => return refused_or_retry(endpoint, &s),
                 },
                 r = self.drafter_endpoint.changed() => {
                     if r.is_err() { break }
@@ -249,8 +251,9 @@ impl Sender {
     }
 }
 
-/// What a failed stream start means, by the written policy: a refusal no
-/// retry helps fails the target; anything else reconnects with backoff.
+/// What a drafter's status on a stream (at its start or mid-stream) means,
+/// by the written policy: a refusal no retry helps fails the target;
+/// anything else reconnects with backoff.
 fn refused_or_retry(endpoint: &str, s: &tonic::Status) -> anyhow::Result<StreamEnd> {
     let refusal = dflash_proto::DrafterError::from_status(s);
     let fail = s.code() == tonic::Code::Unauthenticated
@@ -319,4 +322,39 @@ async fn close_stream(tx: mpsc::Sender<pb::TargetMessage>, responses: &mut tonic
     drop(tx);
     let drain = async { while let Ok(Some(_)) = responses.message().await {} };
     let _ = tokio::time::timeout(CLOSE_GRACE, drain).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use dflash_proto::DrafterError;
+
+    use super::*;
+
+    fn ends(status: tonic::Status) -> Result<String, ErrorKind> {
+        match refused_or_retry("http://d:1", &status) {
+            Ok(StreamEnd::Reconnect(why)) => Ok(why),
+            Ok(StreamEnd::Stopped) => panic!("a status never means stopped"),
+            Err(e) => Err(dflash_role::kind_of(&e)),
+        }
+    }
+
+    #[test]
+    fn a_drafters_status_on_the_stream_reconnects_or_fails_the_target_as_the_policy_says() {
+        // Mid-stream or at the start: what no retry helps fails the target.
+        for e in [
+            DrafterError::MessageTooLarge { len: 9, limit: 8 },
+            DrafterError::Malformed("bad frame".into()),
+            DrafterError::WrongRun { got: "a".into(), trains: "b".into() },
+        ] {
+            assert_eq!(ends(e.into()), Err(ErrorKind::Protocol));
+        }
+        assert_eq!(ends(tonic::Status::unauthenticated("token")), Err(ErrorKind::Protocol));
+        // A stall, a full drafter, a stopping one or a broken connection:
+        // reconnect (unacknowledged batches are replayed).
+        for e in [DrafterError::Stalled { ms: 30 }, DrafterError::TooManyStreams { max: 4 }, DrafterError::Stopping] {
+            let why = e.to_string();
+            assert_eq!(ends(e.into()), Ok(why));
+        }
+        assert_eq!(ends(tonic::Status::unknown("h2 protocol error")), Ok("h2 protocol error".into()));
+    }
 }

@@ -60,7 +60,7 @@ impl Drop for UploadedIds {
 }
 
 fn take<T>(pool: &Pool<T>, stop: &Stop, what: &str) -> anyhow::Result<gpu::Pooled<T>> {
-    pool.take_until(|| stop.is_stopped()).ok_or_else(|| anyhow::anyhow!("stopped while waiting for {what}"))
+    pool.take_until(stop.channel()).ok_or_else(|| anyhow::anyhow!("stopped while waiting for {what}"))
 }
 
 impl IdsUploader {

@@ -215,7 +215,7 @@ impl Lander {
         let bytes = meta.payload_bytes();
         let buf: Box<dyn dflash_wire::PayloadBuffer> = match &self.landing {
             Landing::Pinned(pool) => {
-                let mem = pool.take_until(|| self.stop.is_stopped()).ok_or_else(stopping)?;
+                let mem = pool.take_until(self.stop.channel()).ok_or_else(stopping)?;
                 let limit = mem.capacity();
                 let buf = dflash_models::gpu::PinnedBuf::new(mem, bytes).map_err(|_| WireError::TooLarge {
                     batch_id: meta.batch_id,
@@ -225,7 +225,7 @@ impl Lander {
                 Box::new(PinnedPayload { buf, filled: 0 })
             }
             Landing::Host(pool) => {
-                let mut buf = pool.take_until(|| self.stop.is_stopped()).ok_or_else(stopping)?;
+                let mut buf = pool.take_until(self.stop.channel()).ok_or_else(stopping)?;
                 buf.clear();
                 if buf.capacity() < bytes {
                     // Grow without copying the old contents (the header

@@ -176,8 +176,9 @@ impl StreamHandler for DrafterService {
         let name = format!("stream-{target}");
         let stream =
             Stream { target, incoming, acks: tx, stop: self.stop.clone(), stall: self.stall_timeout, mid_batch };
+        let stages = self.stages.clone();
         self.stages.spawn_task(&name, async move {
-            receive(stream, lander).await;
+            receive(stream, lander, &stages).await;
             drop(permit);
             Ok(())
         });
@@ -209,11 +210,16 @@ const LANDING_DEPTH: usize = 4;
 /// messages while a thread of the stream's own (the [`Lander`]) copies the
 /// previous chunks into their payload buffers and checks them, so reading
 /// the socket and landing run on two cores.
-async fn receive(s: Stream, lander: Lander) {
-    let (messages, mut landed) = start_landing(&s.target, lander);
-    let Some(messages) = messages else {
-        let _ = s.acks.send(Err(Status::resource_exhausted("drafter cannot start a landing thread"))).await;
-        return;
+async fn receive(s: Stream, lander: Lander, stages: &dflash_role::Stages) {
+    let (messages, mut landed) = start_landing(&s.target, lander, stages);
+    let messages = match messages {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::error!("cannot start the landing thread for target {}: {e}", s.target);
+            let refusal = DrafterError::Overloaded(format!("no landing thread: {e}"));
+            let _ = s.acks.send(Err(refusal.into())).await;
+            return;
+        }
     };
     if !read_stream(s, messages, &mut landed).await {
         // The landing thread ends once its input closes (dropped by now)
@@ -223,19 +229,21 @@ async fn receive(s: Stream, lander: Lander) {
     }
 }
 
-/// Starts the landing thread of a stream; its input, and a signal that it ended.
-fn start_landing(target: &str, lander: Lander) -> (Option<flume::Sender<Inbound>>, tokio::sync::oneshot::Receiver<()>) {
+/// Starts the landing thread of a stream (owned by the role's stages, so
+/// stopping joins it); its input, and a signal that it ended.
+fn start_landing(
+    target: &str,
+    lander: Lander,
+    stages: &dflash_role::Stages,
+) -> (std::io::Result<flume::Sender<Inbound>>, tokio::sync::oneshot::Receiver<()>) {
     let (tx, rx) = flume::bounded(LANDING_DEPTH);
     let (done_tx, done) = tokio::sync::oneshot::channel::<()>();
-    let spawned = std::thread::Builder::new().name(format!("land-{target}")).spawn(move || {
+    let spawned = stages.try_spawn_thread(&format!("land-{target}"), move || {
         lander.run(rx);
         let _ = done_tx.send(());
+        Ok(())
     });
-    if let Err(e) = spawned {
-        tracing::error!("cannot start the landing thread for target {target}: {e}");
-        return (None, done);
-    }
-    (Some(tx), done)
+    (spawned.map(|()| tx), done)
 }
 
 /// Cuts the stream into messages for the landing thread until it ends;
