@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Deterministic replay on one H200 (issue 18), with the Qwen3-8B-shaped
+# target and the 5-layer drafter at 512 anchors sharing the GPU:
+# 1. two uninterrupted runs of STEPS steps: are their final checkpoints
+#    bit-identical? (if not: how many tensors differ, and by how much);
+# 2. the same run with the drafter SIGKILLed after its first committed
+#    checkpoint and the target SIGKILLed later (dflash up starts each again):
+#    its final checkpoint against the uninterrupted one, and the time from
+#    each kill to the next trained step.
+# The binaries arrive in .device/pack.tar.gz; results go to $OUT.
+#   scripts/device/determinism-gpu.sh [STEPS]   (default 24)
+set -u
+cd "$(dirname "$0")/../.."
+. scripts/device/env.sh
+steps=${1:-24}
+B=.device/bin
+tar -xzf .device/pack.tar.gz -C .device
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
+rm -rf /tmp/q8
+t0=$(date +%s)
+$B/dflash prepare-synthetic --shape qwen3-8b --bf16 --gpu 0 --model-dir /tmp/q8/model \
+  --dataset /tmp/q8/data.jsonl --samples 400 --answer-tokens 500 2900 --seed 1 2>&1 | tail -1
+echo "prepared in $(( $(date +%s) - t0 )) s"
+common=(--config deploy/configs/h200-qwen3-8b-e2e.toml --no-final-eval --max-steps "$steps" --progress-every-s 0
+  --set 'devices.drafter="0"' --set devices.share_gpus=true --set checkpoint.interval_steps=8
+  --set checkpoint.keep_last=2 --set run.log_every_steps=1)
+
+for name in a b; do
+  rm -rf /tmp/q8/up
+  s=$(date +%s)
+  timeout 170 $B/dflash up "${common[@]}" --workdir /tmp/q8/up --set "checkpoint.dir=\"/tmp/q8/ck-$name\"" \
+    > "$OUT/run-$name.log" 2>&1
+  echo "run $name: exit $? in $(( $(date +%s) - s )) s"
+done
+
+# Waits (at most $2 s) for the log to show $1 after line $3.
+wait_log() { local end=$(( $(date +%s) + $2 )); while [ "$(date +%s)" -lt $end ]; do
+  tail -n +"${3:-1}" "$OUT/run-c.log" | grep -q -- "$1" && return 0; sleep 0.2; done; return 1; }
+rm -rf /tmp/q8/up
+$B/dflash up "${common[@]}" --workdir /tmp/q8/up --set 'checkpoint.dir="/tmp/q8/ck-c"' > "$OUT/run-c.log" 2>&1 &
+up=$!
+if wait_log "checkpoint at step 8 committed" 150 && wait_log "step 10/" 60; then
+  date +%s.%N > "$OUT/kill-drafter.t"; pkill -9 -x dflash-drafter
+  n=$(wc -l < "$OUT/run-c.log")
+  if wait_log "INFO step 1[0-9]/" 150 "$n" && wait_log "step 18/" 60; then
+    date +%s.%N > "$OUT/kill-target.t"; pkill -9 -x dflash-target
+  fi
+fi
+timeout 240 tail --pid=$up -f /dev/null; wait $up; echo "run c (killed and resumed): exit $?"
+
+python3 - "$OUT" <<'PY'
+import datetime, glob, hashlib, json, os, re, struct, sys
+import torch
+out = sys.argv[1]
+
+def final(name):
+    dirs = sorted(glob.glob(f"/tmp/q8/ck-{name}/step-*"), key=lambda d: int(d.rsplit("-", 1)[1]))
+    return dirs[-1] if dirs else None
+
+def tensors(path):
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    kinds = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    out = {}
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        a, b = v["data_offsets"]
+        out[k] = torch.frombuffer(bytearray(raw[8 + n + a:8 + n + b]), dtype=kinds[v["dtype"]]).reshape(v["shape"])
+    return raw, out
+
+ref = final("a")
+print("final checkpoints:", {k: final(k) for k in "abc"})
+ra, ta = tensors(f"{ref}/model.safetensors")
+print(f"a: sha256 {hashlib.sha256(ra).hexdigest()[:16]}, {len(ta)} tensors")
+for other in "bc":
+    d = final(other)
+    if not d or os.path.basename(d) != os.path.basename(ref):
+        print(f"{other}: no final checkpoint at {os.path.basename(ref)} ({d})"); continue
+    rb, tb = tensors(f"{d}/model.safetensors")
+    same = hashlib.sha256(rb).digest() == hashlib.sha256(ra).digest()
+    diff = {k: (ta[k].double() - tb[k].double()).abs().max().item() for k in ta if not torch.equal(ta[k], tb[k])}
+    worst = sorted(diff.items(), key=lambda kv: -kv[1])[:5]
+    scale = max(ta[k].double().abs().max().item() for k in ta)
+    print(f"{other} vs a: {'bit-identical' if same else 'differs'}; {len(diff)} of {len(ta)} tensors differ;"
+          f" largest |diff| {worst[0][1] if worst else 0:.3e} (largest |weight| {scale:.3e}); worst: {worst}")
+
+def t(line):
+    m = re.search(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z", line)
+    return datetime.datetime.fromisoformat(m.group(1)).replace(tzinfo=datetime.timezone.utc).timestamp() if m else None
+lines = open(f"{out}/run-c.log", errors="replace").read().splitlines()
+def first(after, pred):
+    return next(((t(l), l) for l in lines if pred(l) and (t(l) or 0) > after), (None, None))
+def step(l): return l.startswith("[drafter") and " INFO step " in l
+for role in ("drafter", "target"):
+    try: k = float(open(f"{out}/kill-{role}.t").read())
+    except OSError: print(f"{role}: not killed"); continue
+    s, l = first(k, step)
+    if role == "drafter":
+        r, _ = first(k, lambda l: "resum" in l and l.startswith("[drafter"))
+        print(f"drafter SIGKILL -> first trained step {s - k:.1f} s" if s else "drafter: no step after the kill",
+              f"(resume logged at +{r - k:.1f} s)" if r else "", (l or "")[:140])
+    else:
+        ready, rl = first(k, lambda l: l.startswith("[target") and "loaded" in l)
+        s, l = first(ready or k, step)
+        print(f"target SIGKILL -> replacement loaded {ready - k:.1f} s" if ready else "target: no reload seen",
+              f"-> next trained step {s - k:.1f} s" if s else "", (rl or "")[:140])
+PY
