@@ -54,6 +54,9 @@ enum Command {
     Health(HealthArgs),
 }
 
+/// How long the coordinator keeps answering after the run ended.
+const END_LINGER: Duration = Duration::from_secs(2);
+
 fn main() {
     dflash_telemetry::init("dflash-coordinator");
     let args = Args::parse();
@@ -130,9 +133,8 @@ async fn run(args: Args) -> anyhow::Result<i32> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     tracing::info!("coordinator listening on {} ({})", listener.local_addr()?, security.summary());
-    let service = Arc::new(CoordinatorService::new(Arc::clone(&run), stages.clone()));
-    let service_at_end = Arc::clone(&service);
-    let service = InterceptedService::new(CoordinatorServer::from_arc(service), security.server_auth());
+    let service = CoordinatorService::new(Arc::clone(&run), stages.clone());
+    let service = InterceptedService::new(CoordinatorServer::new(service), security.server_auth());
     let server_stop = stop.clone();
     let server = security
         // A request that is not complete within the RPC timeout (a
@@ -188,8 +190,15 @@ async fn run(args: Args) -> anyhow::Result<i32> {
 
     tokio::select! {
         _ = run.ended.cancelled() => {
-            // Let every watcher receive the stop before the server goes.
-            service_at_end.streams_delivered(Duration::from_secs(2)).await;
+            // Every live instance hears of the end (its event stream, or
+            // its next heartbeat) before the server goes; and the server
+            // answers for a moment longer, so that a role a supervisor
+            // restarts just now hears that the run is over instead of
+            // waiting out its connect timeout for a coordinator that left.
+            let linger = tokio::time::sleep(END_LINGER);
+            let heartbeat = Duration::from_millis(run.config.faults.heartbeat_interval_ms);
+            run.wait_until_all_told((heartbeat * 3).max(END_LINGER)).await;
+            linger.await;
         }
         _ = stop.stopped() => {
             tracing::info!("coordinator stopping; the ledger keeps the run resumable");

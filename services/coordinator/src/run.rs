@@ -1,7 +1,7 @@
 //! The coordinator's state of the run: registry of instances, the ledger,
 //! progress, errors, and the run's fate, with the events that announce it.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -95,6 +95,10 @@ pub struct Run {
     /// batches were dealt out) or the run ended: what a waiting member's
     /// request waits on instead of polling.
     group_moves: tokio::sync::watch::Sender<u64>,
+    /// Instances that heard of the run's end (its stop event on their event
+    /// stream, or a heartbeat answered "run over"), counted in the watch.
+    told: Mutex<BTreeSet<String>>,
+    told_moves: tokio::sync::watch::Sender<usize>,
     /// Cancelled when the run reaches a terminal state.
     pub ended: CancellationToken,
 }
@@ -121,6 +125,8 @@ impl Run {
             fate: Mutex::new(Fate { state: pb::RunState::Running, message: String::new() }),
             events,
             group_moves: tokio::sync::watch::Sender::new(0),
+            told: Mutex::new(BTreeSet::new()),
+            told_moves: tokio::sync::watch::Sender::new(0),
             ended: CancellationToken::new(),
         }
     }
@@ -453,6 +459,48 @@ impl Run {
         }
         self.ended.cancel();
         self.group_moved();
+    }
+
+    /// Instance `id` heard that the run is over.
+    pub fn told_of_end(&self, id: &str) {
+        if id.is_empty() {
+            return;
+        }
+        let n = {
+            let mut told = self.told.lock().expect("told lock");
+            told.insert(id.to_string());
+            told.len()
+        };
+        self.told_moves.send_replace(n);
+    }
+
+    /// The live instances that have not heard of the run's end yet.
+    pub fn untold(&self) -> Vec<String> {
+        let told = self.told.lock().expect("told lock").clone();
+        let reg = self.registry.lock().expect("registry lock");
+        reg.instances.iter().filter(|(id, i)| i.alive && !told.contains(*id)).map(|(id, _)| id.clone()).collect()
+    }
+
+    /// Waits until every live instance heard of the run's end, at most
+    /// `grace` (an instance that cannot be reached learns it when its
+    /// coordinator timeout runs out).
+    pub async fn wait_until_all_told(&self, grace: Duration) {
+        let mut moves = self.told_moves.subscribe();
+        let deadline = tokio::time::Instant::now() + grace;
+        loop {
+            moves.borrow_and_update();
+            let untold = self.untold();
+            if untold.is_empty() {
+                return;
+            }
+            if !matches!(tokio::time::timeout_at(deadline, moves.changed()).await, Ok(Ok(()))) {
+                tracing::warn!(
+                    "{} instance(s) did not hear of the run's end within {grace:?}: {untold:?}",
+                    untold.len()
+                );
+                return;
+            }
+        }
     }
 
     /// Registers (or re-registers) an instance.

@@ -31,18 +31,6 @@ impl CoordinatorService {
     pub fn new(run: Arc<Run>, streams: dflash_role::Stages) -> Self {
         Self { run, streams, watchers: Arc::new(tokio::sync::Semaphore::new(MAX_WATCHERS)) }
     }
-
-    /// Waits (at most `grace`) until every event stream delivered the run's
-    /// end to its watcher: a stream ends after the stop event.
-    pub async fn streams_delivered(&self, grace: std::time::Duration) {
-        let all = self.watchers.acquire_many(MAX_WATCHERS as u32);
-        if tokio::time::timeout(grace, all).await.is_err() {
-            tracing::warn!(
-                "{} event stream(s) still open {grace:?} after the run ended",
-                MAX_WATCHERS - self.watchers.available_permits()
-            );
-        }
-    }
 }
 
 /// The one place ledger errors become the coordinator's errors.
@@ -124,6 +112,12 @@ impl Coordinator for CoordinatorService {
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
+        // Whoever missed the stop event (its stream was down) hears it here.
+        if !self.run.is_running() {
+            self.run.told_of_end(&req.instance_id);
+            let (state, message) = self.run.state();
+            return Err(CoordinatorError::RunOver { state, message, run_id: req.run_id }.into());
+        }
         self.run
             .target_heartbeat(&req.instance_id, req.tokens_produced, req.busy_fraction, &req.held_batch_ids)
             .map_err(ledger_status)?;
@@ -150,11 +144,19 @@ impl Coordinator for CoordinatorService {
         let (tx, out) = mpsc::channel(16);
         let stop = self.streams.stop().clone();
         let is_stop = |ev: &pb::RunEvent| matches!(ev.event, Some(pb::run_event::Event::Stop(_)));
+        let watcher = req.instance_id;
         self.streams.spawn_task("event-stream", async move {
             let _permit = permit;
+            // The run's end is the stream's last event.
+            let delivered = |last: bool| {
+                if last {
+                    run.told_of_end(&watcher);
+                }
+                last
+            };
             for ev in run.snapshot_events() {
                 let last = is_stop(&ev);
-                if tx.send(Ok(ev)).await.is_err() || last {
+                if tx.send(Ok(ev)).await.is_err() || delivered(last) {
                     return Ok(());
                 }
             }
@@ -171,9 +173,8 @@ impl Coordinator for CoordinatorService {
                     Err(broadcast::error::RecvError::Closed) => return Ok(()),
                 };
                 for ev in evs {
-                    // The run's end is the stream's last event.
                     let last = is_stop(&ev);
-                    if tx.send(Ok(ev)).await.is_err() || last {
+                    if tx.send(Ok(ev)).await.is_err() || delivered(last) {
                         return Ok(());
                     }
                 }
