@@ -93,6 +93,9 @@ impl fmt::Display for RunConfig {
             Objective::Kd => "distillation (not supported)".into(),
         };
         writeln!(f, "  Objective: {objective}")?;
+        if t.deterministic_kernels {
+            writeln!(f, "  Kernels: deterministic only (training.deterministic_kernels)")?;
+        }
         writeln!(
             f,
             "  Anchors per sequence: {}, feature noise std: {}, max blocks per micro-batch: {}",

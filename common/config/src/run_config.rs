@@ -250,6 +250,12 @@ pub struct TrainingSection {
     /// D-PACE's smoothing `a` in `q = (1 - a) exp(-CE) + a` (unset: 0.5;
     /// only with `loss = "dpace"`).
     pub dpace_alpha: Option<f64>,
+    /// GPU drafters use only libtorch's deterministic kernels (and cuBLAS
+    /// with a fixed workspace), so that a run at a fixed world size repeats
+    /// bit for bit; an op without a deterministic kernel fails the run,
+    /// naming itself. Off by default (BENCHMARKS.md has its cost). CPU runs
+    /// repeat bit for bit either way.
+    pub deterministic_kernels: bool,
 }
 
 /// The loss over a block's drafted slots.
@@ -293,6 +299,7 @@ impl Default for TrainingSection {
             total_steps: 0,
             loss: Objective::Ce,
             dpace_alpha: None,
+            deterministic_kernels: false,
         }
     }
 }

@@ -8,3 +8,10 @@
 extern "C" void dflash_set_cudnn_sdp(int enabled) { at::globalContext().setSDPUseCuDNN(enabled != 0); }
 
 extern "C" int dflash_cudnn_sdp_enabled() { return at::globalContext().userEnabledCuDNNSDP() ? 1 : 0; }
+
+// Deterministic algorithms only (torch.use_deterministic_algorithms); with
+// warn_only, an op that has no deterministic kernel warns (naming itself) and
+// runs its nondeterministic one.
+extern "C" void dflash_set_deterministic(int on, int warn_only) {
+  at::globalContext().setDeterministicAlgorithms(on != 0, warn_only != 0);
+}

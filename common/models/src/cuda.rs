@@ -51,6 +51,33 @@ pub fn tch_device(cuda_index: Option<u32>) -> Result<tch::Device, ModelError> {
 unsafe extern "C" {
     fn dflash_set_cudnn_sdp(enabled: i32);
     fn dflash_cudnn_sdp_enabled() -> i32;
+    fn dflash_set_deterministic(on: i32, warn_only: i32);
+}
+
+/// Makes libtorch use deterministic kernels only (process-wide), strictly:
+/// an op that has none fails, naming itself. (With PyTorch's warn-only mode
+/// flash attention keeps its nondeterministic backward: two such runs on an
+/// H200 differed.) cuBLAS is deterministic only with
+/// `CUBLAS_WORKSPACE_CONFIG` set before its first use (see
+/// [`fix_cublas_workspace`]).
+pub fn set_deterministic_algorithms(on: bool) {
+    // SAFETY: a plain setter on libtorch's global context.
+    unsafe { dflash_set_deterministic(i32::from(on), 0) }
+}
+
+/// Gives cuBLAS a fixed workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8`, 32 MiB)
+/// unless the environment sets one: what NVIDIA and PyTorch document as the
+/// condition for cuBLAS GEMMs that repeat bit for bit. Must run before any
+/// other thread starts (it edits the environment).
+///
+/// # Safety
+/// No other thread may read or write the environment meanwhile: call it
+/// first thing in `main`.
+pub unsafe fn fix_cublas_workspace() {
+    if std::env::var_os("CUBLAS_WORKSPACE_CONFIG").is_none() {
+        // SAFETY: the caller guarantees a single-threaded process.
+        unsafe { std::env::set_var("CUBLAS_WORKSPACE_CONFIG", ":4096:8") };
+    }
 }
 
 /// Turns libtorch's cuDNN attention backend on or off (process-wide). The

@@ -66,6 +66,8 @@ struct ServeArgs {
 }
 
 fn main() {
+    // SAFETY: first thing in main, before any other thread exists.
+    unsafe { dflash_models::cuda::fix_cublas_workspace() };
     dflash_telemetry::init("dflash-drafter");
     let cli = Cli::parse();
     let code = match cli.command {
@@ -306,6 +308,10 @@ async fn start(
     if !gpus.is_empty() {
         dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
         dflash_role::memory::keep_freed_memory_mapped();
+        if c.training.deterministic_kernels {
+            dflash_models::cuda::set_deterministic_algorithms(true);
+            tracing::info!("deterministic kernels only (training.deterministic_kernels)");
+        }
     }
     let tdevs: Vec<tch::Device> = devices
         .iter()
