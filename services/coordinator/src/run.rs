@@ -680,6 +680,15 @@ impl Run {
         for role in ["target", "drafter"] {
             m.registered_instances.with_label_values(&[role]).set(alive.get(role).copied().unwrap_or(0));
         }
+        let (state, _) = self.state();
+        for (s, name) in [
+            (pb::RunState::Running, "running"),
+            (pb::RunState::Completed, "completed"),
+            (pb::RunState::Failed, "failed"),
+            (pb::RunState::Cancelled, "cancelled"),
+        ] {
+            m.run_state.with_label_values(&[name]).set(i64::from(state == s));
+        }
         let p = self.progress.lock().expect("progress lock").clone();
         m.step.set(p.step as f64);
         m.loss.set(f64::from(p.loss));
