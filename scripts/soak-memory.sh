@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 minutes=${1:-30}
 out=${2:-runs/soak}
 rm -rf "$out" && mkdir -p "$out"
-B=target/release
+B=${DFLASH_BIN:-target/release}
 $B/dflash prepare-synthetic --model-dir "$out/model" --dataset "$out/data.jsonl" --samples 2000 > /dev/null
 cat > "$out/run.toml" <<EOF
 [run]

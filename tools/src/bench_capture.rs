@@ -160,7 +160,6 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     let kind = dflash_models::features::kind_of(dtype);
     if device.is_cuda() {
         // As the target service runs on GPUs.
-        dflash_role::memory::keep_freed_memory_mapped();
         dflash_models::cuda::set_cudnn_attention(a.cudnn_attention);
     }
     let _guard = tch::no_grad_guard();

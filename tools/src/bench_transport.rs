@@ -263,7 +263,6 @@ pub fn run(a: &BenchTransportArgs) -> anyhow::Result<()> {
             let ordinal: usize = i.parse().map_err(|_| anyhow::anyhow!("--device: cpu or a GPU index"))?;
             let ctx = dflash_models::gpu::context(ordinal)?;
             // As a GPU drafter (and the targets feeding it) would run.
-            dflash_role::memory::keep_freed_memory_mapped();
             Landing::Pinned(dflash_models::gpu::pinned_pool(&ctx, count, bytes)?)
         }
     };
