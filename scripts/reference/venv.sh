@@ -2,9 +2,9 @@
 # The reference Python environment the tests and scripts run against (never
 # imported by the project's code): PyTorch 2.11 (the wheel setup-libtorch.sh
 # caches, its CUDA dependencies from PyPI: it runs on CPUs too),
-# transformers, and the DFlash authors' `dflash` package and SpecForge
-# installed without their dependencies (both run with torch + transformers
-# alone). Cached in .cache/ref-venv; a second run is a no-op. Prints the
+# transformers, pyarrow (Parquet files as Hugging Face datasets writes them),
+# and the DFlash authors' `dflash` package and SpecForge installed without
+# their dependencies (both run with torch + transformers alone). Cached in .cache/ref-venv; a second run is a no-op. Prints the
 # folder's python on stdout. Several callers at once wait for one install.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,5 +23,10 @@ if [ ! -f "$venv/.complete" ]; then
   pip install --no-deps "dflash==0.1.0" "specforge==0.2.0"
   "$venv/bin/python" -c "import torch, transformers, dflash; from dflash.model import DFlashDraftModel" >&2
   touch "$venv/.complete"
+fi
+# Added after the first release of this venv: installed into existing ones too.
+if ! "$venv/bin/python" -c "import pyarrow" 2>/dev/null; then
+  echo "adding pyarrow (Parquet fixtures) to $venv ..." >&2
+  "$venv/bin/python" -m pip --disable-pip-version-check -q install "pyarrow==21.0.0" >&2
 fi
 echo "$venv/bin/python"

@@ -14,8 +14,9 @@ use crate::meter::Meter;
 
 #[derive(clap::Args, Debug)]
 pub struct EvalArgs {
-    /// Target model directory.
-    #[arg(long)]
+    /// Target model directory, or a repo id ORG/NAME[@REVISION] in the
+    /// Hugging Face cache.
+    #[arg(long, value_parser = dflash_config::hub::resolve_model_dir)]
     pub target: PathBuf,
     /// Drafter checkpoint directory (config.json + model.safetensors), or a
     /// checkpoint root holding a `latest` pointer.

@@ -2,7 +2,7 @@
 //! itself (greedy, batched, KV cache) and the answers become the training
 //! data, as every public DFlash recipe does.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -29,8 +29,9 @@ pub struct PromptSlice {
 
 #[derive(clap::Args, Debug)]
 pub struct RegenArgs {
-    /// Target model directory.
-    #[arg(long)]
+    /// Target model directory, or a repo id ORG/NAME[@REVISION] in the
+    /// Hugging Face cache.
+    #[arg(long, value_parser = dflash_config::hub::resolve_model_dir)]
     pub model: PathBuf,
     /// JSONL conversations; each line's turns before the first assistant turn are the prompt.
     #[arg(long)]
@@ -65,24 +66,23 @@ struct Prompt {
     ids: Vec<u32>,
 }
 
+/// The prompts of a JSONL or Parquet file (see
+/// [`dflash_models::evaluation::prompt_records`]).
 fn read_prompts(path: &Path, tok: &ChatTokenizer, offset: usize, limit: usize) -> anyhow::Result<Vec<Prompt>> {
-    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut out = Vec::new();
-    for (i, line) in BufReader::new(f).lines().enumerate().skip(offset) {
+    for (at, record) in dflash_models::evaluation::prompt_records(path)?.into_iter().skip(offset) {
         if limit > 0 && out.len() == limit {
             break;
         }
-        let line = line?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let conv = Conversation::parse_line(&line).map_err(|e| anyhow::anyhow!("{}:{}: {e}", path.display(), i + 1))?;
+        let Some(record) = record else { continue };
+        let bad = |e: String| anyhow::anyhow!("{}: {at}: {e}", path.display());
+        let line = record.map_err(bad)?;
+        let conv = Conversation::from_json(line.clone()).map_err(bad)?;
         let messages = conv.first_prompt();
         if messages.is_empty() {
-            anyhow::bail!("{}:{}: the conversation starts with an assistant turn", path.display(), i + 1);
+            return Err(bad("the conversation starts with an assistant turn".into()));
         }
         let ids = tok.encode_prompt(&messages)?;
-        let line: serde_json::Value = serde_json::from_str(&line)?;
         out.push(Prompt { line, messages, ids });
     }
     Ok(out)

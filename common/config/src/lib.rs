@@ -5,6 +5,7 @@
 mod devices;
 mod display;
 mod flags;
+pub mod hub;
 mod loader;
 mod run_config;
 mod validate;

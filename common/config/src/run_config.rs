@@ -52,13 +52,23 @@ impl Default for RunSection {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSection {
-    /// Hugging Face directory: config.json, *.safetensors, tokenizer.json.
+    /// Hugging Face directory (config.json, *.safetensors, tokenizer.json),
+    /// or a repo id `ORG/NAME[@REVISION]` in each host's Hugging Face cache
+    /// (see [`crate::hub`]).
     pub target_path: String,
     /// Target layers whose residual stream feeds the drafter (HF
     /// `hidden_states[id + 1]`). Empty: spread evenly (see [`default_target_layer_ids`]).
     pub target_layer_ids: Vec<u32>,
     /// Compute dtype of target and drafter; the target ships its features in it.
     pub dtype: ComputeDtype,
+}
+
+impl ModelSection {
+    /// The target's directory on this host: `target_path` itself, or the
+    /// snapshot its repo id names in the host's Hugging Face cache.
+    pub fn target_dir(&self) -> Result<std::path::PathBuf, String> {
+        crate::hub::resolve_model_dir(&self.target_path).map_err(|e| format!("model.target_path: {e}"))
+    }
 }
 
 impl Default for ModelSection {

@@ -44,7 +44,16 @@ impl Conversation {
     /// Reads one JSONL line in OpenAI (`messages`: role/content) or ShareGPT
     /// (`conversations`: from/value) form. The error says what is wrong.
     pub fn parse_line(line: &str) -> Result<Self, String> {
-        let parsed: Line = serde_json::from_str(line).map_err(|e| e.to_string())?;
+        Self::from_line(serde_json::from_str(line).map_err(|e| e.to_string())?)
+    }
+
+    /// [`Conversation::parse_line`] for a record already parsed (a Parquet
+    /// row as JSON).
+    pub fn from_json(record: serde_json::Value) -> Result<Self, String> {
+        Self::from_line(serde_json::from_value(record).map_err(|e| e.to_string())?)
+    }
+
+    fn from_line(parsed: Line) -> Result<Self, String> {
         let messages = match (parsed.messages, parsed.conversations) {
             (Some(m), None) => m,
             (None, Some(turns)) => turns

@@ -1,8 +1,9 @@
-//! Training data: chat datasets in JSONL, the target's tokenizer and chat
+//! Training data: chat datasets in JSONL or Parquet, the target's tokenizer and chat
 //! template, assistant-only loss masks, and the deterministic batch plan.
 
 mod chat;
 mod dataset;
+pub mod parquet_rows;
 mod plan;
 mod synthetic;
 mod tokenizer;
@@ -27,6 +28,10 @@ pub enum DataError {
     Io(PathBuf, String),
     #[error("{}:{line}: malformed line: {reason}", path.display())]
     Malformed { path: PathBuf, line: u64, reason: String },
+    #[error("{}: row {row}: malformed row: {reason}", path.display())]
+    MalformedRow { path: PathBuf, row: u64, reason: String },
+    #[error("{}: column {column} {reason}", path.display())]
+    Schema { path: PathBuf, column: String, reason: String },
     #[error("tokenizer {0}: {1}")]
     Tokenizer(PathBuf, String),
     #[error("chat template in {0}: {1}")]

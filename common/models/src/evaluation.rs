@@ -30,30 +30,75 @@ pub fn read_prompts(
     offset: usize,
     limit: usize,
 ) -> Result<Vec<EvalPrompt>, ModelError> {
-    let f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
     let mut out = Vec::new();
-    for (i, line) in BufReader::new(f).lines().enumerate().skip(offset) {
+    for (i, record) in prompt_records(path)?.into_iter().skip(offset) {
         if limit > 0 && out.len() == limit {
             break;
         }
-        let line = line.map_err(|e| ModelError::io(path, e))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let bad = |e: String| ModelError::Config { path: path.to_path_buf(), message: format!("line {}: {e}", i + 1) };
-        let conv = Conversation::parse_line(&line).map_err(bad)?;
-        let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| bad(e.to_string()))?;
+        let Some(record) = record else { continue };
+        let bad = |e: String| ModelError::Config { path: path.to_path_buf(), message: format!("{i}: {e}") };
+        let v = record.map_err(bad)?;
         let id = match &v["id"] {
             serde_json::Value::String(s) => s.clone(),
-            serde_json::Value::Null => (i + 1).to_string(),
+            serde_json::Value::Null => i.number().to_string(),
             other => other.to_string(),
         };
         let category = v["category"].as_str().unwrap_or("all").to_string();
+        let conv = Conversation::from_json(v).map_err(bad)?;
         let ids = tok.encode_prompt(&conv.first_prompt()).map_err(|e| bad(e.to_string()))?;
         out.push(EvalPrompt { id, category, ids });
     }
     if out.is_empty() {
         return Err(ModelError::Config { path: path.to_path_buf(), message: "has no prompts".into() });
+    }
+    Ok(out)
+}
+
+/// Where a prompt record sits in its file: a JSONL line or a Parquet row
+/// (both 1-based in messages; `number` is what a prompt without an `id` is
+/// called).
+#[derive(Clone, Copy, Debug)]
+pub enum RecordAt {
+    Line(usize),
+    Row(usize),
+}
+
+impl RecordAt {
+    pub fn number(self) -> usize {
+        match self {
+            RecordAt::Line(n) | RecordAt::Row(n) => n,
+        }
+    }
+}
+
+impl std::fmt::Display for RecordAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecordAt::Line(n) => write!(f, "line {n}"),
+            RecordAt::Row(n) => write!(f, "row {n}"),
+        }
+    }
+}
+
+/// One record of a prompts file: where it is, and its JSON (None for a
+/// blank line; an error for a line that is not JSON).
+pub type PromptRecord = (RecordAt, Option<Result<serde_json::Value, String>>);
+
+/// The records of a prompts file as JSON, one per JSONL line (a blank line
+/// keeps its place, so that offsets count lines) or per Parquet row (the
+/// chat column with `id` and `category` when present).
+pub fn prompt_records(path: &Path) -> Result<Vec<PromptRecord>, ModelError> {
+    if dflash_data::parquet_rows::is_parquet(path) {
+        let rows = dflash_data::parquet_rows::chat_rows(path, &["id", "category"])
+            .map_err(|e| ModelError::Config { path: path.to_path_buf(), message: e.to_string() })?;
+        return Ok(rows.into_iter().enumerate().map(|(i, v)| (RecordAt::Row(i + 1), Some(Ok(v)))).collect());
+    }
+    let f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+    let mut out = Vec::new();
+    for (i, line) in BufReader::new(f).lines().enumerate() {
+        let line = line.map_err(|e| ModelError::io(path, e))?;
+        let record = (!line.trim().is_empty()).then(|| serde_json::from_str(&line).map_err(|e| e.to_string()));
+        out.push((RecordAt::Line(i + 1), record));
     }
     Ok(out)
 }

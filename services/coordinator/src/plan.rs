@@ -38,7 +38,8 @@ pub fn target_facts(dir: &Path, tok: &ChatTokenizer) -> anyhow::Result<TargetFac
 /// Validates, resolves and plans.
 pub fn plan_run(mut config: RunConfig) -> anyhow::Result<RunPlan> {
     config.validate()?;
-    let target = Path::new(&config.model.target_path);
+    let target = config.model.target_dir().map_err(|e| anyhow::anyhow!(e))?;
+    let target = target.as_path();
     let tok = ChatTokenizer::from_dir(target).context("model.target_path")?;
     config.resolve(&target_facts(target, &tok)?)?;
     let opts = LoadOptions {

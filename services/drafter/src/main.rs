@@ -209,8 +209,8 @@ fn sync_replica(g: &dyn Collective, t: &Trainer) -> anyhow::Result<()> {
 fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Trainer> {
     let c = &session.config;
     let kind = kind_of(DType::compute(c.model.dtype, device.is_cuda()));
-    let target_dir = Path::new(&c.model.target_path);
-    let (target, embed, lm_head) = dflash_models::load_embeddings(target_dir, device, kind).kind(ErrorKind::Model)?;
+    let target_dir = c.model.target_dir().map_err(|e| anyhow::anyhow!(e)).kind(ErrorKind::Config)?;
+    let (target, embed, lm_head) = dflash_models::load_embeddings(&target_dir, device, kind).kind(ErrorKind::Model)?;
     let mask = c.drafter.mask_token_id.context("drafter.mask_token_id is unresolved").kind(ErrorKind::Config)?;
     let mut dc = DrafterConfig::for_target(
         &target,
@@ -233,7 +233,7 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
     tch::manual_seed(c.run.seed as i64);
     let mut drafter = Drafter::new(dc, device, kind);
     if c.drafter.init_from_target_layers {
-        let n = drafter.init_from_target(target_dir).kind(ErrorKind::Model)?;
+        let n = drafter.init_from_target(&target_dir).kind(ErrorKind::Model)?;
         tracing::info!("initialised {n} drafter tensors from the target's top layers");
     }
     if let Some(init) = &c.drafter.init_from {
@@ -307,7 +307,6 @@ async fn start(
     let gpus = c.devices.drafter.cuda_indices();
     if !gpus.is_empty() {
         dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
-        dflash_role::memory::keep_freed_memory_mapped();
         if c.training.deterministic_kernels {
             dflash_models::cuda::set_deterministic_algorithms(true);
             tracing::info!("deterministic kernels only (training.deterministic_kernels)");

@@ -27,7 +27,8 @@ impl PeriodicEval {
         if e.prompts_path.is_empty() || e.interval_steps == 0 {
             return Ok(None);
         }
-        let dir = Path::new(&c.model.target_path);
+        let dir = c.model.target_dir().map_err(|e| anyhow::anyhow!(e))?;
+        let dir = dir.as_path();
         let tok = ChatTokenizer::from_dir(dir)?;
         let prompts =
             read_prompts(Path::new(&e.prompts_path), &tok, 0, e.max_prompts as usize).context("eval.prompts_path")?;

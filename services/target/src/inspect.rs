@@ -17,8 +17,9 @@ use dflash_wire::DType;
 
 #[derive(clap::Args, Debug)]
 pub struct InspectArgs {
-    /// Hugging Face model directory (config.json, *.safetensors).
-    #[arg(long)]
+    /// Hugging Face model directory (config.json, *.safetensors), or a repo
+    /// id ORG/NAME[@REVISION] in the Hugging Face cache.
+    #[arg(long, value_parser = dflash_config::hub::resolve_model_dir)]
     pub model: PathBuf,
     /// Token ids to run (comma-separated); without them nothing is loaded.
     #[arg(long, value_delimiter = ',')]

@@ -113,12 +113,12 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     let dataset = Arc::new(tokio::task::block_in_place(|| work::load_dataset(session))?);
     let devices = c.devices.target.devices().to_vec();
     let spec = FeatureSpec::of(c);
-    check_model(&c.model.target_path, &spec)?;
+    let model_dir = c.model.target_dir().map_err(|e| anyhow::anyhow!(e)).kind(ErrorKind::Config)?;
+    check_model(&model_dir, &spec)?;
     let gpus = c.devices.target.cuda_indices();
     if !gpus.is_empty() {
         dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
         dflash_models::cuda::set_cudnn_attention(false);
-        dflash_role::memory::keep_freed_memory_mapped();
     }
     let post = Postprocessor {
         spec,
@@ -150,12 +150,11 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
 /// tensor's name, shape and dtype, the shards) without reading a weight:
 /// a bad model is refused, naming the file and tensor or field, before any
 /// GPU work starts.
-fn check_model(dir: &str, spec: &FeatureSpec) -> anyhow::Result<()> {
+fn check_model(dir: &Path, spec: &FeatureSpec) -> anyhow::Result<()> {
     let last_layer =
         spec.layer_ids.iter().map(|&i| i as i64).max().ok_or_else(|| anyhow::anyhow!("no captured layers"))?;
     let scope = LoadScope::CaptureUpTo { last_layer };
-    tokio::task::block_in_place(|| TargetModel::inspect(Path::new(dir), kind_of(spec.dtype), scope))
-        .kind(ErrorKind::Model)?;
+    tokio::task::block_in_place(|| TargetModel::inspect(dir, kind_of(spec.dtype), scope)).kind(ErrorKind::Model)?;
     Ok(())
 }
 
@@ -170,6 +169,7 @@ fn device_pipeline(
     host_tx: &flume::Sender<postprocess::OutboundBatch>,
 ) -> anyhow::Result<ForwardLoop> {
     let c = &session.config;
+    let model_dir = c.model.target_dir().map_err(|e| anyhow::anyhow!(e)).kind(ErrorKind::Config)?;
     let layer_ids: Vec<i64> = post.spec.layer_ids.iter().map(|&i| i as i64).collect();
     let last_layer = *layer_ids.iter().max().expect("resolved by the coordinator");
     let kind = kind_of(post.spec.dtype);
@@ -184,13 +184,13 @@ fn device_pipeline(
         // unacknowledged window; one more so the pipeline never starves.
         let p = &c.pipeline;
         let count = (p.target_postprocess_depth.max(1) + p.max_inflight_batches + 2) as usize;
-        let bytes = post.spec.payload_bytes(p.token_budget as usize, hidden_size(&c.model.target_path)?);
+        let bytes = post.spec.payload_bytes(p.token_budget as usize, hidden_size(&model_dir)?);
         let pool = dflash_models::gpu::pinned_pool(ctx, count, bytes).kind(ErrorKind::Device)?;
         let stream = dflash_models::gpu::side_stream(ctx).kind(ErrorKind::Device)?;
         tracing::info!("{d}: {count} pinned buffers of {} MiB for device-to-host copies", bytes >> 20);
         post.gpu = Some(postprocess::GpuCopy { ctx: ctx.clone(), stream, pool });
     }
-    let dir = Path::new(&c.model.target_path).to_path_buf();
+    let dir = model_dir;
     let model =
         tokio::task::block_in_place(|| TargetModel::load(&dir, device, kind, LoadScope::CaptureUpTo { last_layer }))
             .kind(ErrorKind::Model)?;
@@ -232,6 +232,6 @@ fn device_pipeline(
 }
 
 /// Hidden size of the target (for sizing buffers before the model loads).
-fn hidden_size(dir: &str) -> anyhow::Result<usize> {
-    Ok(dflash_models::TargetConfig::from_dir(Path::new(dir)).kind(ErrorKind::Model)?.hidden_size as usize)
+fn hidden_size(dir: &Path) -> anyhow::Result<usize> {
+    Ok(dflash_models::TargetConfig::from_dir(dir).kind(ErrorKind::Model)?.hidden_size as usize)
 }

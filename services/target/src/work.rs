@@ -33,7 +33,8 @@ pub struct WorkItem {
 /// Loads the dataset the coordinator planned from, the same way it did.
 pub fn load_dataset(session: &Session) -> anyhow::Result<Dataset> {
     let c = &session.config;
-    let tok = ChatTokenizer::from_dir(Path::new(&c.model.target_path)).kind(ErrorKind::Config)?;
+    let dir = c.model.target_dir().map_err(|e| anyhow::anyhow!(e)).kind(ErrorKind::Config)?;
+    let tok = ChatTokenizer::from_dir(&dir).kind(ErrorKind::Config)?;
     let opts = LoadOptions {
         max_seq_len: c.data.max_seq_len as usize,
         skip_malformed: c.data.on_malformed == MalformedPolicy::Skip,
