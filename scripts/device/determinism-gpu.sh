@@ -100,24 +100,5 @@ for base, other in (("a", "b"), ("d1", "d2"), ("d1", "c"), ("a", "d1")):
     except Exception as e:
         print(f"{other} vs {base}: {e}")
 
-def t(line):
-    m = re.search(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z", line)
-    return datetime.datetime.fromisoformat(m.group(1)).replace(tzinfo=datetime.timezone.utc).timestamp() if m else None
-lines = open(f"{out}/run-c.log", errors="replace").read().splitlines()
-def first(after, pred):
-    return next(((t(l), l) for l in lines if pred(l) and (t(l) or 0) > after), (None, None))
-def step(l): return l.startswith("[drafter") and " INFO step " in l
-for role in ("drafter", "target"):
-    try: k = float(open(f"{out}/kill-{role}.t").read())
-    except OSError: print(f"{role}: not killed"); continue
-    s, l = first(k, step)
-    if role == "drafter":
-        r, _ = first(k, lambda l: "resum" in l and l.startswith("[drafter"))
-        print(f"drafter SIGKILL -> first trained step {s - k:.1f} s" if s else "drafter: no step after the kill",
-              f"(resume logged at +{r - k:.1f} s)" if r else "", (l or "")[:140])
-    else:
-        ready, rl = first(k, lambda l: l.startswith("[target") and "loaded" in l)
-        s, l = first(ready or k, step)
-        print(f"target SIGKILL -> replacement loaded {ready - k:.1f} s" if ready else "target: no reload seen",
-              f"-> next trained step {s - k:.1f} s" if s else "", (rl or "")[:140])
 PY
+python3 scripts/device/recovery_times.py "$OUT/run-c.log" "$OUT"
