@@ -241,10 +241,17 @@ impl Ledger {
         let tx = self.conn.transaction().map_err(wrap)?;
         let rows: Vec<(i64, u32, String, String)> = {
             let mut q = tx
+                // The window counts plan positions from the first batch not
+                // trained yet, not batch ids: ids jump at every epoch
+                // (epoch << 32 | index), and a window of ids would lease
+                // nothing of the next epoch while the last batch of this one
+                // waits (a drafter group whose member holds it waits for its
+                // partner's batch from the next epoch: the run stalled).
                 .prepare(
                     "SELECT batch_id, epoch, sample_ids, sample_lengths FROM batches WHERE state = 'pending' \
-                     AND (?2 = 0 OR batch_id < ?2 + (SELECT MIN(batch_id) FROM batches \
-                     WHERE state IN ('pending', 'leased', 'sent'))) ORDER BY batch_id LIMIT ?1",
+                     AND (?2 = 0 OR batch_id IN (SELECT batch_id FROM batches WHERE batch_id >= \
+                     (SELECT MIN(batch_id) FROM batches WHERE state IN ('pending', 'leased', 'sent')) \
+                     ORDER BY batch_id LIMIT ?2)) ORDER BY batch_id LIMIT ?1",
                 )
                 .map_err(wrap)?;
             q.query_map(params![n, window as i64], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
@@ -816,6 +823,33 @@ mod tests {
         l.expire_leases(100).unwrap();
         assert_eq!(ids(l.lease("t2", 1, 100, 50, 3).unwrap()), vec![3]);
         assert_eq!(ids(l.lease("t2", 10, 100, 50, 0).unwrap()), vec![4, 5, 6, 7, 8, 9], "no window");
+    }
+
+    #[test]
+    fn the_reorder_window_counts_plan_positions_across_an_epoch_boundary() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut l = Ledger::open(&dir.path().join("l.sqlite")).unwrap();
+        let two_epochs: Vec<PlannedBatch> = (0..2u32)
+            .flat_map(|e| (0..4u32).map(move |i| (e, i)))
+            .map(|(e, i)| PlannedBatch {
+                batch_id: dflash_data::batch_id(e, i),
+                epoch: e,
+                sample_ids: vec![u64::from(i)],
+                sample_lengths: vec![5],
+            })
+            .collect();
+        l.install_plan("fp", &two_epochs).unwrap();
+        let ids: Vec<u64> = two_epochs.iter().map(|b| b.batch_id).collect();
+        let leased = |v: Vec<Lease>| v.into_iter().map(|l| l.batch_id).collect::<Vec<_>>();
+        assert_eq!(leased(l.lease("t", 3, 0, 50, 3).unwrap()), ids[..3].to_vec());
+        l.mark_sent("t", &ids[..3]).unwrap();
+        l.mark_trained("d", &ids[..3], 3).unwrap();
+        // The last batch of epoch 0 is out (a group member holds it and
+        // waits for its partner's next batch): the window still reaches
+        // into epoch 1, whose ids are 2^32 further on.
+        assert_eq!(leased(l.lease("t", 1, 0, 50, 3).unwrap()), vec![ids[3]]);
+        l.mark_sent("t", &ids[3..4]).unwrap();
+        assert_eq!(leased(l.lease("t", 10, 0, 50, 3).unwrap()), ids[4..6].to_vec(), "positions 4 and 5 of 3..6");
     }
 
     #[test]
