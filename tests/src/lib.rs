@@ -39,6 +39,19 @@ pub fn http_get(url: &str) -> std::io::Result<String> {
     Ok(text.split_once("\r\n\r\n").map_or(text.clone(), |(_, body)| body.to_string()))
 }
 
+/// The repository's root folder.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The reference venv's python (scripts/reference/venv.sh installs it on
+/// first use, then it is cached in `.cache`).
+pub fn reference_python() -> PathBuf {
+    let out = Command::new(repo_root().join("scripts/reference/venv.sh")).output().expect("run venv.sh");
+    assert!(out.status.success(), "scripts/reference/venv.sh failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
 /// The value of one sample (`name{labels}`) in a Prometheus text page.
 pub fn metric_value(page: &str, sample: &str) -> Option<f64> {
     page.lines().find_map(|l| l.strip_prefix(sample).and_then(|v| v.trim().parse().ok()))

@@ -18,7 +18,7 @@ use dflash_coordinator::ledger::Ledger;
 use dflash_tests::free_port;
 
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").canonicalize().unwrap()
+    dflash_tests::repo_root().canonicalize().unwrap()
 }
 
 fn run(cmd: &mut Command) -> Output {

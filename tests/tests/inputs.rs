@@ -11,23 +11,13 @@ use std::process::Command;
 use std::time::Duration;
 
 use dflash_data::{ChatTokenizer, Dataset, LoadOptions};
-use dflash_tests::{Workspace, bin};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn reference_python() -> PathBuf {
-    let out = Command::new(root().join("scripts/reference/venv.sh")).output().unwrap();
-    assert!(out.status.success(), "scripts/reference/venv.sh failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-}
+use dflash_tests::{Workspace, bin, reference_python, repo_root};
 
 /// The Parquet twins of the workspace's JSONL dataset, in `ws/parquet`.
 fn parquet_twins(ws: &Workspace) -> PathBuf {
     let out = ws.path("parquet");
     std::fs::create_dir_all(&out).unwrap();
-    let script = root().join("scripts/reference/parquet_fixtures.py");
+    let script = repo_root().join("scripts/reference/parquet_fixtures.py");
     let r = Command::new(reference_python()).arg(script).arg(ws.path("data.jsonl")).arg(&out).output().unwrap();
     assert!(r.status.success(), "parquet_fixtures.py failed:\n{}", String::from_utf8_lossy(&r.stderr));
     out

@@ -5,21 +5,16 @@
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 
-use std::path::PathBuf;
 use std::process::Command;
 
 const KUBERNETES_VERSION: &str = "1.32.0";
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 /// A command running the validator, installed on first use into a cached
 /// folder (`pip --target`, then an atomic rename: tests run in parallel).
 fn validator() -> Command {
-    let dir = root().join(".cache/kubernetes-validate-1.37.0");
+    let dir = dflash_tests::repo_root().join(".cache/kubernetes-validate-1.37.0");
     if !dir.is_dir() {
-        let tmp = root().join(format!(".cache/kubernetes-validate.tmp-{}", std::process::id()));
+        let tmp = dflash_tests::repo_root().join(format!(".cache/kubernetes-validate.tmp-{}", std::process::id()));
         let ok = Command::new("python3")
             .args(["-m", "pip", "install", "--quiet", "--target"])
             .arg(&tmp)
@@ -41,7 +36,7 @@ fn validator() -> Command {
 fn render(overlay: &str) -> String {
     let out = Command::new("kubectl")
         .args(["kustomize"])
-        .arg(root().join("deploy/k8s/overlays").join(overlay))
+        .arg(dflash_tests::repo_root().join("deploy/k8s/overlays").join(overlay))
         .output()
         .expect("kubectl is needed to render the manifests");
     assert!(out.status.success(), "{overlay}: {}", String::from_utf8_lossy(&out.stderr));
@@ -93,7 +88,7 @@ fn the_cpu_demo_overlay_requests_no_gpus_and_validates() {
 /// The rendered objects as JSON (PyYAML comes with the validator).
 fn objects(rendered: &str) -> Vec<serde_json::Value> {
     validator(); // installs the cached folder on first use
-    let dir = root().join(".cache/kubernetes-validate-1.37.0");
+    let dir = dflash_tests::repo_root().join(".cache/kubernetes-validate-1.37.0");
     let mut child = Command::new("python3")
         .env("PYTHONPATH", &dir)
         .args(["-c", "import json,sys,yaml; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))"])
@@ -146,7 +141,7 @@ fn the_drafter_is_a_group_of(rendered: &str, run_config: &str, members: u32) {
     });
     assert!(any_port_from_members, "the members must reach each other on any port: {policy}");
 
-    let path = root().join("deploy/k8s").join(run_config);
+    let path = dflash_tests::repo_root().join("deploy/k8s").join(run_config);
     let config = dflash_config::from_toml_str(&std::fs::read_to_string(&path).unwrap())
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     config.validate().unwrap_or_else(|e| panic!("{}: {e}", path.display()));

@@ -14,16 +14,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use dflash_tests::{Cluster, Proc, Workspace, free_port, http_get};
+use dflash_tests::{Cluster, Proc, Workspace, free_port, http_get, repo_root};
 use nix::sys::signal::Signal;
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 /// prometheus or promtool, as scripts/setup-prometheus.sh unpacked them.
 fn prometheus_bin(name: &str) -> PathBuf {
-    let dir = std::env::var_os("DFLASH_PROMETHEUS_DIR").map_or_else(|| repo().join(".cache/prometheus"), PathBuf::from);
+    let dir =
+        std::env::var_os("DFLASH_PROMETHEUS_DIR").map_or_else(|| repo_root().join(".cache/prometheus"), PathBuf::from);
     let path = dir.join("bin").join(name);
     assert!(path.exists(), "{} is missing: run scripts/setup-prometheus.sh (make test does)", path.display());
     path
@@ -31,7 +28,7 @@ fn prometheus_bin(name: &str) -> PathBuf {
 
 fn promtool(args: &[&str]) -> String {
     let out =
-        Command::new(prometheus_bin("promtool")).args(args).current_dir(repo().join("deploy/prometheus")).output();
+        Command::new(prometheus_bin("promtool")).args(args).current_dir(repo_root().join("deploy/prometheus")).output();
     let out = out.unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
@@ -69,7 +66,8 @@ fn declared(name: &str, names: &BTreeSet<String>) -> bool {
 fn the_dashboard_and_the_rules_query_only_metrics_the_roles_export() {
     let names: BTreeSet<String> = dflash_telemetry::metrics().names().iter().cloned().collect();
     let dash: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(repo().join("deploy/grafana/dflash.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(repo_root().join("deploy/grafana/dflash.json")).unwrap())
+            .unwrap();
     let mut queried = BTreeSet::new();
     let panels = dash["panels"].as_array().unwrap();
     for p in panels {
@@ -80,7 +78,7 @@ fn the_dashboard_and_the_rules_query_only_metrics_the_roles_export() {
             queried.extend(used);
         }
     }
-    let rules = std::fs::read_to_string(repo().join("deploy/prometheus/rules.yml")).unwrap();
+    let rules = std::fs::read_to_string(repo_root().join("deploy/prometheus/rules.yml")).unwrap();
     let in_rules = metric_names(&rules);
     let unknown: Vec<_> = queried.iter().chain(&in_rules).filter(|n| !declared(n, &names)).collect();
     assert!(unknown.is_empty(), "queried but not exported: {unknown:?} (exported: {names:?})");
@@ -148,7 +146,7 @@ fn with_metrics(mut cmd: dflash_cluster::RoleCommand, port: u16) -> dflash_clust
 fn write_scrape_config(dir: &Path, ports: [(&str, u16); 3]) -> PathBuf {
     let mut text = format!(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n",
-        repo().join("deploy/prometheus/rules.yml").display()
+        repo_root().join("deploy/prometheus/rules.yml").display()
     );
     for (job, port) in ports {
         text += &format!("  - job_name: {job}\n    static_configs:\n      - targets: [\"127.0.0.1:{port}\"]\n");

@@ -7,22 +7,10 @@
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use dflash_tests::{Workspace, bin};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// The reference venv's python (installed on first use, then cached).
-fn reference_python() -> PathBuf {
-    let out = Command::new(root().join("scripts/reference/venv.sh")).output().unwrap();
-    assert!(out.status.success(), "scripts/reference/venv.sh failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-}
+use dflash_tests::{Workspace, bin, reference_python, repo_root};
 
 /// Relative tolerance of the first-block logits: both sides compute in f32
 /// from the same bf16 weights; what differs is the order of the sums.
@@ -90,7 +78,7 @@ fn decodes_as_the_package(extra: &str, window: Option<i64>) {
     assert_eq!(trained["lossless"], true, "{trained}");
 
     let client = Command::new(&python)
-        .arg(root().join("scripts/reference/public_client.py"))
+        .arg(repo_root().join("scripts/reference/public_client.py"))
         .arg(ws.path("model"))
         .arg(&export)
         .arg(&eval_json)
