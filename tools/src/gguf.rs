@@ -326,7 +326,9 @@ pub fn convert_llama_gguf(gguf_path: &Path, out: &Path) -> Result<TargetConfig, 
     };
     std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e))?;
     let mut named = Vec::with_capacity(g.tensors.len());
+    let mut meter = crate::meter::Meter::new("dequantize", g.tensors.len() as u64, "tensors");
     for info in &g.tensors {
+        meter.add(1, "");
         let Some(name) = hf_name(&info.name) else {
             if info.name == "rope_freqs.weight" {
                 return Err(bad(&p, "rope_freqs (RoPE scaling) is not supported"));
@@ -341,6 +343,7 @@ pub fn convert_llama_gguf(gguf_path: &Path, out: &Path) -> Result<TargetConfig, 
         }
         named.push((name, t.to_kind(Kind::Float)));
     }
+    meter.finish();
     write_safetensors(&out.join("model.safetensors"), &named)?;
     let mut json = config.to_hf_json();
     json["bos_token_id"] = g.u64("tokenizer.ggml.bos_token_id").map(serde_json::Value::from).unwrap_or_default();
