@@ -75,12 +75,13 @@ impl Dataset {
         let mut acc = Accumulator::new(path, tok, opts);
         if crate::parquet_rows::is_parquet(path) {
             for (idx, row) in crate::parquet_rows::chat_rows(path, &[])?.into_iter().enumerate() {
-                let size = row.to_string().len();
                 let conv = Conversation::from_json(row).map_err(|reason| DataError::MalformedRow {
                     path: path.to_path_buf(),
                     row: idx as u64 + 1,
                     reason,
                 });
+                // A row's size is its text (its JSON is built, not read).
+                let size = conv.as_ref().map_or(0, |c| c.messages.iter().map(|m| m.content.len()).sum());
                 acc.take(idx as u64, size, conv)?;
             }
             return acc.finish();
@@ -121,12 +122,24 @@ struct Accumulator<'a> {
     /// Twice what the first max_seq_len tokens can span: the cut cannot
     /// reach them.
     text_budget: usize,
+    /// Records are Parquet rows (errors name rows, not lines).
+    rows: bool,
 }
 
 impl<'a> Accumulator<'a> {
     fn new(path: &'a Path, tok: &'a ChatTokenizer, opts: &'a LoadOptions) -> Self {
         let text_budget = tok.text_budget(opts.max_seq_len).saturating_mul(2);
-        Self { path, tok, opts, report: LoadReport::default(), samples: Vec::new(), skipped: Vec::new(), text_budget }
+        let rows = crate::parquet_rows::is_parquet(path);
+        Self {
+            path,
+            tok,
+            opts,
+            report: LoadReport::default(),
+            samples: Vec::new(),
+            skipped: Vec::new(),
+            text_budget,
+            rows,
+        }
     }
 
     /// One record (`size` bytes as read): a sample, a skip, or the error.
@@ -137,7 +150,7 @@ impl<'a> Accumulator<'a> {
                 return Ok(c);
             }
             let reason = "has no assistant turn to train on".to_string();
-            Err(if crate::parquet_rows::is_parquet(self.path) {
+            Err(if self.rows {
                 DataError::MalformedRow { path: self.path.to_path_buf(), row: id + 1, reason }
             } else {
                 DataError::Malformed { path: self.path.to_path_buf(), line: id + 1, reason }

@@ -130,7 +130,7 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     let (work_tx, work_rx) = flume::bounded(devices.len());
     let (host_tx, host_rx) = flume::bounded(1);
     for d in &devices {
-        let fl = device_pipeline(session, stages, d, &stats, post.clone(), &host_tx).on_device(d)?;
+        let fl = device_pipeline(session, stages, d, &model_dir, &stats, post.clone(), &host_tx).on_device(d)?;
         let (rx, s, dev) = (work_rx.clone(), stop.clone(), d.to_string());
         stages.spawn_thread(&format!("forward-{d}"), move || fl.run(rx, s).on_device(dev));
     }
@@ -164,12 +164,12 @@ fn device_pipeline(
     session: &Session,
     stages: &Stages,
     d: &Device,
+    model_dir: &Path,
     stats: &Arc<forward::ForwardStats>,
     mut post: Postprocessor,
     host_tx: &flume::Sender<postprocess::OutboundBatch>,
 ) -> anyhow::Result<ForwardLoop> {
     let c = &session.config;
-    let model_dir = c.model.target_dir().map_err(|e| anyhow::anyhow!(e)).kind(ErrorKind::Config)?;
     let layer_ids: Vec<i64> = post.spec.layer_ids.iter().map(|&i| i as i64).collect();
     let last_layer = *layer_ids.iter().max().expect("resolved by the coordinator");
     let kind = kind_of(post.spec.dtype);
@@ -184,13 +184,13 @@ fn device_pipeline(
         // unacknowledged window; one more so the pipeline never starves.
         let p = &c.pipeline;
         let count = (p.target_postprocess_depth.max(1) + p.max_inflight_batches + 2) as usize;
-        let bytes = post.spec.payload_bytes(p.token_budget as usize, hidden_size(&model_dir)?);
+        let bytes = post.spec.payload_bytes(p.token_budget as usize, hidden_size(model_dir)?);
         let pool = dflash_models::gpu::pinned_pool(ctx, count, bytes).kind(ErrorKind::Device)?;
         let stream = dflash_models::gpu::side_stream(ctx).kind(ErrorKind::Device)?;
         tracing::info!("{d}: {count} pinned buffers of {} MiB for device-to-host copies", bytes >> 20);
         post.gpu = Some(postprocess::GpuCopy { ctx: ctx.clone(), stream, pool });
     }
-    let dir = model_dir;
+    let dir = model_dir.to_path_buf();
     let model =
         tokio::task::block_in_place(|| TargetModel::load(&dir, device, kind, LoadScope::CaptureUpTo { last_layer }))
             .kind(ErrorKind::Model)?;
