@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import time
 
 import dflash.model
-from dflash.model import DFlashDraftModel, dflash_generate, extract_context_feature
+from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate, extract_context_feature
 
 # return_stats times with torch.cuda.synchronize(); on a CPU-only machine
 # time on the host clock instead (the timing is not compared, the decode is).
@@ -28,10 +28,13 @@ target_dir, drafter_dir, eval_json = sys.argv[1:4]
 torch.manual_seed(0)
 ev = json.load(open(eval_json))
 target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+architecture = json.load(open(f"{drafter_dir}/config.json"))["architectures"][0]
+model_class = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash2DraftModel}[architecture]
+drafter = model_class.from_pretrained(drafter_dir, dtype=torch.float32).eval()
 trained = next(r for r in ev["reports"] if r["label"] == "trained")
 block = drafter.block_size
 result = {
+    "architecture": architecture,
     "block_size": block,
     # What the package made of layer_types: each layer's window and causality.
     "layer_windows": [layer.self_attn.sliding_window for layer in drafter.layers],
@@ -41,18 +44,29 @@ result = {
 }
 
 # The package's proposal at each verify step: the argmax of every block's
-# logits (dflash_generate takes exactly that at temperature 0).
+# logits (dflash_generate takes exactly that at temperature 0), or for
+# DFlash2 the selector's walk (`propose`); `selector_moved` counts the steps
+# where the walk proposed other tokens than the argmax.
 proposals = []
+counts = {"selector_moved": 0}
 compute_logits = drafter.compute_logits
+if model_class is DFlash2DraftModel:
+    propose = drafter.propose
 
+    def recording_propose(hidden, anchor_ids, head, temperature):
+        tokens, indices, probs = propose(hidden, anchor_ids, head, temperature)
+        proposals.append(tokens[0].tolist())
+        counts["selector_moved"] += int(tokens[0].tolist() != compute_logits(hidden, head).argmax(-1)[0].tolist())
+        return tokens, indices, probs
 
-def recording_compute_logits(hidden, head):
-    logits = compute_logits(hidden, head)
-    proposals.append(logits.argmax(-1)[0].tolist())
-    return logits
+    drafter.propose = recording_propose
+else:
+    def recording_compute_logits(hidden, head):
+        logits = compute_logits(hidden, head)
+        proposals.append(logits.argmax(-1)[0].tolist())
+        return logits
 
-
-drafter.compute_logits = recording_compute_logits
+    drafter.compute_logits = recording_compute_logits
 
 for d in trained["decodes"]:
     ids = torch.tensor([d["prompt_ids"]], dtype=torch.long)
@@ -97,4 +111,5 @@ with torch.no_grad():
             "argmax_equal": bool((theirs.argmax(-1) == ours.argmax(-1)).all()),
         })
 
+result["selector_moved"] = counts["selector_moved"]
 print(json.dumps(result))

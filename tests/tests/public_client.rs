@@ -30,9 +30,23 @@ fn a_sliding_window_drafter_decodes_exactly_as_the_package_reads_it() {
     decodes_as_the_package(drafter, Some(8));
 }
 
+/// DFlash2 (the published shape but for a smaller selector rank): the
+/// package's `DFlash2DraftModel` reads the export's convolutions and
+/// selector, its block logits equal ours, and its selector walk proposes
+/// what ours does at every verify step. A high learning rate for the five
+/// steps moves the convolutions and the selector far from their identity
+/// start, so that the walk differs from the top logits somewhere.
+#[test]
+fn a_dflash2_drafter_decodes_exactly_as_the_package_reads_it() {
+    let drafter = "[drafter]\nnum_layers = 2\nvariant = \"dflash2\"\nselector_rank = 32\n\
+                   [training]\nlr = 0.05\nwarmup_ratio = 0.0\n";
+    decodes_as_the_package(drafter, None);
+}
+
 /// Trains a drafter with `extra` config, exports it, and checks the package
 /// against our eval; `window`: the sliding window the export must name.
 fn decodes_as_the_package(extra: &str, window: Option<i64>) {
+    let dflash2 = extra.contains("dflash2");
     let python = reference_python();
     let ws = Workspace::synthetic(240, 6);
     // What is compared is the export, not what training taught it: five
@@ -44,9 +58,19 @@ fn decodes_as_the_package(extra: &str, window: Option<i64>) {
     let latest = std::fs::read_to_string(ws.path("checkpoints/latest")).unwrap();
     let export = ws.path("checkpoints").join(latest.trim());
     let card = std::fs::read_to_string(export.join("README.md")).unwrap();
-    assert!(card.contains("DFlashDraftModel") && card.contains("\"method\": \"dflash\""), "{card}");
+    let class = if dflash2 { "DFlash2DraftModel" } else { "DFlashDraftModel" };
+    assert!(card.contains(&format!("import {class},")) && card.contains("\"method\": \"dflash\""), "{card}");
     let exported: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap()).unwrap();
+    assert_eq!(exported["architectures"], serde_json::json!([class]));
+    if dflash2 {
+        let dc = &exported["dflash_config"];
+        assert_eq!(
+            (&dc["block_size"], &dc["conv_kernel_size"], &dc["conv_group_size"]),
+            (&8.into(), &2.into(), &16.into())
+        );
+        assert_eq!((&dc["selector_rank"], &dc["selector_top_k"]), (&32.into(), &16.into()));
+    }
     match window {
         Some(w) => {
             assert_eq!(exported["sliding_window"], w);
@@ -89,6 +113,10 @@ fn decodes_as_the_package(extra: &str, window: Option<i64>) {
     let r: serde_json::Value = serde_json::from_slice(&client.stdout).unwrap();
     println!("{}", serde_json::to_string(&r).unwrap());
 
+    assert_eq!(r["architecture"], class);
+    if dflash2 {
+        assert!(r["selector_moved"].as_u64().unwrap() >= 1, "the selector never changed a proposal: {r}");
+    }
     let windows = match window {
         Some(w) => serde_json::json!([w, null]),
         None => serde_json::json!([null, null]),

@@ -50,6 +50,11 @@ pub struct BenchStepArgs {
     /// The training objective: ce or dpace (alpha 0.5).
     #[arg(long, default_value = "ce")]
     pub objective: String,
+    /// The drafter: dflash, or dflash2 (the published shape: 2-tap
+    /// convolutions in groups of 16 channels, a rank-256 selector over the
+    /// top 16 candidates, selector loss weight 1).
+    #[arg(long, default_value = "dflash")]
+    pub variant: String,
     /// Tokens per batch (packed sequences).
     #[arg(long, default_value_t = 11_000)]
     pub batch_tokens: usize,
@@ -137,7 +142,17 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         .into_iter()
         .map(i64::from)
         .collect();
-    let config = DrafterConfig::for_target(&shape, a.layers, a.block, 3, layer_ids);
+    let mut config = DrafterConfig::for_target(&shape, a.layers, a.block, 3, layer_ids);
+    config.dflash2 = match a.variant.as_str() {
+        "dflash" => None,
+        "dflash2" => Some(dflash_models::dflash2::Dflash2Config {
+            conv_kernel_size: 2,
+            conv_group_size: 16,
+            selector_rank: 256,
+            selector_top_k: 16,
+        }),
+        other => anyhow::bail!("--variant: {other:?} is neither dflash nor dflash2"),
+    };
     // Random batches (features and tokens) with the length distribution of
     // training; the step depends on their shapes, not their values.
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
@@ -226,6 +241,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
                 context_pad_multiple: a.context_multiple,
                 seed: 0,
                 objective,
+                selector_loss_weight: 1.0,
             };
             tch::manual_seed(0);
             let mut drafter = Drafter::new(config.clone(), device, kind);
@@ -291,6 +307,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         let v = serde_json::json!({
             "bench": "drafter_step",
             "objective": a.objective,
+            "variant": a.variant,
             "shape": a.shape,
             "layers": a.layers,
             "block": a.block,

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use dflash_data::ChatTokenizer;
-use dflash_models::evaluation::{EvalReport, evaluate, greedy_reference, read_prompts};
+use dflash_models::evaluation::{EvalReport, PromptPick, evaluate, greedy_reference, read_prompts};
 use dflash_models::generate::{SpecSettings, first_block_logits};
 use dflash_models::{Drafter, LoadScope, TargetModel};
 use tch::{Device, Kind};
@@ -27,6 +27,13 @@ pub struct EvalArgs {
     pub prompts: PathBuf,
     #[command(flatten)]
     pub slice: crate::regenerate::PromptSlice,
+    /// At most this many prompts of one `category` (0: no cap): samples a
+    /// file sorted by category, such as MT-Bench, across all of them.
+    #[arg(long, default_value_t = 0)]
+    pub per_category: usize,
+    /// What the prompt set is called in the printout and the JSON.
+    #[arg(long, default_value = "held-out")]
+    pub set_name: String,
     /// Also evaluate an untrained drafter of the same shape (seeded).
     #[arg(long)]
     pub baseline: bool,
@@ -98,13 +105,17 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
     let config = dflash_models::checkpoint::read_drafter_config(&ckpt)?;
     let tok = ChatTokenizer::from_dir(&a.target)?;
     let target = TargetModel::load(&a.target, device, kind, LoadScope::Full)?;
-    let prompts = read_prompts(&a.prompts, &tok, a.slice.offset, a.slice.limit)?;
+    let pick = PromptPick { offset: a.slice.offset, limit: a.slice.limit, per_category: a.per_category };
+    let prompts = read_prompts(&a.prompts, &tok, pick)?;
+    let categories: std::collections::BTreeSet<&str> = prompts.iter().map(|p| p.category.as_str()).collect();
     let embed = target.embed_tokens().shallow_clone();
     let lm_head = target.lm_head().context("target without an LM head")?.shallow_clone();
     println!(
-        "evaluating {} on {} prompts from {} ({} new tokens at most, block {})",
+        "evaluating {} on {}: {} prompts in {} categories from {} ({} new tokens at most, block {})",
         ckpt.display(),
+        a.set_name,
         prompts.len(),
+        categories.len(),
         a.prompts.display(),
         a.slice.max_new_tokens,
         config.block_size
@@ -158,7 +169,10 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
             .collect::<Result<_, _>>()?;
         let v = serde_json::json!({
             "checkpoint": ckpt,
+            "set": a.set_name,
             "prompts": a.prompts,
+            "prompt_count": prompts.len(),
+            "categories": categories,
             "greedy_tokens_per_s": greedy_tps,
             "max_new_tokens": a.slice.max_new_tokens,
             "stop_ids": tok.stop_ids,

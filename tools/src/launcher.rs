@@ -273,30 +273,51 @@ impl Launcher {
         }
     }
 
-    /// Acceptance length of the trained drafter next to an untrained one.
+    /// Acceptance length of the trained drafter next to an untrained one,
+    /// on every prompt set of `[eval]`, then the report over all of them.
     async fn final_eval(&self) -> anyhow::Result<()> {
         let config = self.config.loader()?.load()?;
         let e = &config.eval;
-        if self.up.no_final_eval || e.prompts_path.is_empty() {
+        let sets = e.all_sets();
+        if self.up.no_final_eval || sets.is_empty() {
             return Ok(());
         }
-        let args = vec![
-            "eval".to_string(),
-            "--target".into(),
-            config.model.target_path.clone(),
-            "--drafter".into(),
-            config.checkpoint.dir.clone(),
-            "--prompts".into(),
-            e.prompts_path.clone(),
-            "--limit".into(),
-            e.max_prompts.to_string(),
-            "--max-new-tokens".into(),
-            e.max_new_tokens.to_string(),
-            "--baseline".into(),
-            "--json".into(),
-            self.up.workdir.join("eval.json").display().to_string(),
-        ];
-        self.tool("eval", "dflash", &args).await
+        let mut results = Vec::new();
+        for (i, set) in sets.iter().enumerate() {
+            let json = self.up.workdir.join(format!("eval-{i}.json"));
+            let args = vec![
+                "eval".to_string(),
+                "--target".into(),
+                config.model.target_path.clone(),
+                "--drafter".into(),
+                config.checkpoint.dir.clone(),
+                "--prompts".into(),
+                set.prompts_path.clone(),
+                "--set-name".into(),
+                set.name.clone(),
+                "--offset".into(),
+                set.prompts_offset.to_string(),
+                "--limit".into(),
+                set.max_prompts.to_string(),
+                "--per-category".into(),
+                set.per_category.to_string(),
+                "--max-new-tokens".into(),
+                e.max_new_tokens.to_string(),
+                "--baseline".into(),
+                "--json".into(),
+                json.display().to_string(),
+            ];
+            self.tool("eval", "dflash", &args).await?;
+            results.push(crate::run_report::SetResult::read(&json)?);
+        }
+        let report = crate::run_report::render(&results, config.drafter.block_size());
+        let path = self.up.workdir.join("report.txt");
+        std::fs::write(&path, &report).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("[dflash     ] report ({}):", path.display());
+        for line in report.lines() {
+            eprintln!("[dflash     ] {line}");
+        }
+        Ok(())
     }
 
     /// Runs the roles until the run ends, one fails, or Ctrl-C. Returns the

@@ -19,6 +19,7 @@ mod plot;
 mod prepare;
 mod progress;
 mod regenerate;
+mod run_report;
 
 use std::process::ExitCode;
 

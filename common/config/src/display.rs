@@ -34,11 +34,19 @@ impl fmt::Display for RunConfig {
         writeln!(f, "  Captured layers: {:?}", m.target_layer_ids)?;
         writeln!(f, "  Devices: {}", dev.target)?;
         writeln!(f, "Drafter")?;
+        let variant = match d.dflash2() {
+            None => "DFlash".to_string(),
+            Some(v) => format!(
+                "DFlash2 (in-block convolution: {} taps, {} channels per group; selector: rank {}, top {})",
+                v.conv_kernel_size, v.conv_group_size, v.selector_rank, v.selector_top_k
+            ),
+        };
+        writeln!(f, "  Variant: {variant}")?;
         writeln!(
             f,
             "  Layers: {}, block size: {}, mask token id: {}, gamma: {}",
             d.num_layers,
-            d.block_size,
+            d.block_size(),
             opt(&d.mask_token_id),
             opt(&d.effective_gamma())
         )?;
@@ -92,7 +100,14 @@ impl fmt::Display for RunConfig {
             ),
             Objective::Kd => "distillation (not supported)".into(),
         };
-        writeln!(f, "  Objective: {objective}")?;
+        let selector = match d.dflash2() {
+            Some(_) => format!(
+                " + {} x the selector's cross-entropy over the top candidates",
+                t.selector_loss_weight.unwrap_or(crate::DEFAULT_SELECTOR_LOSS_WEIGHT)
+            ),
+            None => String::new(),
+        };
+        writeln!(f, "  Objective: {objective}{selector}")?;
         if t.deterministic_kernels {
             writeln!(f, "  Kernels: deterministic only (training.deterministic_kernels)")?;
         }
@@ -139,11 +154,27 @@ impl fmt::Display for RunConfig {
         if e.prompts_path.is_empty() {
             writeln!(f, "  Periodic acceptance-length evaluation: off")?;
         } else {
-            writeln!(
-                f,
-                "  Prompts: {} ({} prompts, {} new tokens, every {} steps)",
-                e.prompts_path, e.max_prompts, e.max_new_tokens, e.interval_steps
-            )?;
+            let every = match e.interval_steps {
+                0 => "after training".to_string(),
+                n => format!("every {n} steps"),
+            };
+            writeln!(f, "  {} new tokens per prompt; {every}", e.max_new_tokens)?;
+            for s in e.all_sets() {
+                let mut pick = vec![match s.max_prompts {
+                    0 => "all prompts".to_string(),
+                    n => format!("{n} prompts"),
+                }];
+                if s.prompts_offset > 0 {
+                    pick.push(format!("after the first {}", s.prompts_offset));
+                }
+                if s.per_category > 0 {
+                    pick.push(format!("at most {} per category", s.per_category));
+                }
+                writeln!(f, "  {}: {} ({})", s.name, s.prompts_path, pick.join(", "))?;
+            }
+            if e.interval_steps > 0 && !e.sets.is_empty() {
+                writeln!(f, "  (during training only {} is scored; the others after it)", e.name)?;
+            }
         }
         writeln!(f, "Telemetry")?;
         let otlp = &self.telemetry.otlp_endpoint;

@@ -101,10 +101,26 @@ impl std::fmt::Display for ComputeDtype {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DrafterSection {
+    /// The drafter architecture: `dflash` (the DFlash drafter, served as
+    /// `DFlashDraftModel`) or `dflash2` (DFlash2: an in-block dynamic
+    /// convolution around every sublayer and a candidate selector, served as
+    /// `DFlash2DraftModel`).
+    pub variant: DrafterVariant,
     /// Decoder layers of the drafter.
     pub num_layers: u32,
-    /// Tokens per predicted block (anchor + block_size - 1 masks).
-    pub block_size: u32,
+    /// Tokens per predicted block (anchor + block_size - 1 masks). Unset:
+    /// 16 for `dflash`, 8 for `dflash2` (as published); read it through
+    /// [`DrafterSection::block_size`].
+    pub block_size: Option<u32>,
+    /// DFlash2: taps of the in-block convolution (unset: 2, as published).
+    pub conv_kernel_size: Option<u32>,
+    /// DFlash2: channels sharing one dynamic convolution coefficient; must
+    /// divide the hidden size (unset: 16).
+    pub conv_group_size: Option<u32>,
+    /// DFlash2: rank of the selector's transition codebooks (unset: 256).
+    pub selector_rank: Option<u32>,
+    /// DFlash2: candidates per slot the selector walks over (unset: 16).
+    pub selector_top_k: Option<u32>,
     /// Token id of the MASK slots; must exist in the target's embedding and
     /// must not be pad/eos. Unset: the tokenizer's `<|MASK|>` token.
     pub mask_token_id: Option<u32>,
@@ -125,6 +141,24 @@ pub struct DrafterSection {
     pub sliding_window: Option<u32>,
 }
 
+/// The drafter architecture (`drafter.variant`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DrafterVariant {
+    #[default]
+    Dflash,
+    Dflash2,
+}
+
+/// DFlash2's settings with their defaults filled in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dflash2Settings {
+    pub conv_kernel_size: u32,
+    pub conv_group_size: u32,
+    pub selector_rank: u32,
+    pub selector_top_k: u32,
+}
+
 /// One drafter layer's attention (`drafter.layer_types`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -136,8 +170,13 @@ pub enum DrafterLayerType {
 impl Default for DrafterSection {
     fn default() -> Self {
         Self {
+            variant: DrafterVariant::Dflash,
             num_layers: 5,
-            block_size: 16,
+            block_size: None,
+            conv_kernel_size: None,
+            conv_group_size: None,
+            selector_rank: None,
+            selector_top_k: None,
             mask_token_id: None,
             gamma: None,
             init_from: None,
@@ -260,6 +299,10 @@ pub struct TrainingSection {
     /// D-PACE's smoothing `a` in `q = (1 - a) exp(-CE) + a` (unset: 0.5;
     /// only with `loss = "dpace"`).
     pub dpace_alpha: Option<f64>,
+    /// DFlash2: weight of the selector's cross-entropy (over each slot's
+    /// top-k candidates, given the true predecessor) added to the block
+    /// objective (unset: 1.0; only with `drafter.variant = "dflash2"`).
+    pub selector_loss_weight: Option<f64>,
     /// GPU drafters use only libtorch's deterministic kernels (and cuBLAS
     /// with a fixed workspace), so that a run at a fixed world size repeats
     /// bit for bit; an op without a deterministic kernel fails the run,
@@ -288,6 +331,9 @@ pub enum Objective {
 /// D-PACE's smoothing when `training.dpace_alpha` is unset.
 pub const DEFAULT_DPACE_ALPHA: f64 = 0.5;
 
+/// DFlash2's selector loss weight when unset (the peers' default).
+pub const DEFAULT_SELECTOR_LOSS_WEIGHT: f64 = 1.0;
+
 impl Default for TrainingSection {
     fn default() -> Self {
         Self {
@@ -309,6 +355,7 @@ impl Default for TrainingSection {
             total_steps: 0,
             loss: Objective::Ce,
             dpace_alpha: None,
+            selector_loss_weight: None,
             deterministic_kernels: false,
         }
     }
@@ -410,24 +457,77 @@ impl Default for CheckpointSection {
     }
 }
 
-/// Held-out evaluation by real speculative decoding during training.
+/// Held-out evaluation by real speculative decoding: during training (the
+/// primary prompt set, every `interval_steps`) and after it (`dflash up`
+/// scores the primary set and every one of `sets`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EvalSection {
-    /// JSONL of held-out prompts (empty: no periodic evaluation).
+    /// What the primary set is called in reports.
+    pub name: String,
+    /// JSONL or Parquet of held-out prompts (empty: no evaluation).
     pub prompts_path: String,
+    /// Skip this many prompts of the file first (e.g. the ones the training
+    /// data was made from, when both come from one file).
+    pub prompts_offset: u32,
+    /// At most this many prompts of one `category` (0: no cap).
+    pub per_category: u32,
     /// Evaluate in the drafter every this many steps and at the end (0: never
     /// during training; `dflash up` still evaluates after the run).
     pub interval_steps: u64,
     /// Prompts evaluated each time.
     pub max_prompts: u32,
-    /// New tokens generated per prompt.
+    /// New tokens generated per prompt (every set).
     pub max_new_tokens: u32,
+    /// Further prompt sets `dflash up` scores after training.
+    pub sets: Vec<EvalSet>,
 }
 
 impl Default for EvalSection {
     fn default() -> Self {
-        Self { prompts_path: String::new(), interval_steps: 0, max_prompts: 8, max_new_tokens: 64 }
+        Self {
+            name: "held-out".into(),
+            prompts_path: String::new(),
+            prompts_offset: 0,
+            per_category: 0,
+            interval_steps: 0,
+            max_prompts: 8,
+            max_new_tokens: 64,
+            sets: Vec::new(),
+        }
+    }
+}
+
+/// A further prompt set of the final evaluation (`[[eval.sets]]`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalSet {
+    pub name: String,
+    pub prompts_path: String,
+    #[serde(default)]
+    pub prompts_offset: u32,
+    #[serde(default)]
+    pub per_category: u32,
+    /// At most this many prompts (0: all that the other limits leave).
+    #[serde(default)]
+    pub max_prompts: u32,
+}
+
+impl EvalSection {
+    /// Every prompt set of the final evaluation, the primary first (none
+    /// when `prompts_path` is empty).
+    pub fn all_sets(&self) -> Vec<EvalSet> {
+        if self.prompts_path.is_empty() {
+            return Vec::new();
+        }
+        let primary = EvalSet {
+            name: self.name.clone(),
+            prompts_path: self.prompts_path.clone(),
+            prompts_offset: self.prompts_offset,
+            per_category: self.per_category,
+            max_prompts: self.max_prompts,
+        };
+        std::iter::once(primary).chain(self.sets.iter().cloned()).collect()
     }
 }
 
@@ -480,10 +580,41 @@ pub struct TelemetrySection {
 }
 
 impl DrafterSection {
+    /// Tokens per block: the configured size or the variant's default.
+    pub fn block_size(&self) -> u32 {
+        self.block_size.unwrap_or(match self.variant {
+            DrafterVariant::Dflash => 16,
+            DrafterVariant::Dflash2 => 8,
+        })
+    }
+
+    /// DFlash2's settings (None for the DFlash drafter).
+    pub fn dflash2(&self) -> Option<Dflash2Settings> {
+        (self.variant == DrafterVariant::Dflash2).then(|| Dflash2Settings {
+            conv_kernel_size: self.conv_kernel_size.unwrap_or(2),
+            conv_group_size: self.conv_group_size.unwrap_or(16),
+            selector_rank: self.selector_rank.unwrap_or(256),
+            selector_top_k: self.selector_top_k.unwrap_or(16),
+        })
+    }
+
+    /// The DFlash2 settings that are set, by field name.
+    pub fn dflash2_fields_set(&self) -> Vec<&'static str> {
+        [
+            ("drafter.conv_kernel_size", self.conv_kernel_size),
+            ("drafter.conv_group_size", self.conv_group_size),
+            ("drafter.selector_rank", self.selector_rank),
+            ("drafter.selector_top_k", self.selector_top_k),
+        ]
+        .into_iter()
+        .filter_map(|(name, v)| v.map(|_| name))
+        .collect()
+    }
+
     /// Gamma of the loss decay: the configured one or the recipe's default
     /// for the block size (None when the block size has no default).
     pub fn effective_gamma(&self) -> Option<f64> {
-        self.gamma.or(match self.block_size {
+        self.gamma.or(match self.block_size() {
             16 => Some(7.0),
             10 => Some(5.0),
             8 => Some(4.0),
@@ -517,9 +648,9 @@ mod tests {
     fn gamma_defaults_follow_block_size() {
         let mut d = DrafterSection::default();
         assert_eq!(d.effective_gamma(), Some(7.0));
-        d.block_size = 8;
+        d.block_size = Some(8);
         assert_eq!(d.effective_gamma(), Some(4.0));
-        d.block_size = 12;
+        d.block_size = Some(12);
         assert_eq!(d.effective_gamma(), None);
         d.gamma = Some(3.0);
         assert_eq!(d.effective_gamma(), Some(3.0));

@@ -1,12 +1,17 @@
 //! Validation, once, with errors that name the field.
 
-use crate::{ConfigError, DrafterLayerType, FieldError, Objective, RunConfig, default_target_layer_ids};
+use crate::{
+    ConfigError, DEFAULT_SELECTOR_LOSS_WEIGHT, DrafterLayerType, FieldError, Objective, RunConfig,
+    default_target_layer_ids,
+};
 
 /// What the coordinator learns from the target model to finish the config.
 #[derive(Clone, Debug, Default)]
 pub struct TargetFacts {
     pub num_layers: u32,
     pub vocab_size: u32,
+    /// Width of the target's hidden states (the drafter's width).
+    pub hidden_size: u32,
     /// Token ids that must never be the mask token (pad, eos, bos).
     pub reserved_ids: Vec<u32>,
     /// The tokenizer's `<|MASK|>` token, if it has one.
@@ -44,9 +49,36 @@ impl RunConfig {
 
         let d = &self.drafter;
         c.require(d.num_layers >= 1, "drafter.num_layers", || "must be at least 1".into());
-        c.require(d.block_size >= 2, "drafter.block_size", || {
-            format!("is {}; a block needs the anchor and at least one mask", d.block_size)
+        let block = d.block_size();
+        c.require(block >= 2, "drafter.block_size", || {
+            format!("is {block}; a block needs the anchor and at least one mask")
         });
+        match d.dflash2() {
+            None => {
+                for field in d.dflash2_fields_set() {
+                    c.require(false, field, || "is a DFlash2 setting; set drafter.variant = \"dflash2\"".into());
+                }
+                c.require(self.training.selector_loss_weight.is_none(), "training.selector_loss_weight", || {
+                    "weighs DFlash2's selector; set drafter.variant = \"dflash2\"".into()
+                });
+            }
+            Some(v) => {
+                c.require((1..=block).contains(&v.conv_kernel_size), "drafter.conv_kernel_size", || {
+                    format!(
+                        "is {}; must be in [1, drafter.block_size = {block}] (taps never leave their block)",
+                        v.conv_kernel_size
+                    )
+                });
+                c.require(v.conv_group_size >= 1, "drafter.conv_group_size", || "must be at least 1".into());
+                c.require(v.selector_rank >= 1, "drafter.selector_rank", || "must be at least 1".into());
+                c.require(v.selector_top_k >= 1, "drafter.selector_top_k", || "must be at least 1".into());
+                if let Some(w) = self.training.selector_loss_weight {
+                    c.require(w.is_finite() && w >= 0.0, "training.selector_loss_weight", || {
+                        format!("is {w}; must be finite and >= 0")
+                    });
+                }
+            }
+        }
         let sliding = d.layer_types.as_ref().is_some_and(|t| t.contains(&DrafterLayerType::SlidingAttention));
         if let Some(types) = &d.layer_types {
             c.require(types.len() == d.num_layers as usize, "drafter.layer_types", || {
@@ -77,9 +109,7 @@ impl RunConfig {
             (_, Some(g)) => {
                 c.require(g.is_finite() && g > 0.0, "drafter.gamma", || format!("is {g}; must be positive"))
             }
-            (_, None) => {
-                c.require(false, "drafter.gamma", || format!("has no default for block size {}; set it", d.block_size))
-            }
+            (_, None) => c.require(false, "drafter.gamma", || format!("has no default for block size {block}; set it")),
         }
 
         let data = &self.data;
@@ -89,8 +119,8 @@ impl RunConfig {
             "data.max_skipped_fraction",
             || format!("is {}; must be in [0, 1]", data.max_skipped_fraction),
         );
-        c.require(data.max_seq_len > d.block_size, "data.max_seq_len", || {
-            format!("is {}; must exceed drafter.block_size ({})", data.max_seq_len, d.block_size)
+        c.require(data.max_seq_len > block, "data.max_seq_len", || {
+            format!("is {}; must exceed drafter.block_size ({block})", data.max_seq_len)
         });
 
         let t = &self.training;
@@ -218,6 +248,16 @@ impl RunConfig {
 
         let e = &self.eval;
         c.require(e.max_new_tokens >= 1, "eval.max_new_tokens", || "must be at least 1".into());
+        c.require(e.sets.is_empty() || !e.prompts_path.is_empty(), "eval.sets", || {
+            "needs eval.prompts_path: the primary set is the first one scored".into()
+        });
+        let mut names = std::collections::BTreeSet::new();
+        for (i, s) in e.all_sets().iter().enumerate() {
+            let field = if i == 0 { "eval.name".to_string() } else { format!("eval.sets[{}]", i - 1) };
+            c.require(!s.name.trim().is_empty(), &field, || "needs a name".into());
+            c.require(names.insert(s.name.clone()), &field, || format!("repeats the set name {:?}", s.name));
+            c.require(!s.prompts_path.is_empty(), &field, || "needs prompts_path".into());
+        }
 
         let f = &self.faults;
         c.require(f.heartbeat_interval_ms >= 10, "faults.heartbeat_interval_ms", || "must be at least 10".into());
@@ -270,6 +310,22 @@ impl RunConfig {
         }
         if self.drafter.gamma.is_none() && self.training.loss == Objective::Ce {
             self.drafter.gamma = self.drafter.effective_gamma();
+        }
+        let d = &mut self.drafter;
+        d.block_size = Some(d.block_size());
+        if let Some(v) = d.dflash2() {
+            c.require(target.hidden_size.is_multiple_of(v.conv_group_size), "drafter.conv_group_size", || {
+                format!(
+                    "is {}; it must divide the hidden size {} (each group of channels shares one coefficient)",
+                    v.conv_group_size, target.hidden_size
+                )
+            });
+            c.require(v.selector_top_k <= target.vocab_size, "drafter.selector_top_k", || {
+                format!("is {}; the vocabulary has only {} tokens", v.selector_top_k, target.vocab_size)
+            });
+            (d.conv_kernel_size, d.conv_group_size, d.selector_rank, d.selector_top_k) =
+                (Some(v.conv_kernel_size), Some(v.conv_group_size), Some(v.selector_rank), Some(v.selector_top_k));
+            self.training.selector_loss_weight.get_or_insert(DEFAULT_SELECTOR_LOSS_WEIGHT);
         }
         if c.0.is_empty() { Ok(()) } else { Err(ConfigError::Invalid(c.0)) }
     }
@@ -356,6 +412,7 @@ mod tests {
         let facts = TargetFacts {
             num_layers: 36,
             vocab_size: 151_936,
+            hidden_size: 4096,
             reserved_ids: vec![151_643, 151_645],
             mask_token: Some(151_669),
         };
@@ -370,10 +427,71 @@ mod tests {
         let mut c = valid();
         c.drafter.mask_token_id = Some(2);
         c.model.target_layer_ids = vec![1, 40];
-        let facts = TargetFacts { num_layers: 30, vocab_size: 49152, reserved_ids: vec![1, 2], mask_token: None };
+        let facts = TargetFacts {
+            num_layers: 30,
+            vocab_size: 49152,
+            hidden_size: 576,
+            reserved_ids: vec![1, 2],
+            mask_token: None,
+        };
         let err = c.resolve(&facts).unwrap_err().to_string();
         assert!(err.contains("drafter.mask_token_id"), "{err}");
         assert!(err.contains("model.target_layer_ids"), "{err}");
+    }
+
+    #[test]
+    fn dflash2_settings_are_refused_without_dflash2_and_checked_against_the_target() {
+        let mut c = valid();
+        c.drafter.conv_group_size = Some(16);
+        c.training.selector_loss_weight = Some(1.0);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("drafter.conv_group_size") && err.contains("variant = \"dflash2\""), "{err}");
+        assert!(err.contains("training.selector_loss_weight"), "{err}");
+        c.drafter.variant = crate::DrafterVariant::Dflash2;
+        c.validate().unwrap();
+        assert_eq!(c.drafter.block_size(), 8, "DFlash2's published block size is the default");
+        c.drafter.conv_kernel_size = Some(9);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("drafter.conv_kernel_size") && err.contains("[1, drafter.block_size = 8]"), "{err}");
+        c.drafter.conv_kernel_size = None;
+        let mut facts = TargetFacts { num_layers: 30, vocab_size: 100, hidden_size: 584, ..TargetFacts::default() };
+        c.drafter.mask_token_id = Some(3);
+        c.drafter.selector_top_k = Some(101);
+        let err = c.clone().resolve(&facts).unwrap_err().to_string();
+        assert!(err.contains("drafter.conv_group_size") && err.contains("hidden size 584"), "{err}");
+        assert!(err.contains("drafter.selector_top_k") && err.contains("only 100"), "{err}");
+        facts.hidden_size = 576;
+        c.drafter.selector_top_k = None;
+        c.resolve(&facts).unwrap();
+        assert_eq!(
+            (c.drafter.block_size, c.drafter.conv_kernel_size, c.drafter.selector_rank),
+            (Some(8), Some(2), Some(256))
+        );
+        assert_eq!(c.training.selector_loss_weight, Some(1.0));
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn eval_sets_are_named_uniquely_and_need_a_primary() {
+        let parsed = crate::from_toml_str(
+            "[eval]\nname = \"chat\"\nprompts_path = \"p.jsonl\"\nprompts_offset = 600\n\
+             [[eval.sets]]\nname = \"MT-Bench\"\nprompts_path = \"mt.jsonl\"\nper_category = 2\n",
+        )
+        .unwrap();
+        let sets = parsed.eval.all_sets();
+        assert_eq!(sets.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["chat", "MT-Bench"]);
+        assert_eq!((sets[0].prompts_offset, sets[1].per_category, sets[1].max_prompts), (600, 2, 0));
+        let mut c = valid();
+        c.eval = parsed.eval.clone();
+        c.validate().unwrap();
+        c.eval.sets[0].name = "chat".into();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("eval.sets[0]") && err.contains("repeats the set name"), "{err}");
+        c.eval.prompts_path.clear();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("eval.sets") && err.contains("eval.prompts_path"), "{err}");
+        let bad = crate::from_toml_str("[[eval.sets]]\nname = \"x\"\n").unwrap_err().to_string();
+        assert!(bad.contains("prompts_path"), "{bad}");
     }
 
     #[test]
@@ -397,7 +515,7 @@ mod tests {
         assert!(err.contains("drafter.gamma") && err.contains("dpace"), "{err}");
         // A block size without a gamma default needs none under D-PACE.
         c.drafter.gamma = None;
-        c.drafter.block_size = 12;
+        c.drafter.block_size = Some(12);
         c.validate().unwrap();
         let parsed = crate::from_toml_str("[training]\nloss = \"dpace\"\n").unwrap();
         assert_eq!(parsed.training.loss, Objective::Dpace);

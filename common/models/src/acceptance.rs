@@ -18,7 +18,8 @@ const CHUNK_BLOCKS: usize = 64;
 /// The drafter's proposals at each anchor of one sequence.
 pub struct BlockPredictions {
     pub anchors: Vec<usize>,
-    /// `anchors.len() x (B-1)` argmax tokens of slots 1..B-1.
+    /// `anchors.len() x (B-1)` proposed tokens of slots 1..B-1 (what
+    /// decoding would propose there: [`Drafter::propose`]).
     pub proposals: Vec<Vec<u32>>,
 }
 
@@ -74,12 +75,11 @@ pub fn block_predictions(
     let layout = BlockLayout::new(std::slice::from_ref(&seq), &settings, CHUNK_BLOCKS);
     let hidden = drafter.forward_layout(&features, embed, &layout);
     let b = c.block_size;
-    let argmax = hidden
-        .view([layout.blocks as i64, b, -1])
-        .narrow(0, 0, anchors.len() as i64)
-        .narrow(1, 1, b - 1)
-        .linear(lm_head, None::<Tensor>)
-        .argmax(-1, false)
+    let drafted = hidden.view([layout.blocks as i64, b, -1]).narrow(0, 0, anchors.len() as i64).narrow(1, 1, b - 1);
+    let logits = drafted.linear(lm_head, None::<Tensor>);
+    let anchor_ids: Vec<i64> = anchors.iter().map(|&a| input_ids[a] as i64).collect();
+    let argmax = drafter
+        .propose(&drafted, &logits, &Tensor::from_slice(&anchor_ids).to_device(ddev))
         .to_device(Device::Cpu)
         .to_kind(Kind::Int64);
     let flat = Vec::<i64>::try_from(argmax.view([-1])).expect("1-D token ids");

@@ -137,6 +137,16 @@ impl BlockLayout {
         self
     }
 
+    /// Each supervised row's true predecessor: the anchor token for a
+    /// block's first drafted slot, the data token before it for the others
+    /// (what DFlash2's selector conditions on when every earlier pick was right).
+    pub fn predecessors(&self) -> Vec<i64> {
+        let per_block = self.block_size - 1;
+        (0..self.rows.len())
+            .map(|r| if r % per_block == 0 { self.block_ids[self.rows[r] as usize - 1] } else { self.labels[r - 1] })
+            .collect()
+    }
+
     pub fn total_weight(&self) -> f64 {
         self.weights.iter().map(|&w| w as f64).sum()
     }

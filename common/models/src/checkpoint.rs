@@ -240,6 +240,18 @@ pub fn hf_config_json(c: &DrafterConfig) -> serde_json::Value {
         v["sliding_window"] = serde_json::json!(w);
         v["max_window_layers"] = serde_json::json!(c.num_layers);
     }
+    if let Some(d) = &c.dflash2 {
+        // As published DFlash2 drafters name it: the architecture, and its
+        // shape inside `dflash_config` (where the `dflash` package and the
+        // serving engines look first).
+        v["architectures"] = serde_json::json!(["DFlash2DraftModel"]);
+        let dc = &mut v["dflash_config"];
+        dc["block_size"] = serde_json::json!(c.block_size);
+        dc["conv_kernel_size"] = serde_json::json!(d.conv_kernel_size);
+        dc["conv_group_size"] = serde_json::json!(d.conv_group_size);
+        dc["selector_rank"] = serde_json::json!(d.selector_rank);
+        dc["selector_top_k"] = serde_json::json!(d.selector_top_k);
+    }
     v
 }
 
@@ -321,6 +333,31 @@ pub fn read_drafter_config(dir: &Path) -> Result<DrafterConfig, ModelError> {
             "layer_types names sliding_attention but no positive sliding_window with use_sliding_window = true".into(),
         ));
     }
+    // The `dflash` package's reading: `dflash_config` first, then the top level.
+    let draft_int = |k: &str| dc.get(k).or_else(|| v.get(k)).and_then(serde_json::Value::as_i64);
+    let is_dflash2 = v["architectures"].as_array().is_some_and(|a| a.iter().any(|x| x == "DFlash2DraftModel"));
+    let dflash2 = if is_dflash2 {
+        let need = |k: &str| {
+            draft_int(k)
+                .filter(|&x| x >= 1)
+                .ok_or_else(|| bad(format!("a DFlash2DraftModel needs a positive dflash_config.{k}")))
+        };
+        let d = crate::dflash2::Dflash2Config {
+            conv_kernel_size: need("conv_kernel_size")?,
+            conv_group_size: need("conv_group_size")?,
+            selector_rank: need("selector_rank")?,
+            selector_top_k: need("selector_top_k")?,
+        };
+        if hidden % d.conv_group_size != 0 {
+            return Err(bad(format!(
+                "dflash_config.conv_group_size {} does not divide hidden_size {hidden}",
+                d.conv_group_size
+            )));
+        }
+        Some(d)
+    } else {
+        None
+    };
     Ok(DrafterConfig {
         hidden_size: hidden,
         intermediate_size: int("intermediate_size")?,
@@ -332,7 +369,7 @@ pub fn read_drafter_config(dir: &Path) -> Result<DrafterConfig, ModelError> {
         rope_theta: float("rope_theta").unwrap_or(10_000.0),
         vocab_size: int("vocab_size")?,
         max_position_embeddings: int("max_position_embeddings").unwrap_or(32_768),
-        block_size: int("block_size")?,
+        block_size: draft_int("block_size").ok_or_else(|| bad("missing integer field block_size".into()))?,
         mask_token_id: dc.get("mask_token_id").and_then(serde_json::Value::as_i64).ok_or_else(|| {
             ModelError::Config { path: path.clone(), message: "dflash_config lacks mask_token_id".into() }
         })?,
@@ -340,6 +377,7 @@ pub fn read_drafter_config(dir: &Path) -> Result<DrafterConfig, ModelError> {
         num_target_layers: int("num_target_layers").unwrap_or(0),
         layer_types,
         sliding_window,
+        dflash2,
     })
 }
 
@@ -368,9 +406,9 @@ tags:
   - draft-model
 ---
 
-# DFlash drafter
+# {title} drafter
 
-A DFlash block drafter trained by dflash: {layers} Qwen3-style layer(s) (hidden size {hidden},
+A {title} block drafter trained by dflash{extra}: {layers} Qwen3-style layer(s) (hidden size {hidden},
 {heads} attention heads, {kv} KV heads), block size {block} (the anchor token and {draft} drafted
 tokens), conditioned on the target's hidden states after layers {ids:?} of its
 {target_layers}; mask token id {mask}. It shares the target's token embedding and LM head,
@@ -381,14 +419,24 @@ which are not in this folder: serve it next to the target it was trained on.
 - vLLM: `vllm serve TARGET --speculative-config '{{"method": "dflash", "model": "THIS_DIR", "num_speculative_tokens": {draft}}}'`
 - SGLang: `python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH --speculative-draft-model-path THIS_DIR`
 - The DFlash authors' package (`pip install dflash`):
-  `from dflash.model import DFlashDraftModel, dflash_generate`, then
-  `DFlashDraftModel.from_pretrained("THIS_DIR")` and `dflash_generate(drafter, target, input_ids, ...)`
+  `from dflash.model import {class}, dflash_generate`, then
+  `{class}.from_pretrained("THIS_DIR")` and `dflash_generate(drafter, target, input_ids, ...)`
   with the target loaded by transformers (`output_hidden_states` is what feeds it).
 
 `transformers.AutoModel.from_pretrained(THIS_DIR, trust_remote_code=True)` does NOT load it:
 this folder ships no remote code (`auto_map`), so transformers would build a plain Qwen3 model
 without the drafter's `fc` and `hidden_norm`.
 "#,
+        title = if c.dflash2.is_some() { "DFlash2" } else { "DFlash" },
+        class = if c.dflash2.is_some() { "DFlash2DraftModel" } else { "DFlashDraftModel" },
+        extra = match &c.dflash2 {
+            Some(d) => format!(
+                " (an in-block convolution of {} taps around every sublayer, and a selector walking each \
+                 drafted slot's top {} candidates; vLLM and SGLang need a release that serves DFlash2)",
+                d.conv_kernel_size, d.selector_top_k
+            ),
+            None => String::new(),
+        },
         layers = c.num_layers,
         hidden = c.hidden_size,
         heads = c.num_heads,

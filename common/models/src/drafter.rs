@@ -10,6 +10,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::ModelError;
 use crate::blocks::BlockLayout;
+use crate::dflash2::{BlockConv, CandidateSelector, Dflash2Config};
 use crate::layers::{Linear, Mlp, RmsNorm, Rope, apply_rope};
 use crate::split_attention::{self, SplitIndex, SplitPlan};
 use crate::target_config::TargetConfig;
@@ -39,6 +40,10 @@ pub struct DrafterConfig {
     /// Window of the sliding-attention layers, in positions.
     #[serde(default)]
     pub sliding_window: Option<i64>,
+    /// DFlash2's in-block convolutions and candidate selector (None: the
+    /// DFlash drafter).
+    #[serde(default)]
+    pub dflash2: Option<Dflash2Config>,
 }
 
 /// How a drafter layer's block slots attend (the `layer_types` of the
@@ -98,6 +103,7 @@ impl DrafterConfig {
             num_target_layers: t.num_layers,
             layer_types: Vec::new(),
             sliding_window: None,
+            dflash2: None,
         }
     }
 
@@ -141,6 +147,9 @@ pub(crate) struct DrafterLayer {
     self_attn: DrafterAttention,
     post_attention_layernorm: RmsNorm,
     mlp: Mlp,
+    /// DFlash2: the convolutions around the attention and the MLP.
+    attention_conv: Option<BlockConv>,
+    mlp_conv: Option<BlockConv>,
 }
 
 /// The trainable drafter. Parameters live in a [`nn::VarStore`] under the
@@ -153,6 +162,8 @@ pub struct Drafter {
     hidden_norm: RmsNorm,
     layers: Vec<DrafterLayer>,
     norm: RmsNorm,
+    /// DFlash2's selector over each slot's top candidates.
+    selector: Option<CandidateSelector>,
     rope: Rope,
     /// Whether training layouts may use the split (mask-free) attention
     /// where the device supports it.
@@ -224,15 +235,19 @@ impl Drafter {
                         up_proj: lin(&m, "up_proj", c.intermediate_size, h),
                         down_proj: lin(&m, "down_proj", h, c.intermediate_size),
                     },
+                    attention_conv: c.dflash2.as_ref().map(|d| BlockConv::new(&p.sub("attention_conv"), h, d)),
+                    mlp_conv: c.dflash2.as_ref().map(|d| BlockConv::new(&p.sub("mlp_conv"), h, d)),
                 }
             })
             .collect();
         let norm = rms(&root, "norm", h, c.rms_norm_eps);
+        let selector =
+            c.dflash2.as_ref().map(|d| CandidateSelector::new(&root.sub("candidate_selector"), h, c.vocab_size, d));
         if kind != Kind::Float {
             vs.set_kind(kind);
         }
         let rope = Rope::new(hd, c.rope_theta, device);
-        Self { config, vs, fc, hidden_norm, layers, norm, rope, split_attention: true }
+        Self { config, vs, fc, hidden_norm, layers, norm, selector, rope, split_attention: true }
     }
 
     /// Initialises the decoder layers from the target's top layers (drafter
@@ -359,6 +374,22 @@ impl Drafter {
         v
     }
 
+    /// DFlash2's candidate selector (None for a DFlash drafter).
+    pub fn selector(&self) -> Option<&CandidateSelector> {
+        self.selector.as_ref()
+    }
+
+    /// The tokens the drafter proposes for blocks whose drafted slots have
+    /// the final hidden states `hidden` `[N, B-1, H]` and the logits
+    /// `logits` `[N, B-1, V]`, anchored at the tokens `anchors` `[N]`: the
+    /// top logit of each slot (DFlash), or the selector's walk (DFlash2).
+    pub fn propose(&self, hidden: &Tensor, logits: &Tensor, anchors: &Tensor) -> Tensor {
+        match &self.selector {
+            None => logits.argmax(-1, false),
+            Some(s) => s.walk(hidden, logits, anchors),
+        }
+    }
+
     /// Fuses the target features: `hidden_norm(fc(features))`.
     pub fn context(&self, features: &Tensor) -> Tensor {
         self.hidden_norm.forward(&self.fc.forward(features))
@@ -452,7 +483,15 @@ impl DrafterLayer {
         let a = &self.self_attn;
         let (n, q_len, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
         let (nh, kv, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let block = c.block_size;
         let xn = self.input_layernorm.forward(x);
+        let (xn, attention_dynamic) = match &self.attention_conv {
+            Some(conv) => {
+                let (y, dynamic) = conv.prepare(&xn, block);
+                (y, Some(dynamic))
+            }
+            None => (xn, None),
+        };
         // Queries come from the block only.
         let q = a.q_norm.forward(&a.q_proj.forward(&xn).view([n, q_len, nh, d]));
         let q = apply_rope(&q, &rope.blk_cos, &rope.blk_sin);
@@ -505,7 +544,20 @@ impl DrafterLayer {
                 o.view([n, q_len, nh * d])
             }
         };
-        let x = x + a.o_proj.forward(&o);
-        &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
+        let attended = a.o_proj.forward(&o);
+        let attended = match (&self.attention_conv, &attention_dynamic) {
+            (Some(conv), Some(dynamic)) => conv.finish(&attended, dynamic, block),
+            _ => attended,
+        };
+        let x = x + attended;
+        let xn = self.post_attention_layernorm.forward(&x);
+        let mlp = match &self.mlp_conv {
+            Some(conv) => {
+                let (y, dynamic) = conv.prepare(&xn, block);
+                conv.finish(&self.mlp.forward(&y), &dynamic, block)
+            }
+            None => self.mlp.forward(&xn),
+        };
+        &x + mlp
     }
 }

@@ -23,33 +23,50 @@ pub struct EvalPrompt {
     pub ids: Vec<u32>,
 }
 
+/// Which prompts of a file an evaluation decodes, in file order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PromptPick {
+    /// Skip this many records first (e.g. the prompts a drafter trained on).
+    pub offset: usize,
+    /// Take at most this many (0: all).
+    pub limit: usize,
+    /// Take at most this many of each `category` (0: no cap), so that a
+    /// file sorted by category is sampled across all of them.
+    pub per_category: usize,
+}
+
 /// Reads prompts (JSONL chat lines with optional `id` and `category`).
-pub fn read_prompts(
-    path: &Path,
-    tok: &ChatTokenizer,
-    offset: usize,
-    limit: usize,
-) -> Result<Vec<EvalPrompt>, ModelError> {
+pub fn read_prompts(path: &Path, tok: &ChatTokenizer, pick: PromptPick) -> Result<Vec<EvalPrompt>, ModelError> {
     let mut out = Vec::new();
-    for (i, record) in prompt_records(path)?.into_iter().skip(offset) {
-        if limit > 0 && out.len() == limit {
+    let mut taken: BTreeMap<String, usize> = BTreeMap::new();
+    for (i, record) in prompt_records(path)?.into_iter().skip(pick.offset) {
+        if pick.limit > 0 && out.len() == pick.limit {
             break;
         }
         let Some(record) = record else { continue };
         let bad = |e: String| ModelError::Config { path: path.to_path_buf(), message: format!("{i}: {e}") };
         let v = record.map_err(bad)?;
+        let category = v["category"].as_str().unwrap_or("all").to_string();
+        let of_category = taken.entry(category.clone()).or_default();
+        if pick.per_category > 0 && *of_category == pick.per_category {
+            continue;
+        }
+        *of_category += 1;
         let id = match &v["id"] {
             serde_json::Value::String(s) => s.clone(),
             serde_json::Value::Null => i.number().to_string(),
             other => other.to_string(),
         };
-        let category = v["category"].as_str().unwrap_or("all").to_string();
         let conv = Conversation::from_json(v).map_err(bad)?;
         let ids = tok.encode_prompt(&conv.first_prompt()).map_err(|e| bad(e.to_string()))?;
         out.push(EvalPrompt { id, category, ids });
     }
     if out.is_empty() {
-        return Err(ModelError::Config { path: path.to_path_buf(), message: "has no prompts".into() });
+        let message = match pick.offset {
+            0 => "has no prompts".to_string(),
+            n => format!("has no prompts after the first {n}"),
+        };
+        return Err(ModelError::Config { path: path.to_path_buf(), message });
     }
     Ok(out)
 }

@@ -116,10 +116,11 @@ pub struct SpecSettings<'a> {
     pub stop_ids: &'a [u32],
 }
 
-/// The drafter's logits `[block - 1, vocab]` for the block after
-/// `context` (`[1, S, k*H]`, the target's features of every token before
-/// `last`): block `[last, MASK...]` at positions `S..` sees the whole context.
-fn draft_block(drafter: &Drafter, context: &Tensor, last: i64, s: &SpecSettings) -> Tensor {
+/// The drafter's final hidden states `[1, block - 1, H]` and logits
+/// `[1, block - 1, vocab]` of the drafted slots of the block after `context`
+/// (`[1, S, k*H]`, the target's features of every token before `last`):
+/// block `[last, MASK...]` at positions `S..` sees the whole context.
+fn draft_block(drafter: &Drafter, context: &Tensor, last: i64, s: &SpecSettings) -> (Tensor, Tensor) {
     let c = &drafter.config;
     let (bsz, ddev) = (c.block_size, drafter.device());
     let ctx_len = context.size()[1];
@@ -142,7 +143,9 @@ fn draft_block(drafter: &Drafter, context: &Tensor, last: i64, s: &SpecSettings)
         block_positions: &positions,
         attention: BlockAttention::Masked { full: &full, sliding: sliding.as_ref() },
     });
-    h.narrow(1, 1, bsz - 1).linear(s.lm_head, None::<Tensor>).squeeze_dim(0)
+    let drafted = h.narrow(1, 1, bsz - 1);
+    let logits = drafted.linear(s.lm_head, None::<Tensor>);
+    (drafted, logits)
 }
 
 /// The drafter's logits `[block - 1, vocab]` (f32, on the CPU) for the
@@ -152,7 +155,7 @@ fn draft_block(drafter: &Drafter, context: &Tensor, last: i64, s: &SpecSettings)
 pub fn first_block_logits(target: &TargetModel, drafter: &Drafter, prompt: &[u32], s: &SpecSettings) -> Tensor {
     let _guard = tch::no_grad_guard();
     let (_, context, last) = prefill(target, drafter, prompt);
-    draft_block(drafter, &context, last, s).to_kind(Kind::Float).to_device(Device::Cpu)
+    draft_block(drafter, &context, last, s).1.squeeze_dim(0).to_kind(Kind::Float).to_device(Device::Cpu)
 }
 
 /// The target's forward over `prompt`: its cache, the drafter's context
@@ -193,7 +196,9 @@ pub fn speculative_generate(target: &TargetModel, drafter: &Drafter, prompt: &[u
     let ddev = drafter.device();
     while out.len() < s.max_new_tokens && !s.stop_ids.contains(&(last as u32)) {
         let ctx_len = context.size()[1];
-        let proposal = draft_block(drafter, &context, last, s).argmax(-1, false).view([-1]);
+        let (drafted, logits) = draft_block(drafter, &context, last, s);
+        let anchor = Tensor::from_slice(&[last]).to_device(ddev);
+        let proposal = drafter.propose(&drafted, &logits, &anchor).view([-1]);
         let proposal = Vec::<i64>::try_from(&proposal.to_device(Device::Cpu)).expect("1-D");
         // Verify: the target reads [last, proposal...] in one forward.
         let mut verify = vec![last];

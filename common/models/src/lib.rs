@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod cuda;
 pub mod decoder;
+pub mod dflash2;
 pub mod dp;
 pub mod drafter;
 pub mod evaluation;

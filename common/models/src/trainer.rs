@@ -32,6 +32,9 @@ pub struct TrainSettings {
     /// Seed of anchor sampling (combined with the batch id).
     pub seed: u64,
     pub objective: Objective,
+    /// DFlash2: weight of the selector's cross-entropy (ignored by a
+    /// drafter without a selector).
+    pub selector_loss_weight: f64,
 }
 
 /// The loss over the drafted slots of a batch.
@@ -85,7 +88,13 @@ pub struct StepMetrics {
     /// Accuracy of each block slot 1..B-1.
     pub slot_accuracy: Vec<f64>,
     /// Simulated acceptance length: 1 + leading correct slots, per block.
+    /// Correct means the slot's proposal (the top logit, or DFlash2's
+    /// selector walk: given correct predecessors, the walk's pick) is the
+    /// label.
     pub acceptance_length: f64,
+    /// DFlash2: the fraction of supervised slots whose label is among the
+    /// selector's candidates (the selector can pick it at all).
+    pub candidate_recall: Option<f64>,
     pub tokens: u64,
     pub blocks: u64,
     pub grad_norm: f64,
@@ -117,6 +126,8 @@ struct Tally {
     counted: Vec<f64>,
     accept_sum: f64,
     blocks: f64,
+    /// Supervised slots whose label is among the selector's candidates.
+    recalled: f64,
 }
 
 impl Trainer {
@@ -261,6 +272,7 @@ impl Trainer {
             acceptance_length: tally.accept_sum / tally.blocks.max(1.0),
             tokens: batch.input_ids.len() as u64,
             blocks: tally.blocks as u64,
+            candidate_recall: self.drafter.selector().map(|_| tally.recalled / counted.max(1.0)),
             grad_norm: 0.0,
             lr: 0.0,
         })
@@ -307,6 +319,10 @@ impl Trainer {
         let rows = hidden.view([-1, h]).index_select(0, &rows_idx); // [M, H]
         let labels = Tensor::from_slice(&layout.labels).to_device(device);
         let weights = Tensor::from_slice(&layout.weights).to_device(device);
+        let selector = self.drafter.selector();
+        let predecessors = selector.map(|_| Tensor::from_slice(&layout.predecessors()).to_device(device));
+        let lambda = self.settings.selector_loss_weight;
+        let mut picks = Vec::new(); // DFlash2: each chunk's candidates, for the selector's backward
 
         // Chunked logits with the cross-entropy gradient written by hand:
         // d(sum w*CE)/d(logits) = w * (softmax - onehot). The softmax reads the
@@ -338,7 +354,19 @@ impl Trainer {
             let logits = x.linear(&self.lm_head, None::<Tensor>);
             let lab = labels.narrow(0, start, len).unsqueeze(1);
             let w = weights.narrow(0, start, len);
-            correct_parts.push(logits.argmax(-1, false).eq_tensor(&lab.squeeze_dim(1)));
+            let chosen = match (selector, &predecessors) {
+                (Some(sel), Some(pred)) => {
+                    let (unary, candidates) = sel.candidates(&logits);
+                    let supervised = weights.narrow(0, start, len).gt(0.0);
+                    let pick =
+                        SelectorPick::new(sel, &x, (unary, candidates), &pred.narrow(0, start, len), &lab, supervised);
+                    let c = pick.correct();
+                    picks.push(pick);
+                    c
+                }
+                _ => logits.argmax(-1, false).eq_tensor(&lab.squeeze_dim(1)),
+            };
+            correct_parts.push(chosen);
             let mut probs = logits.softmax(-1, probs_kind);
             drop(logits);
             // CE = -log p[label]; p is clamped at the smallest normal float,
@@ -356,6 +384,14 @@ impl Trainer {
                 }
             };
             loss_parts.push((&ce * w.to_kind(Kind::Double)).sum(Kind::Double));
+            if let Some(pick) = picks.last().filter(|_| selector.is_some()) {
+                // The selector's cross-entropy, weighted like the block's,
+                // and its gradient on the candidates' logits (the unary
+                // scores): lambda * (softmax - onehot) over the k candidates.
+                loss_parts.push((pick.cross_entropy() * w.to_kind(Kind::Double)).sum(Kind::Double) * lambda);
+                let _ =
+                    probs.scatter_add_(1, &pick.candidates, &(pick.score_gradient(acc) * lambda).to_kind(probs_kind));
+            }
             row_weights.push(w);
             let _ = probs.scatter_add_(1, &lab, &Tensor::full([len, 1], -1.0, (probs_kind, device)));
             let _ = probs.to_kind(kind).matmul_out(&grad.narrow(0, start, len), &self.lm_head);
@@ -364,7 +400,26 @@ impl Trainer {
         let scale = Tensor::cat(&row_weights, 0) / total_weight; // [M]: each row's share of the loss
         let _ = grad.g_mul_(&scale.unsqueeze(1).to_kind(kind));
         drop(no_grad);
-        (&rows * &grad).sum(Kind::Float).backward();
+        let mut objective = (&rows * &grad).sum(Kind::Float);
+        if let (Some(sel), Some(pred)) = (selector, &predecessors) {
+            // The selector's own parameters (and the hidden states through
+            // its projection) by autograd; the unary scores are constants
+            // here, their gradient went into `grad` above.
+            let unary = Tensor::cat(&picks.iter().map(|p| &p.unary).collect::<Vec<_>>(), 0);
+            let candidates = Tensor::cat(&picks.iter().map(|p| &p.candidates).collect::<Vec<_>>(), 0);
+            let target = Tensor::cat(&picks.iter().map(|p| &p.target).collect::<Vec<_>>(), 0);
+            let hit = Tensor::cat(&picks.iter().map(|p| &p.hit).collect::<Vec<_>>(), 0);
+            let scores = sel.scores(&rows, &unary, &candidates, pred);
+            let log_p = scores.log_softmax(-1, acc).gather(1, &target.unsqueeze(1), false).squeeze_dim(1);
+            let share = scale.to_kind(acc) * hit.to_kind(acc) * lambda;
+            objective = objective.to_kind(acc) - (log_p * share).sum(acc);
+            tally.recalled += picks
+                .iter()
+                .map(|p| p.hit.logical_and(&p.supervised).to_kind(Kind::Double).sum(Kind::Double))
+                .fold(Tensor::zeros([], (Kind::Double, device)), |a, b| a + b)
+                .double_value(&[]);
+        }
+        objective.backward();
         // Read back once per micro-batch: a read per chunk would stall the
         // GPU queue.
         tally.loss_sum += Tensor::stack(&loss_parts, 0).sum(Kind::Double).double_value(&[]);
@@ -384,6 +439,62 @@ impl Trainer {
         let blocks = layout.real_blocks as f64;
         tally.accept_sum += accepted + blocks;
         tally.blocks += blocks;
+    }
+}
+
+/// DFlash2's selector on one chunk of rows: each row's candidates, their
+/// scores given the true predecessor, and where the label sits among them.
+struct SelectorPick {
+    /// `[len, k]` logits of the candidates (the unary scores).
+    unary: Tensor,
+    /// `[len, k]` token ids.
+    candidates: Tensor,
+    /// `[len, k]` selector scores (no gradient).
+    scores: Tensor,
+    /// `[len]` the label's index among the candidates (0 when absent).
+    target: Tensor,
+    /// `[len]` whether the label is among the candidates: a row without it
+    /// has nothing to select, and trains the block objective only.
+    hit: Tensor,
+    /// `[len]` whether the row is supervised at all.
+    supervised: Tensor,
+}
+
+impl SelectorPick {
+    fn new(
+        sel: &crate::dflash2::CandidateSelector,
+        rows: &Tensor,
+        (unary, candidates): (Tensor, Tensor),
+        predecessors: &Tensor,
+        labels: &Tensor,
+        supervised: Tensor,
+    ) -> Self {
+        let scores = sel.scores(rows, &unary, &candidates, predecessors);
+        let matches = candidates.eq_tensor(labels); // labels [len, 1]
+        let hit = matches.any_dim(1, false);
+        let target = matches.to_kind(Kind::Int64).argmax(1, false);
+        Self { unary, candidates, scores, target, hit, supervised }
+    }
+
+    /// Whether the selector's pick (argmax score given the true
+    /// predecessor) is the label.
+    fn correct(&self) -> Tensor {
+        self.scores.argmax(-1, false).eq_tensor(&self.target).logical_and(&self.hit)
+    }
+
+    /// `[len]` cross-entropy of the label's candidate (0 where absent).
+    fn cross_entropy(&self) -> Tensor {
+        let log_p =
+            self.scores.log_softmax(-1, Kind::Double).gather(1, &self.target.unsqueeze(1), false).squeeze_dim(1);
+        -log_p * self.hit.to_kind(Kind::Double)
+    }
+
+    /// `[len, k]` d(cross-entropy)/d(scores) in `acc`: softmax - onehot,
+    /// 0 where absent.
+    fn score_gradient(&self, acc: Kind) -> Tensor {
+        let p = self.scores.softmax(-1, acc);
+        let onehot = p.zeros_like().scatter_value(1, &self.target.unsqueeze(1), 1.0);
+        (p - onehot) * self.hit.to_kind(acc).unsqueeze(1)
     }
 }
 
@@ -434,7 +545,7 @@ mod tests {
     /// the loss within `loss_tol` (relative), every gradient within
     /// `grad_tol` of its largest entry.
     fn cross_entropy_against_autograd(device: Device, kind: Kind, loss_tol: f64, grad_tol: f64) {
-        objective_against_autograd(device, kind, Objective::CrossEntropy, loss_tol, grad_tol);
+        objective_against_autograd(device, kind, Objective::CrossEntropy, None, loss_tol, grad_tol);
     }
 
     /// D-PACE's weights on a small case worked by hand: an unsupervised
@@ -456,14 +567,47 @@ mod tests {
     /// reference's own label probabilities.
     #[test]
     fn dpace_matches_autograd_in_f64() {
-        objective_against_autograd(Device::Cpu, Kind::Double, Objective::Dpace { alpha: 0.5 }, 1e-9, 1e-9);
+        objective_against_autograd(Device::Cpu, Kind::Double, Objective::Dpace { alpha: 0.5 }, None, 1e-9, 1e-9);
     }
 
-    fn objective_against_autograd(device: Device, kind: Kind, objective: Objective, loss_tol: f64, grad_tol: f64) {
+    /// DFlash2: the block objective plus the selector's cross-entropy over
+    /// each slot's top-k candidates given the true predecessor (through
+    /// the unary logits too: topk's own backward in the reference), against
+    /// autograd, with every convolution and selector weight random so each
+    /// path carries gradient.
+    #[test]
+    fn dflash2_matches_autograd_in_f64() {
+        objective_against_autograd(Device::Cpu, Kind::Double, Objective::CrossEntropy, Some(0.7), 1e-9, 1e-9);
+        objective_against_autograd(Device::Cpu, Kind::Double, Objective::Dpace { alpha: 0.5 }, Some(1.0), 1e-9, 1e-9);
+    }
+
+    fn objective_against_autograd(
+        device: Device,
+        kind: Kind,
+        objective: Objective,
+        selector_weight: Option<f64>,
+        loss_tol: f64,
+        grad_tol: f64,
+    ) {
         let tc = synthetic_target_config(2);
         tch::manual_seed(7);
-        let dc = DrafterConfig::for_target(&tc, 1, 4, 3, vec![0, 1]);
+        let mut dc = DrafterConfig::for_target(&tc, 1, 4, 3, vec![0, 1]);
+        dc.dflash2 = selector_weight.map(|_| crate::dflash2::Dflash2Config {
+            conv_kernel_size: 2,
+            conv_group_size: 4,
+            selector_rank: 8,
+            // Half the vocabulary: some labels among the candidates, some not.
+            selector_top_k: 130,
+        });
         let drafter = Drafter::new(dc, device, kind);
+        if selector_weight.is_some() {
+            let _guard = tch::no_grad_guard();
+            for (name, mut p) in drafter.named_parameters() {
+                if name.contains("_conv.") || name.contains("candidate_selector.") {
+                    let _ = p.g_add_(&(p.randn_like() * 0.3));
+                }
+            }
+        }
         let opts = (kind, device);
         let embed = Tensor::randn([tc.vocab_size, tc.hidden_size], opts);
         let head = Tensor::randn([tc.vocab_size, tc.hidden_size], opts) * 0.3;
@@ -478,6 +622,7 @@ mod tests {
             context_pad_multiple: 1,
             seed: 1,
             objective,
+            selector_loss_weight: selector_weight.unwrap_or(0.0),
         };
         let trainer = Trainer::new(drafter, embed, head, settings);
         let ids: Vec<u32> = (0..19).map(|i| 10 + (i * 13) % 150).collect();
@@ -531,7 +676,23 @@ mod tests {
             }
             weights = Tensor::from_slice(&w).to_device(device);
         }
-        let want_loss = (ce.to_kind(Kind::Double) * weights).sum(Kind::Double) / total;
+        let mut want_loss = (ce.to_kind(Kind::Double) * &weights).sum(Kind::Double) / total;
+        if let (Some(lambda), Some(sel)) = (selector_weight, trainer.drafter.selector()) {
+            let (unary, candidates) = logits.topk(sel.top_k, -1, true, true);
+            let pred = Tensor::from_slice(&layout.predecessors()).to_device(device);
+            let labels = Tensor::from_slice(&layout.labels).to_device(device).unsqueeze(1);
+            let matches = candidates.eq_tensor(&labels);
+            let hit = matches.any_dim(1, false).to_kind(Kind::Double);
+            let target = matches.to_kind(Kind::Int64).argmax(1, false).unsqueeze(1);
+            let scores = sel.scores(&rows, &unary, &candidates, &pred);
+            let sel_ce = -scores.log_softmax(-1, Kind::Double).gather(1, &target, false).squeeze_dim(1) * &hit;
+            let hits = hit.sum(Kind::Double).double_value(&[]);
+            assert!(
+                hits >= 3.0 && hits < hit.size()[0] as f64,
+                "{hits} labels among the candidates: compare both cases"
+            );
+            want_loss += (sel_ce * weights.detach()).sum(Kind::Double) * lambda / total;
+        }
         want_loss.backward();
         let want = want_loss.double_value(&[]);
         assert!((loss - want).abs() < loss_tol * want.abs().max(1.0), "loss {loss} vs {want}");

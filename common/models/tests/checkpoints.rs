@@ -35,6 +35,7 @@ fn trainer(seed: i64) -> Trainer {
         context_pad_multiple: 1,
         seed: 5,
         objective: dflash_models::Objective::CrossEntropy,
+        selector_loss_weight: 0.0,
     };
     Trainer::new(drafter, embed, head, settings)
 }

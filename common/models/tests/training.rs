@@ -22,6 +22,7 @@ fn settings(chunk: usize, micro: usize) -> TrainSettings {
         context_pad_multiple: 1,
         seed: 5,
         objective: dflash_models::Objective::CrossEntropy,
+        selector_loss_weight: 0.0,
     }
 }
 

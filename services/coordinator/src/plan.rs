@@ -6,6 +6,7 @@ use std::path::Path;
 use anyhow::Context;
 use dflash_config::{MalformedPolicy, RunConfig, TargetFacts};
 use dflash_data::{ChatTokenizer, Dataset, LoadOptions, PlannedBatch, plan_epoch};
+use serde::Deserialize;
 
 /// The resolved config, the batches, and a fingerprint of what fixes them.
 pub struct RunPlan {
@@ -18,18 +19,25 @@ pub struct RunPlan {
 struct TargetShape {
     num_hidden_layers: u32,
     vocab_size: u32,
+    hidden_size: u32,
 }
 
 /// Reads the facts about the target that finish the config.
 pub fn target_facts(dir: &Path, tok: &ChatTokenizer) -> anyhow::Result<TargetFacts> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).with_context(|| format!("model.target_path: {}", path.display()))?;
-    let shape: TargetShape =
+    let v: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{}: not a model config", path.display()))?;
+    // Multimodal configs keep the language model's shape in `text_config`.
+    let text = v.get("text_config").filter(|t| t.get("num_hidden_layers").is_some()).unwrap_or(&v);
+    let shape = TargetShape::deserialize(text).with_context(|| {
+        format!("{}: not a model config (num_hidden_layers, vocab_size, hidden_size)", path.display())
+    })?;
     let reserved = [tok.pad_id, tok.bos_id].into_iter().flatten().chain(tok.stop_ids.iter().copied()).collect();
     Ok(TargetFacts {
         num_layers: shape.num_hidden_layers,
         vocab_size: shape.vocab_size,
+        hidden_size: shape.hidden_size,
         reserved_ids: reserved,
         mask_token: tok.token_to_id("<|MASK|>"),
     })

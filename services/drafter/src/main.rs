@@ -215,7 +215,7 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
     let mut dc = DrafterConfig::for_target(
         &target,
         c.drafter.num_layers as i64,
-        c.drafter.block_size as i64,
+        c.drafter.block_size() as i64,
         mask as i64,
         c.model.target_layer_ids.iter().map(|&i| i as i64).collect(),
     );
@@ -230,6 +230,12 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
         })
         .collect();
     dc.sliding_window = c.drafter.sliding_window.map(i64::from);
+    dc.dflash2 = c.drafter.dflash2().map(|v| dflash_models::dflash2::Dflash2Config {
+        conv_kernel_size: v.conv_kernel_size.into(),
+        conv_group_size: v.conv_group_size.into(),
+        selector_rank: v.selector_rank.into(),
+        selector_top_k: v.selector_top_k.into(),
+    });
     tch::manual_seed(c.run.seed as i64);
     let mut drafter = Drafter::new(dc, device, kind);
     if c.drafter.init_from_target_layers {
@@ -257,7 +263,7 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
     }
     let settings = TrainSettings {
         blocks: BlockSettings {
-            block_size: c.drafter.block_size as usize,
+            block_size: c.drafter.block_size() as usize,
             mask_token_id: mask as i64,
             // D-PACE weighs slots itself: only which slots count matters then.
             gamma: match t.loss {
@@ -279,6 +285,7 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
         attention_chunk_blocks: t.attention_chunk_blocks as usize,
         context_pad_multiple: t.context_pad_multiple as usize,
         seed: c.run.seed,
+        selector_loss_weight: t.selector_loss_weight.unwrap_or(dflash_config::DEFAULT_SELECTOR_LOSS_WEIGHT),
         objective: match t.loss {
             dflash_config::Objective::Ce => dflash_models::Objective::CrossEntropy,
             dflash_config::Objective::Dpace => {

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::Context;
 use dflash_data::ChatTokenizer;
-use dflash_models::evaluation::{EvalPrompt, EvalReport, evaluate, read_prompts};
+use dflash_models::evaluation::{EvalPrompt, EvalReport, PromptPick, evaluate, read_prompts};
 use dflash_models::{LoadScope, TargetModel};
 use tch::{Device, Kind};
 
@@ -30,8 +30,12 @@ impl PeriodicEval {
         let dir = c.model.target_dir().map_err(|e| anyhow::anyhow!(e))?;
         let dir = dir.as_path();
         let tok = ChatTokenizer::from_dir(dir)?;
-        let prompts =
-            read_prompts(Path::new(&e.prompts_path), &tok, 0, e.max_prompts as usize).context("eval.prompts_path")?;
+        let pick = PromptPick {
+            offset: e.prompts_offset as usize,
+            limit: e.max_prompts as usize,
+            per_category: e.per_category as usize,
+        };
+        let prompts = read_prompts(Path::new(&e.prompts_path), &tok, pick).context("eval.prompts_path")?;
         let target = TargetModel::load(dir, device, kind, LoadScope::Full)?;
         tracing::info!(
             "periodic evaluation: {} prompts from {}, every {} steps",

@@ -496,8 +496,11 @@ impl ProgressLog {
             return;
         }
         let secs = self.started.elapsed().as_secs_f64();
+        // DFlash2: how often the label is among the selector's candidates
+        // (this process's micro-batches).
+        let recall = m.candidate_recall.map_or_else(String::new, |r| format!(" | recall {r:.3}"));
         tracing::info!(
-            "step {step}/{} | loss {:.4} | acc {:.3} | accept {:.2} | lr {:.2e} | grad {:.2} | {:.0} tok/s | queue {}/{} | wait {:.0}%",
+            "step {step}/{} | loss {:.4} | acc {:.3} | accept {:.2}{recall} | lr {:.2e} | grad {:.2} | {:.0} tok/s | queue {}/{} | wait {:.0}%",
             c.training.total_steps,
             m.loss,
             m.accuracy,

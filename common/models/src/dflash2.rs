@@ -1,0 +1,256 @@
+//! DFlash2's two additions to the DFlash drafter, as the DFlash authors'
+//! `DFlash2DraftModel` defines them (the `dflash` package):
+//!
+//! - [`BlockConv`]: a grouped dynamic causal convolution around every
+//!   attention and MLP sublayer. Tap `t` of slot `j` reads slot `j - t` of
+//!   the same block (zero padding before the block's first slot), weighted
+//!   by a learned per-channel base kernel plus a per-group coefficient
+//!   projected from the sublayer's normed input. It never crosses a block
+//!   boundary, so training (many blocks side by side) and decoding (one
+//!   block) see the same thing.
+//! - [`CandidateSelector`]: each drafted slot keeps its top-k candidates by
+//!   the LM head's logits `U`, and a walk from the anchor picks, slot by
+//!   slot, the candidate `b` maximising `U(b) + <A(prev) * H(h), B(b)>`
+//!   given the token `prev` picked before it.
+
+use serde::{Deserialize, Serialize};
+use tch::nn::{self, Init};
+use tch::{Kind, Tensor};
+
+use crate::layers::Linear;
+
+/// DFlash2's shape (the `dflash_config` fields of its export).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dflash2Config {
+    pub conv_kernel_size: i64,
+    pub conv_group_size: i64,
+    pub selector_rank: i64,
+    pub selector_top_k: i64,
+}
+
+/// One sublayer's in-block convolution (`layers.N.attention_conv` or
+/// `layers.N.mlp_conv`). `base_kernel` is `[2, K, H]`: side 0 convolves the
+/// sublayer's input, side 1 its output; `kernel_projection` gives both
+/// sides' per-group corrections from the sublayer's input.
+pub struct BlockConv {
+    base_kernel: Tensor,
+    kernel_projection: Linear,
+    kernel_size: i64,
+    group_size: i64,
+}
+
+impl BlockConv {
+    /// Starts as the identity: tap 0 weighs 1, later taps 0, no dynamic
+    /// correction (the peers' initialisation), so a fresh DFlash2 drafter
+    /// computes what a DFlash one would.
+    pub fn new(p: &nn::Path, hidden: i64, c: &Dflash2Config) -> Self {
+        let (k, groups) = (c.conv_kernel_size, hidden / c.conv_group_size);
+        let base_kernel = p.var("base_kernel", &[2, k, hidden], Init::Const(0.0));
+        tch::no_grad(|| {
+            let _ = base_kernel.narrow(1, 0, 1).fill_(1.0);
+        });
+        let weight = (p / "kernel_projection").var("weight", &[2 * k * groups, hidden], Init::Const(0.0));
+        Self {
+            base_kernel,
+            kernel_projection: Linear { weight, bias: None },
+            kernel_size: k,
+            group_size: c.conv_group_size,
+        }
+    }
+
+    /// Convolves the sublayer input `x` `[n, Q, H]` (blocks of `block_len`
+    /// slots side by side) with side 0, and returns side 1's dynamic
+    /// coefficients for [`BlockConv::finish`].
+    pub fn prepare(&self, x: &Tensor, block_len: i64) -> (Tensor, Tensor) {
+        let size = x.size();
+        let groups = size[2] / self.group_size;
+        let dynamic = self.kernel_projection.forward(x).view([size[0], size[1], 2, self.kernel_size, groups]);
+        let out = self.convolve(x, &dynamic.select(2, 0), &self.base_kernel.get(0), block_len);
+        (out, dynamic.select(2, 1))
+    }
+
+    /// Convolves the sublayer output with side 1.
+    pub fn finish(&self, x: &Tensor, dynamic: &Tensor, block_len: i64) -> Tensor {
+        self.convolve(x, dynamic, &self.base_kernel.get(1), block_len)
+    }
+
+    /// `sum_t (base[t] + dynamic[t]) * x[j - t]` within each block;
+    /// `dynamic` is `[n, Q, K, groups]`, `base` `[K, H]`.
+    fn convolve(&self, x: &Tensor, dynamic: &Tensor, base: &Tensor, block_len: i64) -> Tensor {
+        let size = x.size();
+        let (n, q, h) = (size[0], size[1], size[2]);
+        let (gs, groups) = (self.group_size, h / self.group_size);
+        let blocks = q / block_len;
+        assert_eq!(blocks * block_len, q, "{q} block slots are not whole blocks of {block_len}");
+        let values = x.view([n, blocks, block_len, groups, gs]);
+        let dynamic = dynamic.view([n, blocks, block_len, self.kernel_size, groups, 1]);
+        let mut out = values.zeros_like();
+        for t in 0..self.kernel_size.min(block_len) {
+            // Slot j reads slot j - t of its own block; the first t slots read zeros.
+            let shifted = if t == 0 {
+                values.shallow_clone()
+            } else {
+                values.narrow(2, 0, block_len - t).constant_pad_nd([0, 0, 0, 0, t, 0])
+            };
+            let kernel = base.get(t).view([1, 1, 1, groups, gs]).to_kind(x.kind()) + dynamic.select(3, t);
+            out += kernel * shifted;
+        }
+        out.view([n, q, h])
+    }
+}
+
+/// The selector (`candidate_selector.*`): codebooks `A` (predecessor) and
+/// `B` (successor) of `[vocab, rank]`, and `H` projecting a slot's hidden
+/// state to the rank.
+pub struct CandidateSelector {
+    predecessor_codebook: Tensor,
+    successor_codebook: Tensor,
+    hidden_projection: Linear,
+    pub top_k: i64,
+}
+
+impl CandidateSelector {
+    /// `B` starts at zero, so a fresh selector walks the top-1 path of the
+    /// logits (the peers' initialisation); `A` and `H` start as every other
+    /// projection (normal, std 0.02).
+    pub fn new(p: &nn::Path, hidden: i64, vocab: i64, c: &Dflash2Config) -> Self {
+        let r = c.selector_rank;
+        let predecessor_codebook = p.var("predecessor_codebook", &[vocab, r], Init::Randn { mean: 0.0, stdev: 0.02 });
+        let successor_codebook = p.var("successor_codebook", &[vocab, r], Init::Const(0.0));
+        let weight = (p / "hidden_projection").var("weight", &[r, hidden], Init::Randn { mean: 0.0, stdev: 0.02 });
+        Self {
+            predecessor_codebook,
+            successor_codebook,
+            hidden_projection: Linear { weight, bias: None },
+            top_k: c.selector_top_k,
+        }
+    }
+
+    /// Each slot's top-k candidates by logit: `(unary [.., k], ids [.., k])`,
+    /// best first.
+    pub fn candidates(&self, logits: &Tensor) -> (Tensor, Tensor) {
+        logits.topk(self.top_k, -1, true, true)
+    }
+
+    /// Scores `[M, k]` of `candidates` `[M, k]` (with logits `unary`) for
+    /// slots with hidden states `hidden` `[M, H]` whose predecessor tokens
+    /// are `predecessors` `[M]`.
+    pub fn scores(&self, hidden: &Tensor, unary: &Tensor, candidates: &Tensor, predecessors: &Tensor) -> Tensor {
+        let (m, k) = (candidates.size()[0], candidates.size()[1]);
+        let a = self.predecessor_codebook.index_select(0, predecessors) * self.hidden_projection.forward(hidden);
+        let b = self.successor_codebook.index_select(0, &candidates.reshape([-1])).view([m, k, -1]);
+        unary + b.matmul(&a.unsqueeze(-1)).squeeze_dim(-1).to_kind(unary.kind())
+    }
+
+    /// The greedy walk: for blocks with drafted-slot hidden states `hidden`
+    /// `[N, B-1, H]`, their logits `[N, B-1, V]` and anchor tokens `[N]`,
+    /// the proposed tokens `[N, B-1]`.
+    pub fn walk(&self, hidden: &Tensor, logits: &Tensor, anchors: &Tensor) -> Tensor {
+        let (unary, candidates) = self.candidates(logits);
+        let mut previous = anchors.shallow_clone();
+        let mut path = Vec::new();
+        for j in 0..hidden.size()[1] {
+            let cands = candidates.select(1, j);
+            let s = self.scores(&hidden.select(1, j), &unary.select(1, j), &cands, &previous);
+            previous = cands.gather(1, &s.argmax(-1, true), false).squeeze_dim(1);
+            path.push(previous.shallow_clone());
+        }
+        Tensor::stack(&path, 1)
+    }
+
+    /// Kind of the codebooks (for callers building inputs).
+    pub fn kind(&self) -> Kind {
+        self.successor_codebook.kind()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    fn config(k: i64) -> Dflash2Config {
+        Dflash2Config { conv_kernel_size: k, conv_group_size: 2, selector_rank: 3, selector_top_k: 4 }
+    }
+
+    /// The convolution against a direct evaluation of its definition, with
+    /// random kernels: within each block, slot j is sum_t (base[t][c] +
+    /// dyn[j][t][c / gs]) * x[j - t][c], zero where j - t leaves the block.
+    #[test]
+    fn the_convolution_stays_inside_each_block_and_matches_its_definition() {
+        tch::manual_seed(1);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut conv = BlockConv::new(&vs.root(), 4, &config(2));
+        conv.base_kernel = Tensor::randn([2, 2, 4], (Kind::Double, Device::Cpu));
+        let (n, blocks, bl, h) = (2, 3, 4, 4);
+        let x = Tensor::randn([n, blocks * bl, h], (Kind::Double, Device::Cpu));
+        let dynamic = Tensor::randn([n, blocks * bl, 2, 2], (Kind::Double, Device::Cpu));
+        let got = conv.finish(&x, &dynamic, bl);
+        for s in 0..n {
+            for q in 0..blocks * bl {
+                for c in 0..h {
+                    let mut want = 0.0;
+                    for t in 0..2 {
+                        if q % bl >= t {
+                            let k = conv.base_kernel.double_value(&[1, t, c]) + dynamic.double_value(&[s, q, t, c / 2]);
+                            want += k * x.double_value(&[s, q - t, c]);
+                        }
+                    }
+                    let g = got.double_value(&[s, q, c]);
+                    assert!((g - want).abs() < 1e-12, "slot {q} channel {c}: {g} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_fresh_convolution_is_the_identity_and_a_fresh_selector_walks_the_top_logits() {
+        tch::manual_seed(2);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let c = config(2);
+        let conv = BlockConv::new(&vs.root().sub("conv"), 4, &c);
+        let x = Tensor::randn([1, 8, 4], (Kind::Float, Device::Cpu));
+        let (y, dynamic) = conv.prepare(&x, 4);
+        assert!(y.allclose(&x, 0.0, 0.0, false));
+        assert!(conv.finish(&x, &dynamic, 4).allclose(&x, 0.0, 0.0, false));
+        let selector = CandidateSelector::new(&vs.root().sub("sel"), 4, 10, &c);
+        let logits = Tensor::randn([2, 3, 10], (Kind::Float, Device::Cpu));
+        let path = selector.walk(
+            &Tensor::randn([2, 3, 4], (Kind::Float, Device::Cpu)),
+            &logits,
+            &Tensor::from_slice(&[1i64, 2]),
+        );
+        assert_eq!(path, logits.argmax(-1, false));
+    }
+
+    /// The walk conditions each slot on the token picked before it: a
+    /// transition score that favours the second candidate after token 7
+    /// changes the pick only after 7.
+    #[test]
+    fn the_walk_follows_its_own_picks() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut s = CandidateSelector::new(
+            &vs.root(),
+            1,
+            10,
+            &Dflash2Config { selector_rank: 1, selector_top_k: 2, ..config(2) },
+        );
+        s.predecessor_codebook = Tensor::zeros([10, 1], (Kind::Float, Device::Cpu));
+        let _ = s.predecessor_codebook.get(7).fill_(1.0);
+        s.successor_codebook = Tensor::zeros([10, 1], (Kind::Float, Device::Cpu));
+        let _ = s.successor_codebook.get(5).fill_(10.0);
+        s.hidden_projection.weight = Tensor::ones([1, 1], (Kind::Float, Device::Cpu));
+        // Slot 0 prefers 7 over 3; slot 1 prefers 4 over 5 by its logits.
+        let logits = Tensor::zeros([1, 2, 10], (Kind::Float, Device::Cpu));
+        let _ = logits.get(0).get(0).get(7).fill_(2.0);
+        let _ = logits.get(0).get(0).get(3).fill_(1.0);
+        let _ = logits.get(0).get(1).get(4).fill_(2.0);
+        let _ = logits.get(0).get(1).get(5).fill_(1.0);
+        let hidden = Tensor::ones([1, 2, 1], (Kind::Float, Device::Cpu));
+        let path = s.walk(&hidden, &logits, &Tensor::from_slice(&[0i64]));
+        assert_eq!(Vec::<i64>::try_from(path.view([-1])).unwrap(), [7, 5], "after 7, 5 scores 1 + 10 > 2");
+        let _ = logits.get(0).get(0).get(3).fill_(3.0);
+        let path = s.walk(&hidden, &logits, &Tensor::from_slice(&[0i64]));
+        assert_eq!(Vec::<i64>::try_from(path.view([-1])).unwrap(), [3, 4], "after 3 the logits decide");
+    }
+}
