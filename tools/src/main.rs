@@ -11,6 +11,7 @@ mod assets;
 mod bench_capture;
 mod bench_step;
 mod bench_transport;
+mod code_prompts;
 mod eval;
 mod gguf;
 mod launcher;
@@ -69,6 +70,9 @@ enum Command {
     PrepareSmollm2(assets::SmolArgs),
     /// Fetch the chitchat (training prompts) and MT-Bench (evaluation prompts) corpora.
     PrepareCorpora(assets::CorporaArgs),
+    /// Write "write this function" prompts from the docstrings of pinned
+    /// Python packages (PyPI wheels): a training file and a held-out one.
+    PrepareCodePrompts(code_prompts::CodePromptArgs),
     /// Let the target answer a dataset's prompts (greedy, batched) and write the new dataset.
     Regenerate(regenerate::RegenArgs),
     /// Measure acceptance length by real speculative decoding on held-out prompts.
@@ -87,6 +91,7 @@ fn run_tool(command: Command) -> Option<anyhow::Result<()>> {
         Command::PrepareSynthetic(a) => prepare::synthetic(&a),
         Command::PrepareSmollm2(a) => assets::prepare_smollm2(&a),
         Command::PrepareCorpora(a) => assets::prepare_corpora(&a),
+        Command::PrepareCodePrompts(a) => code_prompts::prepare_code_prompts(&a),
         Command::Regenerate(a) => regenerate::regenerate(&a),
         Command::Eval(a) => eval::run(&a),
         Command::BenchCapture(a) => bench_capture::run(&a),
@@ -103,6 +108,7 @@ fn main() -> ExitCode {
         Command::PrepareSynthetic(_)
             | Command::PrepareSmollm2(_)
             | Command::PrepareCorpora(_)
+            | Command::PrepareCodePrompts(_)
             | Command::Regenerate(_)
             | Command::Eval(_)
             | Command::BenchCapture(_)

