@@ -167,7 +167,16 @@ fn a_full_disk_keeps_the_last_good_checkpoint_and_training_goes_on() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(coord.wait_for_log("checkpoint_write", Duration::from_secs(10)), "{}", coord.log_text());
-    assert!(std::fs::read_dir(&ckpt).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with(".tmp")));
+    // A retry in flight writes its own temporary folder and removes it when
+    // it fails; what must not happen is one that stays. Between retries
+    // (their backoff) there is none.
+    let no_temporaries =
+        || std::fs::read_dir(&ckpt).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with(".tmp"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !no_temporaries() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(no_temporaries(), "a temporary checkpoint folder stayed for 10 s");
     // Space again: the retry succeeds and the run completes.
     std::fs::remove_file(&filler).unwrap();
     assert!(coord.expect_exit(Duration::from_secs(180)).success(), "{}", coord.log_text());

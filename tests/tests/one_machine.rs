@@ -115,3 +115,51 @@ fn packed_layout_with_noise_trains_too() {
     assert!(log.contains("PACKED layout"), "{log}");
     assert!(log.contains("step 6/6"), "{log}");
 }
+
+/// The run ends with the report over every `[eval]` prompt set: the
+/// primary set after an offset, and a further set sampled across its
+/// categories, each next to an untrained drafter, with the sentence that
+/// explains speed against tau from what was measured.
+#[test]
+fn dflash_up_ends_with_a_report_over_every_eval_set() {
+    let ws = Workspace::synthetic(300, 4);
+    let by_category: Vec<String> = ["a", "a", "b", "b", "c"]
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let text = format!("Question {i} of category {c}: what comes next?");
+            serde_json::json!({"id": format!("q{i}"), "category": c, "messages": [{"role": "user", "content": text}]})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(ws.path("cats.jsonl"), by_category.join("\n") + "\n").unwrap();
+    let eval = format!(
+        "[eval]\nname = \"held-out\"\nprompts_path = \"{data}\"\nprompts_offset = 290\nmax_prompts = 3\n\
+         max_new_tokens = 12\n[[eval.sets]]\nname = \"sampled\"\nprompts_path = \"{cats}\"\nper_category = 1\n",
+        data = ws.path("data.jsonl").display(),
+        cats = ws.path("cats.jsonl").display(),
+    );
+    let config = ws.config("report", &eval);
+    let mut up = dflash_tests::up(&ws, &config, &[], &[]);
+    let status = up.expect_exit(Duration::from_secs(240));
+    let log = up.log_text();
+    assert!(status.success(), "dflash up failed:\n{log}");
+
+    let report = std::fs::read_to_string(ws.path("up/report.txt")).expect("the report");
+    assert!(log.contains(&format!("report ({}):", ws.path("up/report.txt").display())), "{log}");
+    let rows: Vec<&str> = report.lines().collect();
+    assert!(rows[0].contains("untrained") && rows[0].contains("vs greedy"), "{report}");
+    assert!(rows[1].starts_with("held-out ") && rows[1].split_whitespace().nth(1) == Some("3"), "{report}");
+    assert!(rows[2].starts_with("sampled (3 categories)") && rows[2].contains(" 3 "), "{report}");
+    assert!(report.contains("Why speed and tau differ here: one draft-and-verify step cost"), "{report}");
+    // Each set's eval file: the prompts it picked and both drafters.
+    for (i, want) in [(0, vec!["291", "292", "293"]), (1, vec!["q0", "q2", "q4"])] {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(ws.path(&format!("up/eval-{i}.json"))).unwrap()).unwrap();
+        let labels: Vec<&str> = v["reports"].as_array().unwrap().iter().map(|r| r["label"].as_str().unwrap()).collect();
+        assert_eq!(labels, ["untrained", "trained"]);
+        let ids: Vec<&str> =
+            v["reports"][1]["per_prompt"].as_array().unwrap().iter().map(|p| p[0].as_str().unwrap()).collect();
+        assert_eq!(ids, want, "set {i} picked other prompts");
+    }
+}
