@@ -576,3 +576,46 @@ pub fn restore_checkpoint(dir: &Path, trainer: &mut Trainer) -> Result<TrainerSt
         .map_err(|e| ModelError::Checkpoint(format!("{}: {e}", opt_path.display())))?;
     Ok(state)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synthetic::synthetic_target_config;
+
+    fn dflash2_config() -> DrafterConfig {
+        let mut c = DrafterConfig::for_target(&synthetic_target_config(4), 2, 8, 3, vec![1, 2]);
+        c.dflash2 = Some(crate::dflash2::Dflash2Config {
+            conv_kernel_size: 2,
+            conv_group_size: 16,
+            selector_rank: 32,
+            selector_top_k: 16,
+        });
+        c
+    }
+
+    #[test]
+    fn a_dflash2_config_round_trips_through_its_export() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = dflash2_config();
+        std::fs::write(dir.path().join("config.json"), hf_config_json(&c).to_string()).unwrap();
+        assert_eq!(read_drafter_config(dir.path()).unwrap(), c);
+        let plain = DrafterConfig { dflash2: None, ..c };
+        std::fs::write(dir.path().join("config.json"), hf_config_json(&plain).to_string()).unwrap();
+        assert_eq!(read_drafter_config(dir.path()).unwrap(), plain);
+    }
+
+    #[test]
+    fn a_dflash2_export_missing_a_field_or_with_a_bad_group_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut v = hf_config_json(&dflash2_config());
+        v["dflash_config"].as_object_mut().unwrap().remove("selector_top_k");
+        std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
+        let e = read_drafter_config(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("config.json") && e.contains("dflash_config.selector_top_k"), "{e}");
+        let mut v = hf_config_json(&dflash2_config());
+        v["dflash_config"]["conv_group_size"] = 7.into();
+        std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
+        let e = read_drafter_config(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("conv_group_size 7 does not divide hidden_size 64"), "{e}");
+    }
+}
