@@ -354,19 +354,14 @@ impl Trainer {
             let logits = x.linear(&self.lm_head, None::<Tensor>);
             let lab = labels.narrow(0, start, len).unsqueeze(1);
             let w = weights.narrow(0, start, len);
-            let chosen = match (selector, &predecessors) {
-                (Some(sel), Some(pred)) => {
-                    let (unary, candidates) = sel.candidates(&logits);
-                    let supervised = weights.narrow(0, start, len).gt(0.0);
-                    let pick =
-                        SelectorPick::new(sel, &x, (unary, candidates), &pred.narrow(0, start, len), &lab, supervised);
-                    let c = pick.correct();
-                    picks.push(pick);
-                    c
-                }
-                _ => logits.argmax(-1, false).eq_tensor(&lab.squeeze_dim(1)),
-            };
-            correct_parts.push(chosen);
+            let pick = selector.zip(predecessors.as_ref()).map(|(sel, pred)| {
+                let supervised = weights.narrow(0, start, len).gt(0.0);
+                SelectorPick::new(sel, &x, sel.candidates(&logits), &pred.narrow(0, start, len), &lab, supervised)
+            });
+            correct_parts.push(match &pick {
+                Some(p) => p.correct(),
+                None => logits.argmax(-1, false).eq_tensor(&lab.squeeze_dim(1)),
+            });
             let mut probs = logits.softmax(-1, probs_kind);
             drop(logits);
             // CE = -log p[label]; p is clamped at the smallest normal float,
@@ -384,7 +379,7 @@ impl Trainer {
                 }
             };
             loss_parts.push((&ce * w.to_kind(Kind::Double)).sum(Kind::Double));
-            if let Some(pick) = picks.last().filter(|_| selector.is_some()) {
+            if let Some(pick) = &pick {
                 // The selector's cross-entropy, weighted like the block's,
                 // and its gradient on the candidates' logits (the unary
                 // scores): lambda * (softmax - onehot) over the k candidates.
@@ -392,6 +387,7 @@ impl Trainer {
                 let _ =
                     probs.scatter_add_(1, &pick.candidates, &(pick.score_gradient(acc) * lambda).to_kind(probs_kind));
             }
+            picks.extend(pick);
             row_weights.push(w);
             let _ = probs.scatter_add_(1, &lab, &Tensor::full([len, 1], -1.0, (probs_kind, device)));
             let _ = probs.to_kind(kind).matmul_out(&grad.narrow(0, start, len), &self.lm_head);
@@ -405,19 +401,15 @@ impl Trainer {
             // The selector's own parameters (and the hidden states through
             // its projection) by autograd; the unary scores are constants
             // here, their gradient went into `grad` above.
-            let unary = Tensor::cat(&picks.iter().map(|p| &p.unary).collect::<Vec<_>>(), 0);
-            let candidates = Tensor::cat(&picks.iter().map(|p| &p.candidates).collect::<Vec<_>>(), 0);
-            let target = Tensor::cat(&picks.iter().map(|p| &p.target).collect::<Vec<_>>(), 0);
-            let hit = Tensor::cat(&picks.iter().map(|p| &p.hit).collect::<Vec<_>>(), 0);
-            let scores = sel.scores(&rows, &unary, &candidates, pred);
+            let all =
+                |field: fn(&SelectorPick) -> &Tensor| Tensor::cat(&picks.iter().map(field).collect::<Vec<_>>(), 0);
+            let (target, hit) = (all(|p| &p.target), all(|p| &p.hit));
+            let scores = sel.scores(&rows, &all(|p| &p.unary), &all(|p| &p.candidates), pred);
             let log_p = scores.log_softmax(-1, acc).gather(1, &target.unsqueeze(1), false).squeeze_dim(1);
             let share = scale.to_kind(acc) * hit.to_kind(acc) * lambda;
             objective = objective.to_kind(acc) - (log_p * share).sum(acc);
-            tally.recalled += picks
-                .iter()
-                .map(|p| p.hit.logical_and(&p.supervised).to_kind(Kind::Double).sum(Kind::Double))
-                .fold(Tensor::zeros([], (Kind::Double, device)), |a, b| a + b)
-                .double_value(&[]);
+            let recalled = hit.logical_and(&all(|p| &p.supervised));
+            tally.recalled += recalled.to_kind(Kind::Double).sum(Kind::Double).double_value(&[]);
         }
         objective.backward();
         // Read back once per micro-batch: a read per chunk would stall the
