@@ -7,8 +7,11 @@ whether the tokens equal ours and the acceptance length of each verify step
 difference between the package's first-block logits and ours.
 
     python scripts/reference/public_client.py TARGET_DIR DRAFTER_DIR EVAL_JSON
+
+Runs on the CPU, or on the device DFLASH_REF_DEVICE names (e.g. cuda).
 """
 import json
+import os
 import sys
 
 import torch
@@ -27,10 +30,11 @@ if not torch.cuda.is_available():
 target_dir, drafter_dir, eval_json = sys.argv[1:4]
 torch.manual_seed(0)
 ev = json.load(open(eval_json))
-target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+device = torch.device(os.environ.get("DFLASH_REF_DEVICE", "cpu"))
+target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
 architecture = json.load(open(f"{drafter_dir}/config.json"))["architectures"][0]
 model_class = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash2DraftModel}[architecture]
-drafter = model_class.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+drafter = model_class.from_pretrained(drafter_dir, dtype=torch.float32).to(device).eval()
 trained = next(r for r in ev["reports"] if r["label"] == "trained")
 block = drafter.block_size
 result = {
@@ -69,7 +73,7 @@ else:
     drafter.compute_logits = recording_compute_logits
 
 for d in trained["decodes"]:
-    ids = torch.tensor([d["prompt_ids"]], dtype=torch.long)
+    ids = torch.tensor([d["prompt_ids"]], dtype=torch.long, device=device)
     proposals.clear()
     out = dflash_generate(drafter, target, ids, ev["max_new_tokens"], ev["stop_ids"], return_stats=True)
     tokens = out.output_ids[0, ids.shape[1]:].tolist()
@@ -93,16 +97,16 @@ for d in trained["decodes"]:
 
 with torch.no_grad():
     for d, ours in zip(trained["decodes"], ev["block_logits"]):
-        ids = torch.tensor([d["prompt_ids"]], dtype=torch.long)
+        ids = torch.tensor([d["prompt_ids"]], dtype=torch.long, device=device)
         o = target(ids, output_hidden_states=True)
         context = extract_context_feature(o.hidden_states, drafter.target_layer_ids)
         first = o.logits[0, -1].argmax()
-        blk = torch.full((1, block), drafter.mask_token_id, dtype=torch.long)
+        blk = torch.full((1, block), drafter.mask_token_id, dtype=torch.long, device=device)
         blk[0, 0] = first
         noise = target.get_input_embeddings()(blk)
-        positions = torch.arange(ids.shape[1] + block)[None]
+        positions = torch.arange(ids.shape[1] + block, device=device)[None]
         hidden = drafter(target_hidden=context, noise_embedding=noise, position_ids=positions)[:, 1:, :]
-        theirs = drafter.compute_logits(hidden, target.lm_head)[0]
+        theirs = drafter.compute_logits(hidden, target.lm_head)[0].cpu()
         ours = torch.tensor(ours, dtype=torch.float32)
         result["block_logits"].append({
             "id": d["id"],

