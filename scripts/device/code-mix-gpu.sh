@@ -12,6 +12,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
+. scripts/device/smollm2-eval.sh
 B=${DFLASH_BIN:-.device/bin}
 code_n=${1:-800}
 mkdir -p /tmp/g/wheels /tmp/g/parts
@@ -36,14 +37,6 @@ for data in chat mix; do
   echo "$data: up exit $? in $(( $(date +%s) - start )) s"
   grep -E "step [0-9]+/" "$OUT/up-$data.log" | tail -1
   ckpt=/tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest)
-  for set in chat mt code; do
-    case $set in
-      chat) args=(--prompts .device/g/chitchat-prompts.jsonl --offset 600 --limit 20 --set-name "held-out chitchat") ;;
-      mt) args=(--prompts .device/g/mt-bench-turn1.jsonl --per-category 2 --limit 16 --set-name MT-Bench) ;;
-      code) args=(--prompts .device/g/code-prompts-heldout.jsonl --limit 20 --set-name "held-out code") ;;
-    esac
-    timeout 100 $B/dflash eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$ckpt" "${args[@]}" \
-      --max-new-tokens 64 --json "$OUT/eval-$data-$set.json" 2>&1 | grep -E "trained +tau" | sed "s/^/$data $set: /"
-  done
+  smollm2_eval "$ckpt" "$data" chat mt code
 done
 date

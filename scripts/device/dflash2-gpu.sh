@@ -16,6 +16,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
+. scripts/device/smollm2-eval.sh
 B=${DFLASH_BIN:-.device/bin}
 phase=${1:?step or quality}
 
@@ -65,14 +66,6 @@ for variant in dflash dflash2; do
   echo "$name: up exit $? in $(( $(date +%s) - start )) s"
   grep -E "step [0-9]+/" "$OUT/up-$name.log" | tail -2
   ckpt=/tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest)
-  for set in chat mt; do
-    if [ $set = chat ]; then
-      args=(--prompts .device/g/chitchat-prompts.jsonl --offset 600 --limit 20 --set-name "held-out chitchat")
-    else
-      args=(--prompts .device/g/mt-bench-turn1.jsonl --per-category 2 --limit 16 --set-name MT-Bench)
-    fi
-    timeout 100 $B/dflash eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$ckpt" "${args[@]}" \
-      --max-new-tokens 64 --json "$OUT/eval-$name-$set.json" 2>&1 | grep -E "tau|greedy" | grep -v INFO
-  done
+  smollm2_eval "$ckpt" "$name" chat mt
 done
 date

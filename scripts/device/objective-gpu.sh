@@ -8,6 +8,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
+. scripts/device/smollm2-eval.sh
 B=${DFLASH_BIN:-.device/bin}
 mkdir -p /tmp/g/wheels /tmp/g/parts
 if [ ! -d /tmp/g/model ]; then
@@ -28,12 +29,5 @@ for loss in ce dpace; do
   echo "$loss: up exit $? in $(( $(date +%s) - start )) s"
   grep -E "step [0-9]+/" "$OUT/up-$loss.log" | tail -1
   ckpt=/tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest)
-  for set in chat mt; do
-    case $set in
-      chat) args=(--prompts .device/g/chitchat-prompts.jsonl --offset 600 --limit 20 --set-name "held-out chitchat") ;;
-      mt) args=(--prompts .device/g/mt-bench-turn1.jsonl --per-category 2 --limit 16 --set-name MT-Bench) ;;
-    esac
-    timeout 100 $B/dflash eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$ckpt" "${args[@]}" \
-      --max-new-tokens 64 --json "$OUT/eval-$loss-$set.json" 2>&1 | grep -E "trained +tau" | sed "s/^/$loss $set: /"
-  done
+  smollm2_eval "$ckpt" "$loss" chat mt
 done

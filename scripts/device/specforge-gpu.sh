@@ -20,6 +20,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
+. scripts/device/smollm2-eval.sh
 B=${DFLASH_BIN:-/tmp/dbin/bin}
 phase=${1:?data, train, score or all}
 block=${2:-16}
@@ -56,18 +57,6 @@ fi
 
 gamma=$( [ "$block" = 16 ] && echo 7.0 || echo 4.0 )
 name=b$block-l$layers
-eval_sets() { # DRAFTER LABEL
-  for set in chat mt; do
-    if [ $set = chat ]; then
-      args=(--prompts .device/g/chitchat-prompts.jsonl --offset 600 --limit 20 --set-name "held-out chitchat")
-    else
-      args=(--prompts .device/g/mt-bench-turn1.jsonl --per-category 2 --limit 16 --set-name MT-Bench)
-    fi
-    timeout 120 $B/dflash eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$1" "${args[@]}" \
-      --max-new-tokens 64 --json "$OUT/eval-$2-$set.json" 2>&1 | grep -E "tau|greedy" | grep -v INFO
-  done
-}
-
 if [ "$phase" = train ]; then
   rm -rf /tmp/g/up /tmp/g/checkpoints
   start=$(date +%s)
@@ -85,8 +74,8 @@ if [ "$phase" = train ]; then
     --gamma $gamma --max-seq-len 512 --token-budget 4096 --max-batch-size 32 --seed 0 \
     2>&1 | grep -v -i warn | tee "$OUT/specforge-$name.log" | tail -3
   echo "specforge $name: $steps steps in $(( $(date +%s) - start )) s"
-  eval_sets $ours dflash-$name
-  eval_sets /tmp/g/specforge-$name specforge-$name
+  smollm2_eval $ours dflash-$name chat mt
+  smollm2_eval /tmp/g/specforge-$name specforge-$name chat mt
   exit 0
 fi
 
