@@ -32,8 +32,10 @@ fi
 export PYTHONPATH=/tmp/site
 
 if [ "$phase" = all ]; then
-  [ -f /tmp/g/train.jsonl ] || "$0" data || exit 1
-  "$0" train "$block" "$layers" && "$0" score "$block" "$layers"
+  # Relative to the repository root (the cd above), wherever it was called from.
+  self=scripts/device/specforge-gpu.sh
+  [ -f /tmp/g/train.jsonl ] || $self data || exit 1
+  $self train "$block" "$layers" && $self score "$block" "$layers"
   exit
 fi
 
