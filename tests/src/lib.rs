@@ -392,6 +392,7 @@ pub fn planned_batch(
         epoch: planned.epoch,
         sample_ids: planned.sample_ids.clone(),
         trace_context: Default::default(),
+        target_top_k: 0,
     };
     edit(&mut header);
     let payload: Vec<u8> =

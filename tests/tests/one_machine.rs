@@ -116,6 +116,40 @@ fn packed_layout_with_noise_trains_too() {
     assert!(log.contains("step 6/6"), "{log}");
 }
 
+/// Distillation end to end: the target runs to its LM head and ships its
+/// top-k next tokens beside the features (from its feature cache in the
+/// second epoch), the drafter trains on every batch, and the printout says so.
+#[test]
+fn distillation_trains_on_the_targets_top_k() {
+    let ws = Workspace::synthetic(200, 3);
+    let config = ws.config("up-kd", "");
+    let mut up = dflash_tests::up(
+        &ws,
+        &config,
+        &[
+            "--set",
+            "training.loss=\"kd\"",
+            "--set",
+            "training.kd_top_k=8",
+            "--set",
+            "pipeline.target_feature_cache_mib=64",
+            "--set",
+            "run.epochs=2",
+        ],
+        &[],
+    );
+    let status = up.expect_exit(Duration::from_secs(180));
+    let log = up.log_text();
+    assert!(status.success(), "dflash up failed:\n{log}");
+    assert!(
+        log.contains("Objective: distillation (cross-entropy to the target's top-8 next-token distribution)"),
+        "{log}"
+    );
+    assert!(log.contains("and its top-8 next tokens for distillation"), "{log}");
+    assert!(log.contains("run completed"), "{log}");
+    assert!(!log.contains("skipped batch"), "no batch was skipped:\n{log}");
+}
+
 /// The run ends with the report over every `[eval]` prompt set: the
 /// primary set after an offset, and a further set sampled across its
 /// categories, each next to an untrained drafter, with the sentence that

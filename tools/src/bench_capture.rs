@@ -255,6 +255,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     layout,
                     layer_ids: layer_ids.iter().map(|&i| i as u32).collect(),
                     noise_std: 0.0,
+                    target_top_k: 0,
                 };
                 let bytes = spec.payload_bytes(a.batch_tokens, config.hidden_size as usize);
                 let mut post =
@@ -282,6 +283,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
                     stats: stats.clone(),
                     model,
                     layer_ids: layer_ids.clone(),
+                    top_k: 0,
                     label: "bench".into(),
                     cuda: cuda_feed(&cuda, device, a.batch_tokens, 4)?,
                     cache: dflash_target::feature_cache::FeatureCache::new(0),

@@ -47,7 +47,8 @@ pub struct BenchStepArgs {
     /// the optimizer step).
     #[arg(long, default_value = "none")]
     pub collective: String,
-    /// The training objective: ce or dpace (alpha 0.5).
+    /// The training objective: ce, dpace (alpha 0.5) or kd (from a random
+    /// top-32 per position, as a target would ship it).
     #[arg(long, default_value = "ce")]
     pub objective: String,
     /// The drafter: dflash, or dflash2 (the published shape: 2-tap
@@ -175,6 +176,11 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             input_ids: (0..total).map(|_| rng.random_range(0..shape.vocab_size as u32)).collect(),
             loss_mask: vec![1; total],
             seq_lengths: lens.iter().map(|&l| l as u32).collect(),
+            target_top_k: (a.objective == "kd").then(|| {
+                let logits = Tensor::randn([total as i64, shape.vocab_size], (tch::Kind::Float, device));
+                let (log_probs, ids) = logits.log_softmax(-1, tch::Kind::Float).topk(32, -1, true, true);
+                dflash_models::TopK { ids, log_probs }
+            }),
             landing: None,
             trace_context: Default::default(),
         });
@@ -210,7 +216,8 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
     let objective = match a.objective.as_str() {
         "ce" => dflash_models::Objective::CrossEntropy,
         "dpace" => dflash_models::Objective::Dpace { alpha: dflash_config::DEFAULT_DPACE_ALPHA },
-        other => anyhow::bail!("--objective: {other:?} is neither ce nor dpace"),
+        "kd" => dflash_models::Objective::Distill,
+        other => anyhow::bail!("--objective: {other:?} is none of ce, dpace and kd"),
     };
     let mut collectives = Vec::new();
     for c in a.collective.split(',').map(str::trim) {

@@ -75,6 +75,7 @@ fn batch(id: u64, target: &str, payload: &Bytes, hidden: u32) -> anyhow::Result<
         layer_ids: vec![0],
         hidden_size: hidden,
         sample_ids: vec![id],
+        target_top_k: 0,
         trace_context: Default::default(),
     };
     Ok(HostBatch::new(meta, payload.clone())?)
@@ -106,7 +107,13 @@ async fn grpc(
         instance_id: "bench-drafter".into(),
         credits: a.credits,
         expected: Expected {
-            spec: FeatureSpec { dtype: DType::Bf16, layout: Layout::Split, layer_ids: vec![0], noise_std: 0.0 },
+            spec: FeatureSpec {
+                dtype: DType::Bf16,
+                layout: Layout::Split,
+                layer_ids: vec![0],
+                noise_std: 0.0,
+                target_top_k: 0,
+            },
             hidden_size: hidden,
             vocab_size: 2,
             plan: std::sync::Arc::new(plan),

@@ -98,7 +98,11 @@ impl fmt::Display for RunConfig {
                 "D-PACE (cross-entropy weighted by expected acceptance, alpha {})",
                 t.dpace_alpha.unwrap_or(DEFAULT_DPACE_ALPHA)
             ),
-            Objective::Kd => "distillation (not supported)".into(),
+            Objective::Kd => format!(
+                "distillation (cross-entropy to the target's top-{} next-token distribution), slots decayed by gamma {}",
+                t.kd_top_k.unwrap_or(crate::DEFAULT_KD_TOP_K),
+                opt(&d.effective_gamma())
+            ),
         };
         let selector = match d.dflash2() {
             Some(_) => format!(

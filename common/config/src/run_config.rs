@@ -303,6 +303,10 @@ pub struct TrainingSection {
     /// top-k candidates, given the true predecessor) added to the block
     /// objective (unset: 1.0; only with `drafter.variant = "dflash2"`).
     pub selector_loss_weight: Option<f64>,
+    /// Distillation: how many of the target's most likely next tokens (with
+    /// their log-probabilities) each position ships (unset: 32; only with
+    /// `loss = "kd"`).
+    pub kd_top_k: Option<u32>,
     /// GPU drafters use only libtorch's deterministic kernels (and cuBLAS
     /// with a fixed workspace), so that a run at a fixed world size repeats
     /// bit for bit; an op without a deterministic kernel fails the run,
@@ -323,13 +327,22 @@ pub enum Objective {
     /// prod_{i<=m} q_i` with `q_i = (1 - a) exp(-CE_i) + a`, detached: the
     /// expected acceptance a correct slot j still contributes to.
     Dpace,
-    /// Distillation from the target's next-token distribution: named so that
-    /// it is refused with a reason (the targets do not ship that distribution).
+    /// Distillation: the cross-entropy of each slot against the target's
+    /// next-token distribution at the same position, restricted to its top
+    /// `kd_top_k` tokens (renormalized), which the targets then ship beside
+    /// the features; slot weights as for `ce`.
     Kd,
 }
 
 /// D-PACE's smoothing when `training.dpace_alpha` is unset.
 pub const DEFAULT_DPACE_ALPHA: f64 = 0.5;
+
+/// Distillation's top-k when `training.kd_top_k` is unset.
+pub const DEFAULT_KD_TOP_K: u32 = 32;
+
+/// The largest `training.kd_top_k`: at 1,024 a position already ships 8 KiB,
+/// as much as a 4,096-wide bf16 layer.
+pub const MAX_KD_TOP_K: u32 = 1024;
 
 /// DFlash2's selector loss weight when unset (the peers' default).
 pub const DEFAULT_SELECTOR_LOSS_WEIGHT: f64 = 1.0;
@@ -356,6 +369,7 @@ impl Default for TrainingSection {
             loss: Objective::Ce,
             dpace_alpha: None,
             selector_loss_weight: None,
+            kd_top_k: None,
             deterministic_kernels: false,
         }
     }

@@ -1,8 +1,8 @@
 //! Validation, once, with errors that name the field.
 
 use crate::{
-    ConfigError, DEFAULT_SELECTOR_LOSS_WEIGHT, DrafterLayerType, FieldError, Objective, RunConfig,
-    default_target_layer_ids,
+    ConfigError, DEFAULT_KD_TOP_K, DEFAULT_SELECTOR_LOSS_WEIGHT, DrafterLayerType, FieldError, MAX_KD_TOP_K, Objective,
+    RunConfig, default_target_layer_ids,
 };
 
 /// What the coordinator learns from the target model to finish the config.
@@ -103,7 +103,7 @@ impl RunConfig {
                 });
             }
         }
-        // Gamma weights the slots of the cross-entropy objective only.
+        // Gamma weights the slots of the cross-entropy objectives (data and distilled) only.
         match (self.training.loss, d.effective_gamma()) {
             (Objective::Dpace, _) => {}
             (_, Some(g)) => {
@@ -160,12 +160,24 @@ impl RunConfig {
         c.require(t.attention_chunk_blocks >= 1, "training.attention_chunk_blocks", || "must be at least 1".into());
         c.require(t.context_pad_multiple >= 1, "training.context_pad_multiple", || "must be at least 1".into());
         c.require(t.max_bad_batches_in_a_row >= 1, "training.max_bad_batches_in_a_row", || "must be at least 1".into());
-        c.require(t.loss != Objective::Kd, "training.loss", || {
-            "is \"kd\": distillation needs the target's next-token distribution at every position (its \
-             final-layer state or top-k logits on the wire), which the targets of this build do not ship; \
-             use \"ce\" or \"dpace\""
-                .into()
-        });
+        if let Some(k) = t.kd_top_k {
+            c.require(t.loss == Objective::Kd, "training.kd_top_k", || {
+                format!("is set ({k}) but training.loss is not \"kd\": only distillation reads it")
+            });
+        }
+        if t.loss == Objective::Kd {
+            let k = t.kd_top_k.unwrap_or(DEFAULT_KD_TOP_K);
+            c.require((1..=MAX_KD_TOP_K).contains(&k), "training.kd_top_k", || {
+                format!(
+                    "is {k}; must be between 1 and {MAX_KD_TOP_K} (each position ships k ids and log-probabilities)"
+                )
+            });
+            c.require(self.drafter.dflash2().is_none(), "training.loss", || {
+                "is \"kd\"; distillation trains the block's own logits, and DFlash2's selector (which learns \
+                 from the data tokens) is not combined with it: use \"ce\" or \"dpace\" with drafter.variant = \"dflash2\""
+                    .into()
+            });
+        }
         if let Some(a) = t.dpace_alpha {
             c.require(t.loss == Objective::Dpace, "training.dpace_alpha", || {
                 format!("is set ({a}) but training.loss is not \"dpace\": only D-PACE reads it")
@@ -308,7 +320,7 @@ impl RunConfig {
                 });
             }
         }
-        if self.drafter.gamma.is_none() && self.training.loss == Objective::Ce {
+        if self.drafter.gamma.is_none() && matches!(self.training.loss, Objective::Ce | Objective::Kd) {
             self.drafter.gamma = self.drafter.effective_gamma();
         }
         let d = &mut self.drafter;
@@ -326,6 +338,12 @@ impl RunConfig {
             (d.conv_kernel_size, d.conv_group_size, d.selector_rank, d.selector_top_k) =
                 (Some(v.conv_kernel_size), Some(v.conv_group_size), Some(v.selector_rank), Some(v.selector_top_k));
             self.training.selector_loss_weight.get_or_insert(DEFAULT_SELECTOR_LOSS_WEIGHT);
+        }
+        if self.training.loss == Objective::Kd {
+            let k = *self.training.kd_top_k.get_or_insert(DEFAULT_KD_TOP_K);
+            c.require(k <= target.vocab_size, "training.kd_top_k", || {
+                format!("is {k}; the vocabulary has only {} tokens", target.vocab_size)
+            });
         }
         if c.0.is_empty() { Ok(()) } else { Err(ConfigError::Invalid(c.0)) }
     }
@@ -498,9 +516,20 @@ mod tests {
     fn objectives_are_read_or_refused_with_their_field() {
         let mut c = valid();
         c.training.loss = Objective::Kd;
+        c.validate().unwrap();
+        c.training.kd_top_k = Some(0);
         let err = c.validate().unwrap_err().to_string();
-        assert!(err.contains("training.loss") && err.contains("distillation"), "{err}");
+        assert!(err.contains("training.kd_top_k") && err.contains("between 1 and 1024"), "{err}");
+        c.training.kd_top_k = None;
+        c.drafter.variant = crate::DrafterVariant::Dflash2;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("training.loss") && err.contains("selector"), "{err}");
+        c.drafter.variant = crate::DrafterVariant::Dflash;
         c.training.loss = Objective::Ce;
+        c.training.kd_top_k = Some(8);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("training.kd_top_k") && err.contains("only distillation"), "{err}");
+        c.training.kd_top_k = None;
         c.training.dpace_alpha = Some(0.5);
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("training.dpace_alpha") && err.contains("only D-PACE"), "{err}");

@@ -67,6 +67,11 @@ pub struct BlockLayout {
     pub rows: Vec<i64>,
     pub labels: Vec<i64>,
     pub weights: Vec<f32>,
+    /// Per row: (sequence, position) whose next-token distribution the
+    /// label is drawn from (the label's position - 1; the sequence's last
+    /// position for a row past its end, which has weight 0). Distillation
+    /// reads the target's top-k there.
+    pub sources: Vec<(u32, u32)>,
     /// Real blocks (rows.len() / (B-1)).
     pub real_blocks: usize,
 }
@@ -95,6 +100,7 @@ impl BlockLayout {
             rows: Vec::new(),
             labels: Vec::new(),
             weights: Vec::new(),
+            sources: Vec::new(),
             real_blocks: 0,
         };
         for (i, seq) in seqs.iter().enumerate() {
@@ -122,6 +128,7 @@ impl BlockLayout {
                     l.rows.push((base + k) as i64);
                     l.labels.push(if in_range { seq.input_ids[pos] as i64 } else { 0 });
                     l.weights.push(w as f32);
+                    l.sources.push((i as u32, (pos.min(len) - 1) as u32));
                 }
             }
         }

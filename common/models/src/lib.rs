@@ -10,6 +10,7 @@ pub mod collective;
 pub mod cuda;
 pub mod decoder;
 pub mod dflash2;
+pub mod distill;
 pub mod dp;
 pub mod drafter;
 pub mod evaluation;
@@ -36,6 +37,7 @@ pub mod zoo;
 
 use std::path::{Path, PathBuf};
 
+pub use distill::TopK;
 pub use drafter::{BlockAttention, Drafter, DrafterConfig, DrafterInput, LayerType};
 pub use kv_cache::KvCache;
 pub use target::{LoadScope, TargetModel, load_embeddings};

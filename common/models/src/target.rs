@@ -8,6 +8,7 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 use crate::decoder::DecoderLayer;
+use crate::distill::TopK;
 use crate::layers::RmsNorm;
 use crate::rope::Rope;
 use crate::target_config::TargetConfig;
@@ -183,8 +184,37 @@ impl TargetModel {
     /// layer in `layer_ids` (HF `hidden_states[id + 1]`), each `[T, H]`.
     /// Attention is causal within each sequence; positions restart at 0.
     pub fn capture_packed(&self, input_ids: &Tensor, seq_lengths: &[i64], layer_ids: &[i64]) -> Vec<Tensor> {
-        let _guard = tch::no_grad_guard();
         let last = *layer_ids.iter().max().expect("at least one captured layer");
+        self.run_packed(input_ids, seq_lengths, layer_ids, last).1
+    }
+
+    /// [`TargetModel::capture_packed`], then the remaining layers, the final
+    /// norm and the LM head: the distillation targets, the `k` most likely
+    /// next tokens at every position (needs [`LoadScope::Full`]).
+    pub fn capture_packed_with_top_k(
+        &self,
+        input_ids: &Tensor,
+        seq_lengths: &[i64],
+        layer_ids: &[i64],
+        k: i64,
+    ) -> (Vec<Tensor>, TopK) {
+        let _guard = tch::no_grad_guard();
+        let norm = self.norm.as_ref().expect("distillation targets need a fully loaded target");
+        let head = self.lm_head.as_ref().expect("distillation targets need a fully loaded target");
+        let (x, captured) = self.run_packed(input_ids, seq_lengths, layer_ids, self.config.num_layers - 1);
+        (captured, TopK::of_hidden(&norm.forward(&x), head, k))
+    }
+
+    /// Layers `0..=last` over packed sequences: the final residual stream
+    /// and the captures of `layer_ids`.
+    fn run_packed(
+        &self,
+        input_ids: &Tensor,
+        seq_lengths: &[i64],
+        layer_ids: &[i64],
+        last: i64,
+    ) -> (Tensor, Vec<Tensor>) {
+        let _guard = tch::no_grad_guard();
         assert!(last < self.loaded_layers(), "layer {last} not loaded");
         let positions = Tensor::cat(
             &seq_lengths.iter().map(|&l| Tensor::arange(l, (Kind::Int64, self.device))).collect::<Vec<_>>(),
@@ -200,7 +230,7 @@ impl TargetModel {
                 captured.push(x.shallow_clone());
             }
         }
-        captured
+        (x, captured)
     }
 
     /// Where the time of a packed forward goes: runs the captured layers

@@ -50,6 +50,12 @@ pub enum Objective {
     /// and adds nothing to the sums. Normalized by the batch's supervised
     /// slots, so the loss reads as weighted cross-entropy per slot.
     Dpace { alpha: f64 },
+    /// Distillation: the cross-entropy of slot k against the target's
+    /// next-token distribution at the same position (its top-k, shipped in
+    /// [`DeviceBatch::target_top_k`], renormalized), weighted like
+    /// [`Objective::CrossEntropy`]. A slot is correct when its proposal is
+    /// the target's most likely token: what greedy verification accepts.
+    Distill,
 }
 
 /// D-PACE's weights `[blocks, B-1]` from the label probabilities `p` and
@@ -70,6 +76,9 @@ pub struct DeviceBatch {
     pub input_ids: Vec<u32>,
     pub loss_mask: Vec<u8>,
     pub seq_lengths: Vec<u32>,
+    /// Distillation: the target's top-k next tokens at every position
+    /// (`[T, k]`, ids as Int64), on the drafter's device.
+    pub target_top_k: Option<crate::TopK>,
     /// Memory `features` may view (a pooled device buffer); kept alive until
     /// the batch, and so its last use by a train step, is gone.
     pub landing: Option<Box<dyn std::any::Any + Send>>,
@@ -198,6 +207,26 @@ impl Trainer {
         if !bool::try_from(batch.features.isfinite().all()).unwrap_or(false) {
             return StepOutcome::Skipped(format!("batch {}: non-finite target features", batch.batch_id));
         }
+        let teacher = match (s.objective, &batch.target_top_k) {
+            (Objective::Distill, None) => {
+                return StepOutcome::Skipped(format!(
+                    "batch {}: distillation needs the target's top-k next tokens; the batch has none",
+                    batch.batch_id
+                ));
+            }
+            (Objective::Distill, Some(t)) => {
+                // -inf is a probability that underflowed (weight 0); NaN or +inf is broken.
+                let lp = &t.log_probs;
+                if bool::try_from(lp.isnan().logical_or(&lp.isposinf()).any()).unwrap_or(true) {
+                    return StepOutcome::Skipped(format!(
+                        "batch {}: non-finite log-probabilities in the target's top-k",
+                        batch.batch_id
+                    ));
+                }
+                Some(t)
+            }
+            _ => None,
+        };
         // Anchors: deterministic in (seed, batch id), so a redone batch after
         // a restart trains on the same blocks.
         let mut rng = ChaCha8Rng::seed_from_u64(s.seed ^ batch.batch_id.wrapping_mul(0x2545_F491_4F6C_DD1D));
@@ -245,7 +274,7 @@ impl Trainer {
             })
             .collect();
         let total_weight: f64 = match s.objective {
-            Objective::CrossEntropy => layouts.iter().map(BlockLayout::total_weight).sum(),
+            Objective::CrossEntropy | Objective::Distill => layouts.iter().map(BlockLayout::total_weight).sum(),
             Objective::Dpace { .. } => layouts.iter().map(|l| l.supervised_slots() as f64).sum(),
         };
         if total_weight <= 0.0 {
@@ -256,7 +285,7 @@ impl Trainer {
         let mut tally = Tally { correct: vec![0.0; b - 1], counted: vec![0.0; b - 1], ..Tally::default() };
         for (g, layout) in groups.iter().zip(&layouts) {
             let feats: Vec<(usize, usize)> = g.iter().map(|&i| (offsets[i], seqs[i].input_ids.len())).collect();
-            self.micro_batch(&batch.features, &feats, layout, total_weight, &mut tally);
+            self.micro_batch(&batch.features, teacher, &feats, layout, total_weight, &mut tally);
         }
         let loss = tally.loss_sum / total_weight;
         if !loss.is_finite() {
@@ -300,6 +329,7 @@ impl Trainer {
     fn micro_batch(
         &self,
         features: &Tensor,
+        teacher: Option<&crate::TopK>,
         members: &[(usize, usize)],
         layout: &BlockLayout,
         total_weight: f64,
@@ -322,6 +352,14 @@ impl Trainer {
         let selector = self.drafter.selector();
         let predecessors = selector.map(|_| Tensor::from_slice(&layout.predecessors()).to_device(device));
         let lambda = self.settings.selector_loss_weight;
+        // Distillation: each row's target top-k, read where its label's
+        // distribution is (the position before the label), renormalized.
+        let teacher = teacher.map(|t| {
+            let at: Vec<i64> =
+                layout.sources.iter().map(|&(i, p)| (members[i as usize].0 + p as usize) as i64).collect();
+            let r = t.rows(&Tensor::from_slice(&at).to_device(device));
+            (r.ids, r.log_probs.softmax(-1, if kind == Kind::Double { Kind::Double } else { Kind::Float }))
+        });
         let mut picks = Vec::new(); // DFlash2: each chunk's candidates, for the selector's backward
 
         // Chunked logits with the cross-entropy gradient written by hand:
@@ -358,9 +396,12 @@ impl Trainer {
                 let supervised = weights.narrow(0, start, len).gt(0.0);
                 SelectorPick::new(sel, &x, sel.candidates(&logits), &pred.narrow(0, start, len), &lab, supervised)
             });
-            correct_parts.push(match &pick {
-                Some(p) => p.correct(),
-                None => logits.argmax(-1, false).eq_tensor(&lab.squeeze_dim(1)),
+            let taught = teacher.as_ref().map(|(ids, p)| (ids.narrow(0, start, len), p.narrow(0, start, len)));
+            correct_parts.push(match (&pick, &taught) {
+                (Some(p), _) => p.correct(),
+                // Greedy verification accepts the target's most likely token.
+                (None, Some((ids, _))) => logits.argmax(-1, false).eq_tensor(&ids.select(1, 0)),
+                (None, None) => logits.argmax(-1, false).eq_tensor(&lab.squeeze_dim(1)),
             });
             let mut probs = logits.softmax(-1, probs_kind);
             drop(logits);
@@ -368,11 +409,18 @@ impl Trainer {
             // so a confidently wrong slot reports a loss of at most ~87 where
             // a log-sum-exp would report more (its gradient is exact either way).
             let p_label = probs.gather(1, &lab, false).squeeze_dim(1);
-            let ce = p_label.to_kind(Kind::Double).clamp_min(f64::from(f32::MIN_POSITIVE)).log().neg();
+            let log_p = |p: Tensor| p.to_kind(Kind::Double).clamp_min(f64::from(f32::MIN_POSITIVE)).log();
+            let ce = match &taught {
+                // -sum_j p_target(j) log p(j) over the target's top-k.
+                Some((ids, p)) => (log_p(probs.gather(1, ids, false)) * p.to_kind(Kind::Double))
+                    .sum_dim_intlist(1, false, Kind::Double)
+                    .neg(),
+                None => log_p(p_label.shallow_clone()).neg(),
+            };
             // Chunks hold whole blocks (B-1 rows each), so D-PACE's per-block
             // products see every slot of a block.
             let w = match self.settings.objective {
-                Objective::CrossEntropy => w.to_kind(acc),
+                Objective::CrossEntropy | Objective::Distill => w.to_kind(acc),
                 Objective::Dpace { alpha } => {
                     let valid = w.gt(0.0).view([-1, bm1]);
                     dpace_weights(&p_label.to_kind(acc).view([-1, bm1]), &valid, alpha).view([-1])
@@ -389,7 +437,12 @@ impl Trainer {
             }
             picks.extend(pick);
             row_weights.push(w);
-            let _ = probs.scatter_add_(1, &lab, &Tensor::full([len, 1], -1.0, (probs_kind, device)));
+            // d/d(logits) = softmax - target: the one-hot label, or the
+            // target's renormalized top-k.
+            let _ = match &taught {
+                Some((ids, p)) => probs.scatter_add_(1, ids, &p.neg().to_kind(probs_kind)),
+                None => probs.scatter_add_(1, &lab, &Tensor::full([len, 1], -1.0, (probs_kind, device))),
+            };
             let _ = probs.to_kind(kind).matmul_out(&grad.narrow(0, start, len), &self.lm_head);
             start += len;
         }
@@ -573,6 +626,14 @@ mod tests {
         objective_against_autograd(Device::Cpu, Kind::Double, Objective::Dpace { alpha: 0.5 }, Some(1.0), 1e-9, 1e-9);
     }
 
+    /// Distillation through `Trainer::micro_batch` against autograd of the
+    /// soft cross-entropy to a random target's renormalized top-k, read at
+    /// each label's previous position.
+    #[test]
+    fn distillation_matches_autograd_in_f64() {
+        objective_against_autograd(Device::Cpu, Kind::Double, Objective::Distill, None, 1e-9, 1e-9);
+    }
+
     fn objective_against_autograd(
         device: Device,
         kind: Kind,
@@ -624,8 +685,14 @@ mod tests {
         let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors: vec![3, 5, 8, 12, 16] }];
         let layout = BlockLayout::new(&seqs, &trainer.settings.blocks, 100);
         let features = Tensor::randn([19, 2 * tc.hidden_size], opts);
+        // A target's top-6 at each of the 19 positions (distillation only).
+        let teacher = (objective == Objective::Distill).then(|| {
+            let logits = Tensor::randn([19, tc.vocab_size], (Kind::Float, device)) * 2.0;
+            let (log_probs, ids) = logits.log_softmax(-1, Kind::Float).topk(6, -1, true, true);
+            crate::TopK { ids, log_probs }
+        });
         let total = match objective {
-            Objective::CrossEntropy => layout.total_weight(),
+            Objective::CrossEntropy | Objective::Distill => layout.total_weight(),
             Objective::Dpace { .. } => layout.supervised_slots() as f64,
         } * 1.5; // as if other micro-batches shared the step
         let grads = |t: &Trainer| -> Vec<Tensor> {
@@ -636,7 +703,7 @@ mod tests {
         for (_, p) in trainer.drafter.named_parameters() {
             let _ = p.grad().zero_();
         }
-        trainer.micro_batch(&features, &[(0, 19)], &layout, total, &mut tally);
+        trainer.micro_batch(&features, teacher.as_ref(), &[(0, 19)], &layout, total, &mut tally);
         let (loss, got) = (tally.loss_sum / total, grads(&trainer));
 
         for (_, p) in trainer.drafter.named_parameters() {
@@ -647,13 +714,24 @@ mod tests {
             hidden.view([-1, tc.hidden_size]).index_select(0, &Tensor::from_slice(&layout.rows).to_device(device));
         let logits = rows.linear(trainer.lm_head(), None::<Tensor>);
         let acc = if kind == Kind::Double { Kind::Double } else { Kind::Float };
-        let ce = logits.to_kind(acc).cross_entropy_loss::<Tensor>(
-            &Tensor::from_slice(&layout.labels).to_device(device),
-            None,
-            tch::Reduction::None,
-            -100,
-            0.0,
-        );
+        let ce = match &teacher {
+            Some(t) => {
+                // The label at position p is predicted by the target at p - 1.
+                let at: Vec<i64> = layout.sources.iter().map(|&(_, p)| p as i64).collect();
+                assert!(layout.labels.iter().zip(&at).all(|(&l, &p)| l == 0 || ids[p as usize + 1] as i64 == l));
+                let r = t.rows(&Tensor::from_slice(&at).to_device(device));
+                let p = r.log_probs.softmax(-1, Kind::Double);
+                let log_q = logits.to_kind(acc).log_softmax(-1, acc).gather(1, &r.ids, false).to_kind(Kind::Double);
+                (log_q * p).sum_dim_intlist(1, false, Kind::Double).neg()
+            }
+            None => logits.to_kind(acc).cross_entropy_loss::<Tensor>(
+                &Tensor::from_slice(&layout.labels).to_device(device),
+                None,
+                tch::Reduction::None,
+                -100,
+                0.0,
+            ),
+        };
         let mut weights = Tensor::from_slice(&layout.weights).to_device(device).to_kind(Kind::Double);
         if let Objective::Dpace { alpha } = objective {
             let p = Vec::<f64>::try_from(ce.detach().to_kind(Kind::Double).neg().exp().to_device(Device::Cpu)).unwrap();

@@ -50,6 +50,7 @@ fn batch(id: u64) -> DeviceBatch {
         input_ids: (0..t as u32).map(|i| 20 + (i * 7) % 200).collect(),
         loss_mask: vec![1; t],
         seq_lengths: lens.to_vec(),
+        target_top_k: None,
         landing: None,
         trace_context: Default::default(),
     }

@@ -101,6 +101,20 @@ fn every_family_matches_transformers_through_capture_and_decoding() {
             let err = max_rel_err(&captured[l].narrow(0, 0, prefix), &want.narrow(0, 0, prefix));
             assert!(err < TOLERANCE, "{name} layer {l} (packed prefix): {err}");
         }
+
+        // Distillation targets: the packed path continued through the final
+        // norm and LM head picks transformers' top-8 next tokens at every
+        // position of the prompt, with transformers' log-probabilities
+        // (compared by value, so a near-tie may order two ids either way).
+        let (_, top) = t.capture_packed_with_top_k(&packed, &[prefix, n], &[0], 8);
+        let want_lp = r.logits.log_softmax(-1, Kind::Float);
+        let (want_top, _) = want_lp.topk(8, -1, true, true);
+        let (ids, got) = (top.ids.narrow(0, prefix, n).to_kind(Kind::Int64), top.log_probs.narrow(0, prefix, n));
+        let at_ids = want_lp.gather(1, &ids, false);
+        for (what, x) in [("ranked values", &want_top), ("their ids' values", &at_ids)] {
+            let err = (&got - x).abs().max().double_value(&[]);
+            assert!(err < 1e-4, "{name}: top-k log-probabilities differ from transformers' {what} by {err}");
+        }
         checked.push(*name);
     }
     assert_eq!(checked.len(), FIXTURES.len());

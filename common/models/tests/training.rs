@@ -46,6 +46,7 @@ fn batch() -> DeviceBatch {
         input_ids: (0..t as u32).map(|i| 20 + (i * 7) % 200).collect(),
         loss_mask: (0..t).map(|i| u8::from(i % 5 != 0)).collect(),
         seq_lengths: lens.to_vec(),
+        target_top_k: None,
         landing: None,
         trace_context: Default::default(),
     }

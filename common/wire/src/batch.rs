@@ -60,6 +60,9 @@ pub struct BatchMeta {
     pub layer_ids: Vec<u32>,
     pub hidden_size: u32,
     pub sample_ids: Vec<u64>,
+    /// Distillation: the target's `k` most likely next tokens per position
+    /// follow the features (0: none; see [`BatchMeta::distill_bytes`]).
+    pub target_top_k: u32,
     /// W3C trace context (traceparent, tracestate) of the batch.
     pub trace_context: HashMap<String, String>,
 }
@@ -69,9 +72,21 @@ impl BatchMeta {
         self.input_ids.len()
     }
 
-    /// Bytes of the hidden states: T * k * H * element size.
+    /// Bytes of the payload: the features, then the distillation targets.
     pub fn payload_bytes(&self) -> usize {
+        self.feature_bytes() + self.distill_bytes()
+    }
+
+    /// Bytes of the hidden states: T * layers * H * element size.
+    pub fn feature_bytes(&self) -> usize {
         self.token_count() * self.layer_ids.len() * self.hidden_size as usize * self.dtype.size()
+    }
+
+    /// Bytes of the distillation targets: per position the top-k token ids
+    /// (int32) and then, after all ids, their log-probabilities (float32):
+    /// T * k * 8.
+    pub fn distill_bytes(&self) -> usize {
+        distill_bytes(self.token_count(), self.target_top_k as usize)
     }
 
     /// Checks the header's internal consistency.
@@ -130,6 +145,7 @@ impl BatchMeta {
             epoch: self.epoch,
             sample_ids: self.sample_ids.clone(),
             trace_context: self.trace_context.clone(),
+            target_top_k: self.target_top_k,
         }
     }
 
@@ -162,17 +178,28 @@ impl BatchMeta {
             layer_ids: h.layer_ids,
             hidden_size: h.hidden_size,
             sample_ids: h.sample_ids,
+            target_top_k: h.target_top_k,
             trace_context: h.trace_context,
         };
         meta.validate()?;
         if meta.payload_bytes() as u64 != h.payload_bytes {
             return Err(WireError::InvalidHeader {
                 batch_id: meta.batch_id,
-                what: format!("payload_bytes {} does not match T*k*H*elem = {}", h.payload_bytes, meta.payload_bytes()),
+                what: format!(
+                    "payload_bytes {} does not match T*k*H*elem + T*top_k*8 = {}",
+                    h.payload_bytes,
+                    meta.payload_bytes()
+                ),
             });
         }
         Ok(meta)
     }
+}
+
+/// Bytes of the distillation targets of `tokens` positions at top-`k`
+/// (an int32 id and a float32 log-probability each).
+pub fn distill_bytes(tokens: usize, k: usize) -> usize {
+    tokens * k * 8
 }
 
 /// A batch whose hidden states sit in host memory, ready to send or train on.

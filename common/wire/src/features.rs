@@ -17,6 +17,9 @@ pub struct FeatureSpec {
     pub layer_ids: Vec<u32>,
     /// Std of the uniform noise on the features (0: none).
     pub noise_std: f64,
+    /// Distillation: the target's top-k next tokens shipped per position
+    /// (0: none).
+    pub target_top_k: u32,
 }
 
 impl DType {
@@ -39,6 +42,10 @@ impl FeatureSpec {
             layout: if c.pipeline.split_fc_layers { Layout::Split } else { Layout::Packed },
             layer_ids: c.model.target_layer_ids.clone(),
             noise_std: c.training.feature_noise_std,
+            target_top_k: match c.training.loss {
+                dflash_config::Objective::Kd => c.training.kd_top_k.unwrap_or(dflash_config::DEFAULT_KD_TOP_K),
+                _ => 0,
+            },
         }
     }
 
@@ -57,6 +64,7 @@ impl FeatureSpec {
     /// Payload bytes of `tokens` tokens of a target of `hidden` hidden size.
     pub fn payload_bytes(&self, tokens: usize, hidden: usize) -> usize {
         tokens * self.layer_ids.len() * hidden * self.dtype.size()
+            + crate::distill_bytes(tokens, self.target_top_k as usize)
     }
 
     /// Why a batch's header does not match the spec, if it does not.
@@ -69,6 +77,12 @@ impl FeatureSpec {
         }
         if m.layout != self.layout {
             return Some(format!("layout {} but the run uses {}", m.layout, self.layout));
+        }
+        if m.target_top_k != self.target_top_k {
+            return Some(format!(
+                "the target's top-{} next tokens but the run distills from its top {} (0: none)",
+                m.target_top_k, self.target_top_k
+            ));
         }
         None
     }
@@ -89,6 +103,12 @@ mod tests {
         assert_eq!((s.dtype, s.layout), (DType::Bf16, Layout::Split));
         assert_eq!((s.target_noise_std(), s.drafter_noise_std()), (0.0, 0.2));
         assert_eq!(s.payload_bytes(10, 64), 10 * 3 * 64 * 2);
+        assert_eq!(s.target_top_k, 0);
+        c.training.loss = dflash_config::Objective::Kd;
+        let s = FeatureSpec::of(&c);
+        assert_eq!(s.target_top_k, dflash_config::DEFAULT_KD_TOP_K);
+        assert_eq!(s.payload_bytes(10, 64), 10 * 3 * 64 * 2 + 10 * 32 * 8);
+        c.training.loss = dflash_config::Objective::Ce;
 
         c.devices.target = dflash_config::DeviceList::cpu();
         c.pipeline.split_fc_layers = false;

@@ -13,7 +13,7 @@ mod outbound;
 pub mod rpc;
 mod stream;
 
-pub use batch::{BatchMeta, DType, HostBatch, Layout};
+pub use batch::{BatchMeta, DType, HostBatch, Layout, distill_bytes};
 pub use features::FeatureSpec;
 pub use inbound::{ChunkParts, Inbound, InboundError, InboundFrames};
 pub use outbound::{Pieces, grpc_message, grpc_pieces};
@@ -59,6 +59,10 @@ mod tests {
     use dflash_proto::target_message::Msg;
 
     fn batch(tokens: usize, k: usize, h: usize) -> HostBatch {
+        with_top_k(tokens, k, h, 0)
+    }
+
+    fn with_top_k(tokens: usize, k: usize, h: usize, top_k: u32) -> HostBatch {
         let meta = BatchMeta {
             batch_id: 42,
             epoch: 1,
@@ -71,6 +75,7 @@ mod tests {
             layer_ids: (0..k as u32).collect(),
             hidden_size: h as u32,
             sample_ids: vec![7, 9],
+            target_top_k: top_k,
             trace_context: [("traceparent".to_string(), "00-ab-cd-01".to_string())].into(),
         };
         let payload: Vec<u8> = (0..meta.payload_bytes()).map(|i| (i * 31 % 251) as u8).collect();
@@ -157,6 +162,15 @@ mod tests {
         let got = assemble(&mut Assembler::new(1 << 20), msgs).unwrap().unwrap();
         assert_eq!(got.meta, b.meta);
         assert_eq!(got.payload, b.payload);
+
+        // With distillation targets: 37*5*8 = 1480 bytes more, one chunk more.
+        let b = with_top_k(37, 3, 16, 5);
+        assert_eq!((b.meta.feature_bytes(), b.meta.distill_bytes()), (7104, 1480));
+        let msgs = messages_of(&b, 1000);
+        assert_eq!(msgs.len(), 11);
+        let got = assemble(&mut Assembler::new(1 << 20), msgs).unwrap().unwrap();
+        assert_eq!((got.meta.target_top_k, &got.payload), (5, &b.payload));
+        assert_eq!(got.meta, b.meta);
     }
 
     #[test]

@@ -56,6 +56,7 @@ fn batch(tokens: usize, k: usize, h: usize) -> HostBatch {
         layer_ids: (0..k as u32).collect(),
         hidden_size: h as u32,
         sample_ids: vec![1],
+        target_top_k: 0,
         trace_context: Default::default(),
     };
     let payload: Vec<u8> = (0..meta.payload_bytes()).map(|i| (i * 7 % 251) as u8).collect();

@@ -291,9 +291,7 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
             dflash_config::Objective::Dpace => {
                 dflash_models::Objective::Dpace { alpha: t.dpace_alpha.unwrap_or(dflash_config::DEFAULT_DPACE_ALPHA) }
             }
-            dflash_config::Objective::Kd => {
-                anyhow::bail!("training.loss = \"kd\" is not supported (refused at validation)")
-            }
+            dflash_config::Objective::Kd => dflash_models::Objective::Distill,
         },
     };
     Ok(Trainer::new(drafter, embed, lm_head, settings))

@@ -2,9 +2,9 @@
 //! train step, turning SPLIT payloads into the concatenated features (and
 //! adding the noise the feature spec leaves to the drafter) on the device.
 
-use dflash_models::DeviceBatch;
 use dflash_models::features::{add_uniform_noise, kind_of, noise_key};
 use dflash_models::gpu;
+use dflash_models::{DeviceBatch, TopK};
 use dflash_role::Stop;
 use dflash_wire::{FeatureSpec, HostBatch, Layout};
 use tch::{Device, Kind, Tensor};
@@ -47,6 +47,12 @@ impl Prefetcher {
         let m = &b.meta;
         let (t, k, h) = (m.token_count() as i64, m.layer_ids.len() as i64, m.hidden_size as i64);
         let kind = kind_of(m.dtype);
+        // Distillation targets follow the features: a small upload of their own.
+        let (features_part, top_k_part) = b.payload.split_at(m.feature_bytes());
+        let target_top_k = match m.target_top_k {
+            0 => None,
+            top_k => Some(TopK::from_wire(top_k_part, t, top_k as i64, self.device)?),
+        };
         let mut landing = None;
         let on_device = match &self.gpu {
             Some(g) => {
@@ -54,7 +60,7 @@ impl Prefetcher {
                     .buffers
                     .take_until(self.stop.channel())
                     .ok_or_else(|| anyhow::anyhow!("stopped while waiting for a device buffer"))?;
-                buf.copy_from_host_async(&b.payload, &g.stream)?;
+                buf.copy_from_host_async(features_part, &g.stream)?;
                 // The pinned payload may be reused only after the copy.
                 gpu::sync(&g.stream)?;
                 let dt = gpu::DeviceTensor::new(buf, &[t * k * h], kind, g.ordinal)?;
@@ -62,7 +68,9 @@ impl Prefetcher {
                 landing = Some(Box::new(dt) as Box<dyn std::any::Any + Send>);
                 view
             }
-            None => Tensor::f_from_data_size(&b.payload, &[t * k * h], kind)?.to_device(self.device).to_kind(self.kind),
+            None => {
+                Tensor::f_from_data_size(features_part, &[t * k * h], kind)?.to_device(self.device).to_kind(self.kind)
+            }
         };
         let features = match m.layout {
             // The target packed and noised already.
@@ -80,6 +88,7 @@ impl Prefetcher {
             input_ids: m.input_ids.clone(),
             loss_mask: m.loss_mask.clone(),
             seq_lengths: m.seq_lengths.clone(),
+            target_top_k,
             landing,
             trace_context: dflash_telemetry::context_of(&span),
         })

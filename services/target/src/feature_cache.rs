@@ -7,6 +7,10 @@
 //!
 //! Noise (`training.feature_noise_std`) is added after this stage, in
 //! postprocessing, so every epoch still gets fresh noise.
+//!
+//! It holds per-token tensors (`[len, X]`, any kind): the captured layers,
+//! and under distillation the target's top-k ids and log-probabilities
+//! after them, as the forward loop hands them in.
 
 use std::collections::HashMap;
 

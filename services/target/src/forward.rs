@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use dflash_models::TargetModel;
+use dflash_models::{TargetModel, TopK};
 use dflash_role::Stop;
 use tch::Tensor;
 
@@ -21,6 +21,8 @@ pub struct CapturedBatch {
     /// Residual stream after each captured layer, `[T, H]` each, in
     /// `target_layer_ids` order.
     pub layers: Vec<Tensor>,
+    /// Distillation: the target's top-k next tokens at every position.
+    pub top_k: Option<TopK>,
     /// On CUDA: completes when the forward that produces `layers` is done.
     /// The forward loop does not wait for it.
     pub ready: Option<cudarc::driver::CudaEvent>,
@@ -104,6 +106,8 @@ pub struct ForwardLoop {
     pub stats: std::sync::Arc<ForwardStats>,
     pub model: TargetModel,
     pub layer_ids: Vec<i64>,
+    /// Distillation: how many next tokens per position to ship (0: none).
+    pub top_k: i64,
     pub label: String,
     /// The device's CUDA context and the ids uploader (None on CPU).
     pub cuda: Option<CudaFeed>,
@@ -134,6 +138,7 @@ impl CudaFeed {
 /// The captured layers of one batch, before they become a [`CapturedBatch`].
 struct Forwarded {
     layers: Vec<Tensor>,
+    top_k: Option<TopK>,
     ready: Option<cudarc::driver::CudaEvent>,
     ids: Option<UploadedIds>,
     from_cache: bool,
@@ -162,7 +167,8 @@ impl ForwardLoop {
             self.record(&mut progress, work.input_ids.len() as u64, spent, timed, f.from_cache, input.len());
             tracing::debug!(batch = work.batch_id, "forward queued");
             let forward_span = self.cuda.is_some().then_some(span);
-            let captured = CapturedBatch { work, layers: f.layers, ready: f.ready, ids: f.ids, forward_span };
+            let captured =
+                CapturedBatch { work, layers: f.layers, top_k: f.top_k, ready: f.ready, ids: f.ids, forward_span };
             if !self.sink.push(captured, &stop)? {
                 break;
             }
@@ -178,35 +184,56 @@ impl ForwardLoop {
     /// sequence is in it, else from a forward (which fills the cache).
     fn forward(&mut self, work: &WorkItem, gpu_busy: &mut GpuBusy, stop: &Stop) -> anyhow::Result<Forwarded> {
         let lens: Vec<i64> = work.seq_lengths.iter().map(|&l| l as i64).collect();
-        if let Some(layers) = self.cache.assemble(&work.sample_ids) {
+        if let Some(mut layers) = self.cache.assemble(&work.sample_ids) {
             let ready = match &self.cuda {
                 Some(feed) => Some(dflash_models::gpu::record_torch_event(&feed.ctx)?),
                 None => None,
             };
-            return Ok(Forwarded { layers, ready, ids: None, from_cache: true });
+            // The cache holds the top-k after the layers, as two more tensors.
+            let top_k = (self.top_k > 0).then(|| {
+                let log_probs = layers.pop().expect("cached with the top-k");
+                TopK { ids: layers.pop().expect("cached with the top-k"), log_probs }
+            });
+            return Ok(Forwarded { layers, top_k, ready, ids: None, from_cache: true });
         }
         let f = match &self.cuda {
             Some(feed) => {
                 let queued = GpuBusy::mark(&feed.ctx)?;
                 let mut ids = feed.upload.upload(&work.input_ids, stop)?;
                 let start = GpuBusy::mark(&feed.ctx)?;
-                let layers = self.model.capture_packed(ids.tensor(), &lens, &self.layer_ids);
+                let (layers, top_k) = self.capture(ids.tensor(), &lens);
                 // Kernel launches are asynchronous: record where the forward
                 // ends and move on; postprocessing waits on the event.
                 gpu_busy.finish(&feed.ctx, queued, start)?;
                 ids.release_after_torch_work()?;
                 let ready = Some(dflash_models::gpu::record_torch_event(&feed.ctx)?);
-                Forwarded { layers, ready, ids: Some(ids), from_cache: false }
+                Forwarded { layers, top_k, ready, ids: Some(ids), from_cache: false }
             }
             None => {
                 let ids: Vec<i64> = work.input_ids.iter().map(|&i| i as i64).collect();
                 let ids = Tensor::from_slice(&ids).to_device(self.model.device);
-                let layers = self.model.capture_packed(&ids, &lens, &self.layer_ids);
-                Forwarded { layers, ready: None, ids: None, from_cache: false }
+                let (layers, top_k) = self.capture(&ids, &lens);
+                Forwarded { layers, top_k, ready: None, ids: None, from_cache: false }
             }
         };
-        self.cache.insert(&work.sample_ids, &work.seq_lengths, &f.layers);
+        if self.cache.enabled() {
+            let mut per_token: Vec<Tensor> = f.layers.iter().map(Tensor::shallow_clone).collect();
+            if let Some(t) = &f.top_k {
+                per_token.extend([t.ids.shallow_clone(), t.log_probs.shallow_clone()]);
+            }
+            self.cache.insert(&work.sample_ids, &work.seq_lengths, &per_token);
+        }
         Ok(f)
+    }
+
+    /// The captured layers, and (distillation) the top-k next tokens.
+    fn capture(&self, ids: &Tensor, lens: &[i64]) -> (Vec<Tensor>, Option<TopK>) {
+        if self.top_k > 0 {
+            let (layers, top_k) = self.model.capture_packed_with_top_k(ids, lens, &self.layer_ids, self.top_k);
+            (layers, Some(top_k))
+        } else {
+            (self.model.capture_packed(ids, lens, &self.layer_ids), None)
+        }
     }
 
     /// Counts one batch in the metrics, the shared stats and the periodic log line.
@@ -298,13 +325,20 @@ mod tests {
 
     /// Runs a real forward loop over the tiny Llama fixture (CPU) and returns
     /// the host batches it produced, and how many it took from the cache.
-    fn run_loop(cache_bytes: usize, work: Vec<WorkItem>) -> (Vec<HostBatch>, u64) {
+    /// With `top_k` > 0 it also ships the target's top-k next tokens.
+    fn run_loop(cache_bytes: usize, work: Vec<WorkItem>, top_k: u32) -> (Vec<HostBatch>, u64) {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
-        let model = TargetModel::load(&dir, tch::Device::Cpu, Kind::Float, LoadScope::CaptureUpTo { last_layer: 1 })
-            .expect("tiny llama loads");
+        let scope = if top_k > 0 { LoadScope::Full } else { LoadScope::CaptureUpTo { last_layer: 1 } };
+        let model = TargetModel::load(&dir, tch::Device::Cpu, Kind::Float, scope).expect("tiny llama loads");
         let stop = Stop::new();
         let post = Postprocessor {
-            spec: FeatureSpec { dtype: DType::F32, layout: Layout::Split, layer_ids: vec![0, 1], noise_std: 0.0 },
+            spec: FeatureSpec {
+                dtype: DType::F32,
+                layout: Layout::Split,
+                layer_ids: vec![0, 1],
+                noise_std: 0.0,
+                target_top_k: top_k,
+            },
             seed: 0,
             target_instance: "test".into(),
             gpu: None,
@@ -316,6 +350,7 @@ mod tests {
             stats: std::sync::Arc::new(ForwardStats::new(1)),
             model,
             layer_ids: vec![0, 1],
+            top_k: top_k as i64,
             label: "test".into(),
             cuda: None,
             cache: FeatureCache::new(cache_bytes),
@@ -331,8 +366,19 @@ mod tests {
         (host_rx.drain().map(|o| o.batch).collect(), hits)
     }
 
-    fn floats(b: &HostBatch) -> Vec<f32> {
-        b.payload.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    fn floats(b: &[u8]) -> Vec<f32> {
+        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
+    /// Equal up to float rounding: the CPU matmuls block by the batch's
+    /// total length, so a sequence packed with others differs in the last
+    /// bits from the same sequence in another batch.
+    fn assert_close(got: &[u8], want: &[u8], what: &str) {
+        let (g, w) = (floats(got), floats(want));
+        assert_eq!(g.len(), w.len());
+        let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = g.iter().zip(&w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(scale > 0.0 && diff <= 1e-5 * scale, "{what}: max |diff| {diff} (scale {scale})");
     }
 
     #[test]
@@ -344,25 +390,27 @@ mod tests {
         let epoch1 = [item(1, &[a.clone(), b.clone()]), item(2, std::slice::from_ref(&c))];
         let epoch2 = vec![item(3, &[c.clone(), a.clone()]), item(4, std::slice::from_ref(&b))];
         let all: Vec<WorkItem> = epoch1.iter().chain(&epoch2).cloned().collect();
-        let (cached, hits) = run_loop(1 << 20, all);
-        let (fresh, _) = run_loop(0, epoch2);
-        assert!(hits >= 2, "both epoch-2 batches come from the cache (counted {hits} hits)");
-        assert_eq!(cached.len(), 4);
-        for (got, want) in cached[2..].iter().zip(&fresh) {
-            assert_eq!(got.meta.batch_id, want.meta.batch_id);
-            assert_eq!(got.meta.seq_lengths, want.meta.seq_lengths);
-            // Equal up to float rounding: the CPU matmuls block by the batch's
-            // total length, so a sequence packed with others differs in the
-            // last bits from the same sequence in another batch.
-            let (g, w) = (floats(got), floats(want));
-            assert_eq!(g.len(), w.len());
-            let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let diff = g.iter().zip(&w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                scale > 0.0 && diff <= 1e-5 * scale,
-                "batch {}: max |diff| {diff} (scale {scale})",
-                got.meta.batch_id
-            );
+        // Features only, and with distillation's top-4 next tokens after them.
+        for top_k in [0, 4] {
+            let (cached, hits) = run_loop(1 << 20, all.clone(), top_k);
+            let (fresh, _) = run_loop(0, epoch2.clone(), top_k);
+            assert!(hits >= 2, "both epoch-2 batches come from the cache (counted {hits} hits)");
+            assert_eq!(cached.len(), 4);
+            for (got, want) in cached[2..].iter().zip(&fresh) {
+                let m = &want.meta;
+                assert_eq!((got.meta.batch_id, &got.meta.seq_lengths), (m.batch_id, &m.seq_lengths));
+                assert_eq!((got.meta.target_top_k, m.target_top_k), (top_k, top_k));
+                let (gf, gk) = got.payload.split_at(m.feature_bytes());
+                let (wf, wk) = want.payload.split_at(m.feature_bytes());
+                assert_close(gf, wf, &format!("batch {} features", m.batch_id));
+                assert_eq!(gk.len(), m.distill_bytes());
+                // Top-k: the same ids, log-probabilities up to rounding.
+                let ids = m.token_count() * top_k as usize * 4;
+                assert_eq!(gk[..ids], wk[..ids], "batch {} top-k ids", m.batch_id);
+                if top_k > 0 {
+                    assert_close(&gk[ids..], &wk[ids..], &format!("batch {} top-k log-probabilities", m.batch_id));
+                }
+            }
         }
     }
 }

@@ -153,9 +153,15 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
 fn check_model(dir: &Path, spec: &FeatureSpec) -> anyhow::Result<()> {
     let last_layer =
         spec.layer_ids.iter().map(|&i| i as i64).max().ok_or_else(|| anyhow::anyhow!("no captured layers"))?;
-    let scope = LoadScope::CaptureUpTo { last_layer };
+    let scope = load_scope(spec, last_layer);
     tokio::task::block_in_place(|| TargetModel::inspect(dir, kind_of(spec.dtype), scope)).kind(ErrorKind::Model)?;
     Ok(())
+}
+
+/// What a target holds: the layers up to the last captured one, or all of
+/// it (final norm and LM head included) when it ships distillation targets.
+fn load_scope(spec: &FeatureSpec, last_layer: i64) -> LoadScope {
+    if spec.target_top_k > 0 { LoadScope::Full } else { LoadScope::CaptureUpTo { last_layer } }
 }
 
 /// One device's model, its postprocess stage (a worker, or inline at depth
@@ -191,15 +197,16 @@ fn device_pipeline(
         post.gpu = Some(postprocess::GpuCopy { ctx: ctx.clone(), stream, pool });
     }
     let dir = model_dir.to_path_buf();
-    let model =
-        tokio::task::block_in_place(|| TargetModel::load(&dir, device, kind, LoadScope::CaptureUpTo { last_layer }))
-            .kind(ErrorKind::Model)?;
+    let scope = load_scope(&post.spec, last_layer);
+    let model = tokio::task::block_in_place(|| TargetModel::load(&dir, device, kind, scope)).kind(ErrorKind::Model)?;
+    let top_k = post.spec.target_top_k as i64;
     tracing::info!(
-        "{d}: loaded {} of {} layers of the {} target ({kind:?}), capturing {layer_ids:?}, {} layout",
+        "{d}: loaded {} of {} layers of the {} target ({kind:?}), capturing {layer_ids:?}, {} layout{}",
         model.loaded_layers(),
         model.config.num_layers,
         dflash_models::zoo::architecture(model.config.family).hf_architecture(),
         post.spec.layout,
+        if top_k > 0 { format!(", and its top-{top_k} next tokens for distillation") } else { String::new() },
     );
     let depth = c.pipeline.target_postprocess_depth as usize;
     let sink = if depth == 0 {
@@ -224,6 +231,7 @@ fn device_pipeline(
         stats: Arc::clone(stats),
         model,
         layer_ids,
+        top_k,
         label: format!("target {d}"),
         cuda,
         cache: FeatureCache::new((c.pipeline.target_feature_cache_mib as usize) << 20),

@@ -63,7 +63,8 @@ impl Postprocessor {
     fn gpu_payload(&self, g: &GpuCopy, c: &CapturedBatch) -> anyhow::Result<Bytes> {
         let t = c.layers[0].size()[0] as usize;
         let row = c.layers[0].size()[1] as usize * c.layers[0].kind().elt_size_in_bytes();
-        let bytes = t * row * c.layers.len();
+        let features = t * row * c.layers.len();
+        let bytes = features + c.top_k.as_ref().map_or(0, |k| dflash_wire::distill_bytes(t, k.k() as usize));
         let t0 = std::time::Instant::now();
         let mem = g
             .pool
@@ -89,6 +90,16 @@ impl Postprocessor {
                 gpu::sync(&g.stream)?;
             }
         }
+        if let Some(k) = &c.top_k {
+            // Computed by the forward (already int32 and f32, contiguous: the
+            // conversions are no-ops); the event orders the copy after them anyway.
+            let ids = k.ids.to_kind(tch::Kind::Int).contiguous();
+            let log_probs = k.log_probs.to_kind(tch::Kind::Float).contiguous();
+            gpu::wait_event(&g.stream, &gpu::record_torch_event(&g.ctx)?)?;
+            buf.copy_from_device_async(features, &ids, &g.stream)?;
+            buf.copy_from_device_async(features + t * k.k() as usize * 4, &log_probs, &g.stream)?;
+            gpu::sync(&g.stream)?;
+        }
         tracing::debug!(
             batch = c.work.batch_id,
             "postprocess: pinned buffer after {:.1} ms, forward done and {} MB copied after {:.1} ms more",
@@ -108,10 +119,28 @@ impl Postprocessor {
         let dtype = dtype_of(first.kind()).filter(|&d| d == self.spec.dtype).ok_or_else(|| {
             anyhow::anyhow!("captured {:?} features; the run ships {:?}", first.kind(), self.spec.dtype)
         })?;
+        let top_k = c.top_k.as_ref().map_or(0, |k| k.k() as u32);
+        if top_k != self.spec.target_top_k {
+            anyhow::bail!(
+                "captured the top-{top_k} next tokens; the run distills from the top {}",
+                self.spec.target_top_k
+            );
+        }
         let payload = match (&self.gpu, self.spec.layout) {
             (Some(g), _) => self.gpu_payload(g, &c)?,
-            (None, Layout::Packed) => host_bytes(&self.packed(&c)),
-            (None, Layout::Split) => host_bytes(&Tensor::stack(&c.layers, 0)),
+            (None, layout) => {
+                let features = match layout {
+                    Layout::Packed => host_bytes(&self.packed(&c)),
+                    Layout::Split => host_bytes(&Tensor::stack(&c.layers, 0)),
+                };
+                match &c.top_k {
+                    None => features,
+                    Some(k) => {
+                        let parts = k.host_parts();
+                        Bytes::from([&features[..], &host_bytes(&parts[0])[..], &host_bytes(&parts[1])[..]].concat())
+                    }
+                }
+            }
         };
         let w = c.work;
         let meta = BatchMeta {
@@ -126,6 +155,7 @@ impl Postprocessor {
             layer_ids: self.spec.layer_ids.clone(),
             hidden_size: hidden,
             sample_ids: w.sample_ids,
+            target_top_k: top_k,
             trace_context: dflash_telemetry::context_of(&span),
         };
         Ok(OutboundBatch { batch: HostBatch::new(meta, payload)?, lease: w.lease })

@@ -44,7 +44,13 @@ fn service_with(
         instance_id: "drafter-0".into(),
         credits: 2,
         expected: Expected {
-            spec: FeatureSpec { dtype: DType::F32, layout: Layout::Split, layer_ids: vec![0], noise_std: 0.0 },
+            spec: FeatureSpec {
+                dtype: DType::F32,
+                layout: Layout::Split,
+                layer_ids: vec![0],
+                noise_std: 0.0,
+                target_top_k: 0,
+            },
             hidden_size: 8,
             vocab_size: 16,
             plan: Arc::new(plan),
@@ -93,6 +99,7 @@ fn batch_with(edit: impl FnOnce(&mut BatchMeta)) -> HostBatch {
         layer_ids: vec![0],
         hidden_size: 8,
         sample_ids: vec![3],
+        target_top_k: 0,
         trace_context: Default::default(),
     };
     edit(&mut meta);
@@ -227,6 +234,11 @@ async fn batches_that_are_not_the_plans_are_rejected_and_bad_contents_reported_a
             batch_with(|m| m.input_ids[7] = 999_999),
             true,
             "token id 999999 at position 7 is outside the vocabulary (16)",
+        ),
+        (
+            batch_with(|m| m.target_top_k = 4),
+            true,
+            "the target's top-4 next tokens but the run distills from its top 0",
         ),
     ];
     for (b, skip, why) in cases {
