@@ -21,7 +21,10 @@
 #   FULL=1      data: every chitchat prompt but the held-out 600-619 (~7,150),
 #               answered 256 at a time, not 1,200
 #   EPOCHS=N    train: run.epochs for both trainers (default: the config's 6)
-#   KD=1        train/score: a third drafter, dflash with training.loss = "kd"
+#   KD=1        train: one more dflash drafter, with training.loss = "kd"
+#   DFLASH2=1   train: one more dflash drafter, drafter.variant = "dflash2"
+#   SEED=N      train: run.seed and SpecForge's seed (default 0); results are
+#               named ...-sN then
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
@@ -71,21 +74,29 @@ if [ "$phase" = data ]; then
 fi
 
 gamma=$( [ "$block" = 16 ] && echo 7.0 || echo 4.0 )
-name=b$block-l$layers
+seed=${SEED:-0}
+name=b$block-l$layers$( [ "$seed" = 0 ] || echo -s$seed )
 epochs=()
 [ -n "${EPOCHS:-}" ] && epochs=(--set run.epochs=$EPOCHS)
-# dflash's objectives: cross-entropy, and with KD=1 distillation too.
-objectives=(ce)
-[ "${KD:-0}" = 1 ] && objectives+=(kd)
+# dflash's drafters: DFlash with cross-entropy, and on request with
+# distillation (kd) or DFlash2 (its cross-entropy plus the selector's).
+arms=(ce)
+[ "${KD:-0}" = 1 ] && arms+=(kd)
+[ "${DFLASH2:-0}" = 1 ] && arms+=(dflash2)
 if [ "$phase" = train ]; then
-  for loss in "${objectives[@]}"; do
+  for arm in "${arms[@]}"; do
     rm -rf /tmp/g/up /tmp/g/checkpoints
     start=$(date +%s)
-    suffix=$( [ $loss = ce ] || echo -$loss )
+    suffix=$( [ $arm = ce ] || echo -$arm )
+    case $arm in
+      kd) how=(--set 'training.loss="kd"') ;;
+      dflash2) how=(--set 'drafter.variant="dflash2"') ;;
+      *) how=() ;;
+    esac
     timeout 300 $B/dflash up --config deploy/configs/h200-smollm2.toml --workdir /tmp/g/up --no-final-eval \
       --set drafter.block_size=$block --set drafter.num_layers=$layers --set drafter.gamma=$gamma \
-      --set "training.loss=\"$loss\"" "${epochs[@]}" > "$OUT/up-dflash-$name$suffix.log" 2>&1
-    echo "dflash $name $loss: up exit $? in $(( $(date +%s) - start )) s"
+      --set run.seed=$seed "${how[@]}" "${epochs[@]}" > "$OUT/up-dflash-$name$suffix.log" 2>&1
+    echo "dflash $name $arm: up exit $? in $(( $(date +%s) - start )) s"
     grep -E "step [0-9]+/" "$OUT/up-dflash-$name$suffix.log" | tail -2
     rm -rf /tmp/g/ours-$name$suffix && cp -r /tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest) /tmp/g/ours-$name$suffix
   done
@@ -94,11 +105,11 @@ if [ "$phase" = train ]; then
   start=$(date +%s)
   timeout 300 python3 scripts/reference/specforge_train.py --target /tmp/g/model --like $ours \
     --data /tmp/g/train.jsonl --out /tmp/g/specforge-$name --steps $steps --lr 1e-3 --anchors 32 \
-    --gamma $gamma --max-seq-len 512 --token-budget 4096 --max-batch-size 32 --seed 0 \
+    --gamma $gamma --max-seq-len 512 --token-budget 4096 --max-batch-size 32 --seed $seed \
     2>&1 | grep -v -i warn | tee "$OUT/specforge-$name.log" | tail -3
   echo "specforge $name: $steps steps in $(( $(date +%s) - start )) s"
   smollm2_eval $ours dflash-$name chat mt
-  [ "${KD:-0}" = 1 ] && smollm2_eval $ours-kd dflash-$name-kd chat mt
+  for arm in "${arms[@]:1}"; do smollm2_eval $ours-$arm dflash-$name-$arm chat mt; done
   smollm2_eval /tmp/g/specforge-$name specforge-$name chat mt
   exit 0
 fi
