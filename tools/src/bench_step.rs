@@ -12,7 +12,7 @@ use dflash_models::gloo::GroupStore;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::perf::{matmul_peak, sync_device};
 use dflash_models::synthetic::{SHAPE_PRESETS, shape_preset};
-use dflash_models::{DeviceBatch, Drafter, DrafterConfig, StepOutcome, TrainSettings, Trainer};
+use dflash_models::{DeviceBatch, Drafter, DrafterConfig, LayerType, StepOutcome, TrainSettings, Trainer};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
@@ -56,6 +56,14 @@ pub struct BenchStepArgs {
     /// top 16 candidates, selector loss weight 1).
     #[arg(long, default_value = "dflash")]
     pub variant: String,
+    /// Sliding-window drafter layers: the first `--sliding-layers` layers
+    /// attend within this window (0: every layer attends fully). Needs
+    /// `--attention masked` (the split attention cannot bound a window).
+    #[arg(long, default_value_t = 0)]
+    pub sliding_window: i64,
+    /// How many of the layers slide when `--sliding-window` is set.
+    #[arg(long, default_value_t = 0)]
+    pub sliding_layers: i64,
     /// Tokens per batch (packed sequences).
     #[arg(long, default_value_t = 11_000)]
     pub batch_tokens: usize,
@@ -154,6 +162,18 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         }),
         other => anyhow::bail!("--variant: {other:?} is neither dflash nor dflash2"),
     };
+    if a.sliding_window > 0 {
+        anyhow::ensure!(
+            (1..=a.layers).contains(&a.sliding_layers),
+            "--sliding-layers: {} with --sliding-window; must be between 1 and --layers ({})",
+            a.sliding_layers,
+            a.layers
+        );
+        config.layer_types = (0..a.layers)
+            .map(|i| if i < a.sliding_layers { LayerType::SlidingAttention } else { LayerType::FullAttention })
+            .collect();
+        config.sliding_window = Some(a.sliding_window);
+    }
     // Random batches (features and tokens) with the length distribution of
     // training; the step depends on their shapes, not their values.
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
@@ -189,12 +209,17 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
     let seqs: usize = all_lens.iter().map(Vec::len).sum();
     let tokens: usize = all_lens.iter().flatten().sum();
     println!(
-        "bench-step: {}-layer drafter for {} (hidden {}, vocab {}), block {}, {kind:?} on {device:?}; {} batch(es), {:.1} sequences and {:.0} tokens per batch; cuDNN attention {}; measured matmul peak {:.1} GFLOP/s",
+        "bench-step: {}-layer drafter for {} (hidden {}, vocab {}), block {}{}, {kind:?} on {device:?}; {} batch(es), {:.1} sequences and {:.0} tokens per batch; cuDNN attention {}; measured matmul peak {:.1} GFLOP/s",
         a.layers,
         a.shape,
         shape.hidden_size,
         shape.vocab_size,
         a.block,
+        if a.sliding_window > 0 {
+            format!(", {} sliding layer(s) of window {}", a.sliding_layers, a.sliding_window)
+        } else {
+            String::new()
+        },
         batches.len(),
         seqs as f64 / batches.len() as f64,
         tokens as f64 / batches.len() as f64,
@@ -208,6 +233,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
     for m in a.attention.split(',').map(str::trim) {
         match m {
             "split" if !device.is_cuda() => println!("bench-step: split attention needs CUDA; skipped on {device:?}"),
+            "split" if a.sliding_window > 0 => println!("bench-step: split attention has no sliding window; skipped"),
             "split" => modes.push(true),
             "masked" => modes.push(false),
             other => anyhow::bail!("--attention: {other:?} is neither split nor masked"),
@@ -315,6 +341,8 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             "bench": "drafter_step",
             "objective": a.objective,
             "variant": a.variant,
+            "sliding_window": a.sliding_window,
+            "sliding_layers": if a.sliding_window > 0 { a.sliding_layers } else { 0 },
             "shape": a.shape,
             "layers": a.layers,
             "block": a.block,
