@@ -371,9 +371,10 @@ impl Trainer {
         // and read back. Autograd through an fp32 cross-entropy would add an
         // fp32 copy of the logits, a dense one-hot gradient and conversions
         // (each a full pass over rows x vocab). Only one chunk of logits lives
-        // at a time. The one-hot is subtracted from the rounded probability
-        // (for half kinds: |error| <= one bf16 ulp of p - 1, against half an
-        // ulp when rounding p - 1 computed in fp32).
+        // at a time. The label's entry, p - 1, is not the rounded p minus 1
+        // (near p = 1 that loses all of it) but minus the sum of the other
+        // rounded probabilities, each held to half precision's relative
+        // accuracy: one extra read of the chunk's probabilities.
         let m = layout.rows.len() as i64;
         let chunk = (self.settings.loss_chunk_blocks * (layout.block_size - 1)) as i64;
         // The kind sums are taken in: f64 for an f64 drafter (tests), else fp32.
@@ -409,6 +410,18 @@ impl Trainer {
             // so a confidently wrong slot reports a loss of at most ~87 where
             // a log-sum-exp would report more (its gradient is exact either way).
             let p_label = probs.gather(1, &lab, false).squeeze_dim(1);
+            // 1 - p of the label as the sum of the other probabilities, taken
+            // before anything is added to `probs`: each of them is small and
+            // held to half precision's relative accuracy, where p itself, near
+            // 1, rounds by up to 2^-9 absolute -- as much as a confident slot's
+            // whole 1 - p, whose gradient `p - 1` would round away with it.
+            // Distillation: the same for the target's top token, where the
+            // drafter's p may be near 1 too.
+            let first = match &taught {
+                Some((ids, _)) => probs.gather(1, &ids.narrow(1, 0, 1), false).squeeze_dim(1),
+                None => p_label.shallow_clone(),
+            };
+            let rest = probs.sum_dim_intlist(-1, false, acc) - first.to_kind(acc);
             let log_p = |p: Tensor| p.to_kind(Kind::Double).clamp_min(f64::from(f32::MIN_POSITIVE)).log();
             let ce = match &taught {
                 // -sum_j p_target(j) log p(j) over the target's top-k.
@@ -427,21 +440,35 @@ impl Trainer {
                 }
             };
             loss_parts.push((&ce * w.to_kind(Kind::Double)).sum(Kind::Double));
+            // DFlash2: the selector's gradient at each row's label (0 where
+            // the candidates miss it), re-added when the label's entry is set.
+            let mut selector_at_label = None;
             if let Some(pick) = &pick {
                 // The selector's cross-entropy, weighted like the block's,
                 // and its gradient on the candidates' logits (the unary
                 // scores): lambda * (softmax - onehot) over the k candidates.
                 loss_parts.push((pick.cross_entropy() * w.to_kind(Kind::Double)).sum(Kind::Double) * lambda);
-                let _ =
-                    probs.scatter_add_(1, &pick.candidates, &(pick.score_gradient(acc) * lambda).to_kind(probs_kind));
+                let g = pick.score_gradient(acc) * lambda;
+                selector_at_label = Some(g.gather(1, &pick.target.unsqueeze(1), false).squeeze_dim(1));
+                let _ = probs.scatter_add_(1, &pick.candidates, &g.to_kind(probs_kind));
             }
             picks.extend(pick);
             row_weights.push(w);
             // d/d(logits) = softmax - target: the one-hot label, or the
             // target's renormalized top-k.
             let _ = match &taught {
-                Some((ids, p)) => probs.scatter_add_(1, ids, &p.neg().to_kind(probs_kind)),
-                None => probs.scatter_add_(1, &lab, &Tensor::full([len, 1], -1.0, (probs_kind, device))),
+                // The top token's entry q - p_target = (1 - p_target) - (1 - q).
+                Some((ids, p)) => {
+                    let _ = probs.scatter_add_(1, ids, &p.neg().to_kind(probs_kind));
+                    let at_first = p.narrow(1, 1, p.size()[1] - 1).sum_dim_intlist(1, false, acc) - &rest;
+                    probs.scatter_(1, &ids.narrow(1, 0, 1), &at_first.unsqueeze(1).to_kind(probs_kind))
+                }
+                // The label's entry is p - 1 = -(1 - p), plus the selector's
+                // gradient there when DFlash2's candidates hold the label.
+                None => {
+                    let at_label = selector_at_label.map_or_else(|| rest.neg(), |s| s - &rest);
+                    probs.scatter_(1, &lab, &at_label.unsqueeze(1).to_kind(probs_kind))
+                }
             };
             let _ = probs.to_kind(kind).matmul_out(&grad.narrow(0, start, len), &self.lm_head);
             start += len;
@@ -593,6 +620,15 @@ mod tests {
         objective_against_autograd(device, kind, Objective::CrossEntropy, None, loss_tol, grad_tol);
     }
 
+    /// bf16 on slots a trained drafter is sure of (p of the label near 1):
+    /// the hand-written gradient keeps p - 1 to half precision's relative
+    /// accuracy, as autograd through an fp32 cross-entropy does.
+    #[test]
+    fn bf16_gradient_of_confident_slots_matches_fp32() {
+        objective_case(Device::Cpu, Kind::BFloat16, Objective::CrossEntropy, None, 1e-3, 3e-2, true);
+        objective_case(Device::Cpu, Kind::BFloat16, Objective::Distill, None, 1e-3, 3e-2, true);
+    }
+
     /// D-PACE's weights on a small case worked by hand: an unsupervised
     /// slot is a no-op in the products and adds nothing to the sums.
     #[test]
@@ -642,6 +678,22 @@ mod tests {
         loss_tol: f64,
         grad_tol: f64,
     ) {
+        objective_case(device, kind, objective, selector_weight, loss_tol, grad_tol, false);
+    }
+
+    /// [`objective_against_autograd`]; `confident`: every label is the
+    /// drafter's own top token and the LM head is scaled up, so most slots
+    /// put 0.9-0.9999 on their label (a trained drafter's regime, where p - 1
+    /// is small and a half-precision p near 1 would round it away).
+    fn objective_case(
+        device: Device,
+        kind: Kind,
+        objective: Objective,
+        selector_weight: Option<f64>,
+        loss_tol: f64,
+        grad_tol: f64,
+        confident: bool,
+    ) {
         let tc = synthetic_target_config(2);
         tch::manual_seed(7);
         let mut dc = DrafterConfig::for_target(&tc, 1, 4, 3, vec![0, 1]);
@@ -663,7 +715,7 @@ mod tests {
         }
         let opts = (kind, device);
         let embed = Tensor::randn([tc.vocab_size, tc.hidden_size], opts);
-        let head = Tensor::randn([tc.vocab_size, tc.hidden_size], opts) * 0.3;
+        let head = Tensor::randn([tc.vocab_size, tc.hidden_size], opts) * if confident { 2.6 } else { 0.3 };
         let settings = TrainSettings {
             blocks: BlockSettings { block_size: 4, mask_token_id: 3, gamma: 4.0, anchors_per_sequence: 5 },
             schedule: LrSchedule::new(1e-3, 10, 0.0, 0.0),
@@ -678,16 +730,39 @@ mod tests {
             selector_loss_weight: selector_weight.unwrap_or(0.0),
         };
         let trainer = Trainer::new(drafter, embed, head, settings);
-        let ids: Vec<u32> = (0..19).map(|i| 10 + (i * 13) % 150).collect();
+        let mut ids: Vec<u32> = (0..19).map(|i| 10 + (i * 13) % 150).collect();
         let mut mask = vec![1u8; 19];
         mask[..3].fill(0);
         mask[11] = 0;
-        let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors: vec![3, 5, 8, 12, 16] }];
-        let layout = BlockLayout::new(&seqs, &trainer.settings.blocks, 100);
+        // Confident: blocks that do not overlap, so no label is another block's input.
+        let anchors = if confident { vec![3, 7, 11, 15] } else { vec![3, 5, 8, 12, 16] };
         let features = Tensor::randn([19, 2 * tc.hidden_size], opts);
-        // A target's top-6 at each of the 19 positions (distillation only).
+        let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors: anchors.clone() }];
+        let mut layout = BlockLayout::new(&seqs, &trainer.settings.blocks, 100);
+        if confident {
+            let _guard = tch::no_grad_guard();
+            let hidden = trainer.drafter.forward_layout(&features.unsqueeze(0), trainer.embed(), &layout);
+            let rows = hidden.view([-1, tc.hidden_size]).index_select(0, &Tensor::from_slice(&layout.rows));
+            let top = Vec::<i64>::try_from(rows.linear(trainer.lm_head(), None::<Tensor>).argmax(-1, false)).unwrap();
+            for (&(_, p), &t) in layout.sources.iter().zip(&top) {
+                ids[p as usize + 1] = t as u32;
+            }
+            let seqs = [BlockSequence { input_ids: &ids, loss_mask: &mask, anchors }];
+            layout = BlockLayout::new(&seqs, &trainer.settings.blocks, 100);
+        }
+        // A target's top-6 at each of the 19 positions (distillation only):
+        // random, or (confident) a sharper copy of the drafter's own logits
+        // where the rows read it, so both put most of their mass on one token.
         let teacher = (objective == Objective::Distill).then(|| {
-            let logits = Tensor::randn([19, tc.vocab_size], (Kind::Float, device)) * 2.0;
+            let mut logits = Tensor::randn([19, tc.vocab_size], (Kind::Float, device)) * 2.0;
+            if confident {
+                let _guard = tch::no_grad_guard();
+                let hidden = trainer.drafter.forward_layout(&features.unsqueeze(0), trainer.embed(), &layout);
+                let rows = hidden.view([-1, tc.hidden_size]).index_select(0, &Tensor::from_slice(&layout.rows));
+                let own = rows.linear(trainer.lm_head(), None::<Tensor>).to_kind(Kind::Float) * 1.3;
+                let at: Vec<i64> = layout.sources.iter().map(|&(_, p)| p as i64).collect();
+                logits = logits.index_copy(0, &Tensor::from_slice(&at), &own);
+            }
             let (log_probs, ids) = logits.log_softmax(-1, Kind::Float).topk(6, -1, true, true);
             crate::TopK { ids, log_probs }
         });
