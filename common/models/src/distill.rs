@@ -45,15 +45,6 @@ impl TopK {
         Self { ids: Tensor::cat(&ids, 0), log_probs: Tensor::cat(&log_probs, 0) }
     }
 
-    /// Positions covered.
-    pub fn len(&self) -> i64 {
-        self.ids.size()[0]
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// k.
     pub fn k(&self) -> i64 {
         self.ids.size()[1]
@@ -89,17 +80,5 @@ impl TopK {
     /// Positions `index` (`[M]`, Int64 on the same device) of both.
     pub fn rows(&self, index: &Tensor) -> Self {
         Self { ids: self.ids.index_select(0, index), log_probs: self.log_probs.index_select(0, index) }
-    }
-
-    /// Concatenates the top-k of consecutive position ranges.
-    pub fn cat(parts: &[&TopK]) -> Self {
-        let ids: Vec<&Tensor> = parts.iter().map(|p| &p.ids).collect();
-        let lp: Vec<&Tensor> = parts.iter().map(|p| &p.log_probs).collect();
-        Self { ids: Tensor::cat(&ids, 0), log_probs: Tensor::cat(&lp, 0) }
-    }
-
-    /// Positions `start..start + len` (views).
-    pub fn narrow(&self, start: i64, len: i64) -> Self {
-        Self { ids: self.ids.narrow(0, start, len), log_probs: self.log_probs.narrow(0, start, len) }
     }
 }

@@ -115,6 +115,13 @@ impl BatchMeta {
         if self.hidden_size == 0 {
             return bad("hidden size is 0".into());
         }
+        if self.target_top_k > dflash_config::MAX_KD_TOP_K {
+            return bad(format!(
+                "top-{} distillation targets; at most {} are shipped",
+                self.target_top_k,
+                dflash_config::MAX_KD_TOP_K
+            ));
+        }
         if !self.sample_ids.is_empty() && self.sample_ids.len() != self.seq_lengths.len() {
             return bad(format!("{} sample ids for {} sequences", self.sample_ids.len(), self.seq_lengths.len()));
         }

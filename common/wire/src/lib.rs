@@ -171,6 +171,12 @@ mod tests {
         let got = assemble(&mut Assembler::new(1 << 20), msgs).unwrap().unwrap();
         assert_eq!((got.meta.target_top_k, &got.payload), (5, &b.payload));
         assert_eq!(got.meta, b.meta);
+
+        // More than any run ships: refused before its size is computed.
+        let mut h = with_top_k(37, 3, 16, 5).meta.to_header();
+        h.target_top_k = u32::MAX;
+        let err = BatchMeta::from_header(h).unwrap_err().to_string();
+        assert!(err.contains("top-4294967295 distillation targets; at most 1024"), "{err}");
     }
 
     #[test]
