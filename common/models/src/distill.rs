@@ -50,13 +50,11 @@ impl TopK {
         self.ids.size()[1]
     }
 
-    /// The wire bytes (ids as int32, then log-probabilities as float32) as
-    /// two contiguous host tensors, in that order.
-    pub fn host_parts(&self) -> [Tensor; 2] {
-        [
-            self.ids.to_kind(Kind::Int).to_device(tch::Device::Cpu).contiguous(),
-            self.log_probs.to_kind(Kind::Float).to_device(tch::Device::Cpu).contiguous(),
-        ]
+    /// The two wire parts, in order and on their device: ids as int32,
+    /// then log-probabilities as float32, each contiguous (no-ops for what
+    /// [`TopK::of_hidden`] made).
+    pub fn wire_parts(&self) -> [Tensor; 2] {
+        [self.ids.to_kind(Kind::Int).contiguous(), self.log_probs.to_kind(Kind::Float).contiguous()]
     }
 
     /// Reads `[T, k]` ids and log-probabilities from their wire bytes onto

@@ -93,8 +93,7 @@ impl Postprocessor {
         if let Some(k) = &c.top_k {
             // Computed by the forward (already int32 and f32, contiguous: the
             // conversions are no-ops); the event orders the copy after them anyway.
-            let ids = k.ids.to_kind(tch::Kind::Int).contiguous();
-            let log_probs = k.log_probs.to_kind(tch::Kind::Float).contiguous();
+            let [ids, log_probs] = k.wire_parts();
             gpu::wait_event(&g.stream, &gpu::record_torch_event(&g.ctx)?)?;
             buf.copy_from_device_async(features, &ids, &g.stream)?;
             buf.copy_from_device_async(features + t * k.k() as usize * 4, &log_probs, &g.stream)?;
@@ -136,7 +135,7 @@ impl Postprocessor {
                 match &c.top_k {
                     None => features,
                     Some(k) => {
-                        let parts = k.host_parts();
+                        let parts = k.wire_parts();
                         Bytes::from([&features[..], &host_bytes(&parts[0])[..], &host_bytes(&parts[1])[..]].concat())
                     }
                 }
