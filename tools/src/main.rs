@@ -14,6 +14,7 @@ mod bench_transport;
 mod code_prompts;
 mod eval;
 mod gguf;
+mod instruction_prompts;
 mod launcher;
 mod meter;
 mod plot;
@@ -73,6 +74,9 @@ enum Command {
     /// Write "write this function" prompts from the docstrings of pinned
     /// Python packages (PyPI wheels): a training file and a held-out one.
     PrepareCodePrompts(code_prompts::CodePromptArgs),
+    /// Write instruction-style prompts from the samples of OpenAI's `evals`
+    /// registry (a PyPI wheel): a training file and a held-out one, split by task.
+    PrepareInstructionPrompts(instruction_prompts::InstructionPromptArgs),
     /// Let the target answer a dataset's prompts (greedy, batched) and write the new dataset.
     Regenerate(regenerate::RegenArgs),
     /// Measure acceptance length by real speculative decoding on held-out prompts.
@@ -92,6 +96,7 @@ fn run_tool(command: Command) -> Option<anyhow::Result<()>> {
         Command::PrepareSmollm2(a) => assets::prepare_smollm2(&a),
         Command::PrepareCorpora(a) => assets::prepare_corpora(&a),
         Command::PrepareCodePrompts(a) => code_prompts::prepare_code_prompts(&a),
+        Command::PrepareInstructionPrompts(a) => instruction_prompts::prepare_instruction_prompts(&a),
         Command::Regenerate(a) => regenerate::regenerate(&a),
         Command::Eval(a) => eval::run(&a),
         Command::BenchCapture(a) => bench_capture::run(&a),
@@ -109,6 +114,7 @@ fn main() -> ExitCode {
             | Command::PrepareSmollm2(_)
             | Command::PrepareCorpora(_)
             | Command::PrepareCodePrompts(_)
+            | Command::PrepareInstructionPrompts(_)
             | Command::Regenerate(_)
             | Command::Eval(_)
             | Command::BenchCapture(_)
