@@ -4,12 +4,14 @@
 # loopback. Prints trained tokens/s of the group (rank 0's log lines after
 # its first 10 steps) and per member, and writes JSON.
 #   scripts/group-scaling-cpu.sh [STEPS] [OUT.json]
+# DFLASH_BIN names prebuilt binaries (then nothing is built: the device
+# machines have no Rust toolchain); MEMBERS the group sizes (default "1 2 3").
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 steps=${1:-120}
 out=${2:-$root/runs/group-scaling-cpu.json}
-bin=$root/target/release
-make -C "$root" build >/dev/null
+bin=${DFLASH_BIN:-$root/target/release}
+[ -n "${DFLASH_BIN:-}" ] || make -C "$root" build >/dev/null
 cd "$root"
 [ -f .cache/models/synthetic-llama/config.json ] ||
   "$bin/dflash" prepare-synthetic --model-dir .cache/models/synthetic-llama --dataset .cache/data/synthetic-chat.jsonl
@@ -19,7 +21,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 echo "members | group tokens/s | per member | efficiency"
 results=()
 base=""
-for n in 1 2 3; do
+for n in ${MEMBERS:-1 2 3}; do
   dir=$work/n$n; mkdir -p "$dir"
   port=$(free_port)
   "$bin/dflash-coordinator" --config "$root/deploy/configs/cpu-synthetic.toml" \
