@@ -39,6 +39,9 @@ fn trains_to_the_end(ws: &Workspace) -> String {
         assert!(log.contains(&block), "{role} did not print the pipeline block:\n{log}");
     }
     assert!(log.contains("run completed"), "{log}");
+    // By default checkpoints are written on a writer thread from a host snapshot.
+    assert!(log.contains("written while training goes on"), "{log}");
+    assert!(log.contains("training paused"), "{log}");
     // The training figures are drawn into the run folder, and the path said.
     let plot = ws.path("up/training.svg");
     assert!(log.contains(&format!("training plot: {}", plot.display())), "{log}");
@@ -103,6 +106,8 @@ fn packed_layout_with_noise_trains_too() {
             "6",
             "--set",
             "training.feature_noise_std=0.05",
+            "--set",
+            "checkpoint.async_write=false",
             "--target-postprocess-depth",
             "0",
         ],
@@ -112,6 +117,9 @@ fn packed_layout_with_noise_trains_too() {
     let log = up.log_text();
     assert!(status.success(), "dflash up failed:\n{log}");
     assert!(log.contains("Target postprocess depth: 0, split FC layers: false"), "{log}");
+    // Checkpoints written in the train loop (not on a writer thread) commit too.
+    assert!(log.contains("training waits for each write"), "{log}");
+    assert!(log.contains("step-00000006 written in"), "{log}");
     assert!(log.contains("PACKED layout"), "{log}");
     assert!(log.contains("step 6/6"), "{log}");
 }

@@ -9,6 +9,7 @@
 
 mod assets;
 mod bench_capture;
+mod bench_checkpoint;
 mod bench_step;
 mod bench_transport;
 mod code_prompts;
@@ -85,6 +86,8 @@ enum Command {
     BenchCapture(bench_capture::BenchArgs),
     /// Benchmark the drafter training step (time, samples/s, MFU) on random weights.
     BenchStep(bench_step::BenchStepArgs),
+    /// Benchmark how long a drafter checkpoint pauses training: written in the loop against a host snapshot and a writer thread.
+    BenchCheckpoint(bench_checkpoint::BenchCheckpointArgs),
     /// Benchmark the hidden-state gRPC stream against raw TCP on loopback.
     BenchTransport(bench_transport::BenchTransportArgs),
 }
@@ -101,6 +104,7 @@ fn run_tool(command: Command) -> Option<anyhow::Result<()>> {
         Command::Eval(a) => eval::run(&a),
         Command::BenchCapture(a) => bench_capture::run(&a),
         Command::BenchStep(a) => bench_step::run(&a),
+        Command::BenchCheckpoint(a) => bench_checkpoint::run(&a),
         Command::BenchTransport(a) => bench_transport::run(&a),
         _ => return None,
     })
@@ -119,6 +123,7 @@ fn main() -> ExitCode {
             | Command::Eval(_)
             | Command::BenchCapture(_)
             | Command::BenchStep(_)
+            | Command::BenchCheckpoint(_)
             | Command::BenchTransport(_)
     ) {
         dflash_telemetry::init("dflash");

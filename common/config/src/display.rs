@@ -153,7 +153,8 @@ impl fmt::Display for RunConfig {
         )?;
         writeln!(f, "Checkpoints")?;
         let keep = if ck.keep_last == 0 { "all".to_string() } else { ck.keep_last.to_string() };
-        writeln!(f, "  Dir: {}, every {} steps, keep {keep}", ck.dir, ck.interval_steps)?;
+        let write = if ck.async_write { "written while training goes on" } else { "training waits for each write" };
+        writeln!(f, "  Dir: {}, every {} steps, keep {keep}; {write}", ck.dir, ck.interval_steps)?;
         writeln!(f, "Evaluation")?;
         if e.prompts_path.is_empty() {
             writeln!(f, "  Periodic acceptance-length evaluation: off")?;

@@ -463,11 +463,16 @@ pub struct CheckpointSection {
     pub interval_steps: u64,
     /// Keep this many most recent step checkpoints (0: keep all).
     pub keep_last: u32,
+    /// Write checkpoints on a thread of their own while training goes on:
+    /// training pauses only to copy the state to host memory (one more copy
+    /// of the weights and optimizer state, 14 bytes per parameter, while a
+    /// write lasts). Off: training waits for each write.
+    pub async_write: bool,
 }
 
 impl Default for CheckpointSection {
     fn default() -> Self {
-        Self { dir: "runs/checkpoints".into(), interval_steps: 500, keep_last: 3 }
+        Self { dir: "runs/checkpoints".into(), interval_steps: 500, keep_last: 3, async_write: true }
     }
 }
 

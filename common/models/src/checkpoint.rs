@@ -452,17 +452,100 @@ without the drafter's `fc` and `hidden_norm`.
 /// Exports only the served layout (config.json + bf16 model.safetensors)
 /// and its model card (README.md).
 pub fn export_drafter(dir: &Path, trainer: &Trainer) -> Result<(), ModelError> {
-    let c = &trainer.drafter.config;
+    let weights: Vec<(String, Tensor)> =
+        trainer.drafter.named_parameters().into_iter().map(|(n, t)| (n, t.detach().to_kind(Kind::BFloat16))).collect();
+    write_export(dir, &trainer.drafter.config, &weights)
+}
+
+fn write_export(dir: &Path, c: &DrafterConfig, weights: &[(String, Tensor)]) -> Result<(), ModelError> {
     let config = serde_json::to_vec_pretty(&hf_config_json(c)).expect("json");
     write_file(&dir.join("config.json"), &config)?;
     write_file(&dir.join("README.md"), model_card(c).as_bytes())?;
-    let weights: Vec<(String, Tensor)> =
-        trainer.drafter.named_parameters().into_iter().map(|(n, t)| (n, t.detach().to_kind(Kind::BFloat16))).collect();
-    write_safetensors(&dir.join("model.safetensors"), &weights)?;
+    write_safetensors(&dir.join("model.safetensors"), weights)?;
     // write_safetensors does not fsync; do it so the rename publishes durable bytes.
     std::fs::File::open(dir.join("model.safetensors"))
         .and_then(|f| f.sync_all())
         .map_err(|e| ModelError::io(&dir.join("model.safetensors"), e))
+}
+
+/// A new host tensor of `kind` holding `t`'s values: never a view of `t`
+/// (a CPU parameter already of `kind` is copied too), so the trainer may
+/// step on while the copy is written.
+fn host_copy(t: &Tensor, kind: Kind) -> Result<Tensor, ModelError> {
+    let mut out = Tensor::f_empty(t.size(), (kind, tch::Device::Cpu))?;
+    tch::no_grad(|| out.f_copy_(&t.detach()))?;
+    Ok(out)
+}
+
+/// Everything a checkpoint holds, copied off the trainer to host memory:
+/// the served bf16 weights, the optimizer's f32 state, the trainer state.
+/// Taking it is the only part of a checkpoint that pauses training; writing
+/// it ([`CheckpointSnapshot::save`]) can run on another thread meanwhile.
+pub struct CheckpointSnapshot {
+    config: DrafterConfig,
+    weights: Vec<(String, Tensor)>,
+    optimizer: Vec<(String, Tensor)>,
+    pub state: TrainerState,
+}
+
+impl CheckpointSnapshot {
+    /// Copies the trainer's state after its last step (a device-to-host
+    /// copy on a GPU, ordered after that step's kernels on their stream).
+    pub fn take(trainer: &Trainer, state: TrainerState) -> Result<Self, ModelError> {
+        let copy = |list: Vec<(String, Tensor)>, kind: Option<Kind>| -> Result<Vec<(String, Tensor)>, ModelError> {
+            list.into_iter().map(|(n, t)| Ok((n, host_copy(&t, kind.unwrap_or(t.kind()))?))).collect()
+        };
+        let weights = copy(trainer.drafter.named_parameters(), Some(Kind::BFloat16))?;
+        let optimizer = copy(trainer.opt.state_tensors(), None)?;
+        Ok(Self { config: trainer.drafter.config.clone(), weights, optimizer, state })
+    }
+
+    /// Host memory the snapshot holds.
+    pub fn bytes(&self) -> usize {
+        self.weights.iter().chain(&self.optimizer).map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum()
+    }
+
+    /// Writes the snapshot as [`save_checkpoint`] writes a trainer.
+    pub fn save(&self, root: &Path, keep_last: usize) -> Result<Checkpoint, ModelError> {
+        std::fs::create_dir_all(root).map_err(|e| ModelError::io(root, e))?;
+        let name = format!("step-{:08}", self.state.step);
+        let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+        let written = self.write_files(root, &tmp, &name);
+        if written.is_err() {
+            // A full disk: free what this attempt took.
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        let content_hash = written?;
+        if keep_last > 0 {
+            prune(root, keep_last)?;
+        }
+        Ok(Checkpoint { dir: root.join(&name), step: self.state.step, content_hash })
+    }
+
+    fn write_files(&self, root: &Path, tmp: &Path, name: &str) -> Result<String, ModelError> {
+        if tmp.exists() {
+            std::fs::remove_dir_all(tmp).map_err(|e| ModelError::io(tmp, e))?;
+        }
+        std::fs::create_dir_all(tmp).map_err(|e| ModelError::io(tmp, e))?;
+        write_export(tmp, &self.config, &self.weights)?;
+        let opt_path = tmp.join("optimizer.safetensors");
+        write_safetensors(&opt_path, &self.optimizer)?;
+        std::fs::File::open(&opt_path).and_then(|f| f.sync_all()).map_err(|e| ModelError::io(&opt_path, e))?;
+        write_file(&tmp.join("trainer_state.json"), &serde_json::to_vec(&self.state).expect("json"))?;
+        let manifest = Manifest { step: self.state.step, files: digest_files(tmp)? };
+        write_file(&tmp.join(MANIFEST), &serde_json::to_vec_pretty(&manifest).expect("json"))?;
+        sync_dir(tmp)?;
+        let final_dir = root.join(name);
+        if final_dir.exists() {
+            std::fs::remove_dir_all(&final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
+        }
+        std::fs::rename(tmp, &final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
+        let latest_tmp = root.join(format!(".{LATEST}.tmp"));
+        write_file(&latest_tmp, name.as_bytes())?;
+        std::fs::rename(&latest_tmp, root.join(LATEST)).map_err(|e| ModelError::io(&root.join(LATEST), e))?;
+        sync_dir(root)?;
+        Ok(manifest.content_hash())
+    }
 }
 
 /// Writes `root/step-NNNNNNNN` atomically (with its manifest) and points
@@ -475,50 +558,7 @@ pub fn save_checkpoint(
     state: &TrainerState,
     keep_last: usize,
 ) -> Result<Checkpoint, ModelError> {
-    std::fs::create_dir_all(root).map_err(|e| ModelError::io(root, e))?;
-    let name = format!("step-{:08}", state.step);
-    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-    let written = write_checkpoint_files(root, &tmp, &name, trainer, state);
-    if written.is_err() {
-        // A full disk: free what this attempt took.
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    let content_hash = written?;
-    if keep_last > 0 {
-        prune(root, keep_last)?;
-    }
-    Ok(Checkpoint { dir: root.join(&name), step: state.step, content_hash })
-}
-
-fn write_checkpoint_files(
-    root: &Path,
-    tmp: &Path,
-    name: &str,
-    trainer: &Trainer,
-    state: &TrainerState,
-) -> Result<String, ModelError> {
-    if tmp.exists() {
-        std::fs::remove_dir_all(tmp).map_err(|e| ModelError::io(tmp, e))?;
-    }
-    std::fs::create_dir_all(tmp).map_err(|e| ModelError::io(tmp, e))?;
-    export_drafter(tmp, trainer)?;
-    let opt_path = tmp.join("optimizer.safetensors");
-    write_safetensors(&opt_path, &trainer.opt.state_tensors())?;
-    std::fs::File::open(&opt_path).and_then(|f| f.sync_all()).map_err(|e| ModelError::io(&opt_path, e))?;
-    write_file(&tmp.join("trainer_state.json"), &serde_json::to_vec(state).expect("json"))?;
-    let manifest = Manifest { step: state.step, files: digest_files(tmp)? };
-    write_file(&tmp.join(MANIFEST), &serde_json::to_vec_pretty(&manifest).expect("json"))?;
-    sync_dir(tmp)?;
-    let final_dir = root.join(name);
-    if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
-    }
-    std::fs::rename(tmp, &final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
-    let latest_tmp = root.join(format!(".{LATEST}.tmp"));
-    write_file(&latest_tmp, name.as_bytes())?;
-    std::fs::rename(&latest_tmp, root.join(LATEST)).map_err(|e| ModelError::io(&root.join(LATEST), e))?;
-    sync_dir(root)?;
-    Ok(manifest.content_hash())
+    CheckpointSnapshot::take(trainer, state.clone())?.save(root, keep_last)
 }
 
 fn prune(root: &Path, keep_last: usize) -> Result<(), ModelError> {

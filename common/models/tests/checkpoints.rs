@@ -8,8 +8,8 @@ use std::path::Path;
 
 use dflash_models::blocks::BlockSettings;
 use dflash_models::checkpoint::{
-    MANIFEST, TrainerState, remove_stale_temporaries, restore_checkpoint, save_checkpoint, set_aside, step_dirs,
-    verify_checkpoint,
+    CheckpointSnapshot, MANIFEST, TrainerState, remove_stale_temporaries, restore_checkpoint, save_checkpoint,
+    set_aside, step_dirs, verify_checkpoint,
 };
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::synthetic::synthetic_target_config;
@@ -89,6 +89,33 @@ fn a_checkpoint_restores_exactly_and_its_content_hash_is_stable() {
     // The same training written twice has the same content.
     let root2 = tempfile::tempdir().unwrap();
     assert_eq!(save_checkpoint(root2.path(), &t, &state(&t), 0).unwrap().content_hash, ck.content_hash);
+}
+
+#[test]
+fn a_snapshot_is_a_copy_written_while_the_trainer_steps_on() {
+    let mut t = trained(3);
+    let snapshot = CheckpointSnapshot::take(&t, state(&t)).unwrap();
+    assert!(snapshot.bytes() > 0);
+    // Training goes on in place (weights, master weights, moments) before
+    // the snapshot is written, and while another thread writes it.
+    for i in 3..5 {
+        assert!(matches!(t.train_batch(&batch(i)), StepOutcome::Trained(_)));
+    }
+    let root = tempfile::tempdir().unwrap();
+    let path = root.path().to_path_buf();
+    let writer = std::thread::spawn(move || snapshot.save(&path, 0));
+    assert!(matches!(t.train_batch(&batch(5)), StepOutcome::Trained(_)));
+    let ck = writer.join().unwrap().unwrap();
+    assert_eq!(ck.step, 3);
+    // It holds step 3 exactly: what writing a trainer at step 3 holds.
+    let reference = tempfile::tempdir().unwrap();
+    let three = trained(3);
+    assert_eq!(save_checkpoint(reference.path(), &three, &state(&three), 0).unwrap().content_hash, ck.content_hash);
+    let mut fresh = trainer(99);
+    restore_checkpoint(&ck.dir, &mut fresh).unwrap();
+    for ((n, a), (_, b)) in params(&three).iter().zip(params(&fresh)) {
+        assert!(a.equal(&b), "{n} is not step 3's after a restore");
+    }
 }
 
 #[test]

@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use std::sync::LazyLock;
 
 use prometheus::{
-    CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Every metric a role may export; each role sets the ones that apply.
@@ -32,6 +32,10 @@ pub struct Metrics {
     /// queue full) or `ids` (launched, waiting for its ids upload).
     pub gpu_idle_seconds: CounterVec,
     pub step_seconds: Histogram,
+    /// Drafter: how long a checkpoint paused training (its host snapshot;
+    /// the whole write when `checkpoint.async_write` is off), and how long
+    /// it took until durable.
+    pub checkpoint_seconds: HistogramVec,
     pub loss: Gauge,
     pub accuracy: Gauge,
     /// `simulated` (from the training step) and `eval` (real speculative
@@ -132,6 +136,18 @@ impl Metrics {
                 ),
             ),
             step_seconds,
+            checkpoint_seconds: reg(
+                &r,
+                &mut names,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "checkpoint_seconds",
+                        "Checkpoints: training paused (`pause`) and until durable (`write`)",
+                    )
+                    .buckets(prometheus::exponential_buckets(0.01, 2.0, 16).expect("buckets")),
+                    &["phase"],
+                ),
+            ),
             loss: reg(&r, &mut names, Gauge::new("loss", "Training loss of the last step")),
             accuracy: reg(&r, &mut names, Gauge::new("accuracy", "Token accuracy of the last step")),
             acceptance_length: reg(

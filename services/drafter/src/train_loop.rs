@@ -15,13 +15,14 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use backon::BackoffBuilder;
 use dflash_models::checkpoint::{
-    Checkpoint, TrainerState, check_writable, point_latest, read_trainer_state, remove_stale_temporaries,
-    restore_checkpoint, save_checkpoint, set_aside, step_dirs, verify_checkpoint,
+    Checkpoint, CheckpointSnapshot, TrainerState, check_writable, point_latest, read_trainer_state,
+    remove_stale_temporaries, restore_checkpoint, set_aside, step_dirs, verify_checkpoint,
 };
 use dflash_models::collective::Collective;
-use dflash_models::{StepOutcome, Trainer};
+use dflash_models::{ModelError, StepOutcome, Trainer};
 use dflash_proto as pb;
 use dflash_role::{KindExt, Session, StopCause, with_timeout};
 use dflash_telemetry::ErrorKind;
@@ -409,9 +410,28 @@ pub struct TrainLoop {
     last_checkpoint_step: u64,
     /// How many of `trained` the last checkpoint holds.
     checkpointed: usize,
+    /// The checkpoint being written while training goes on (at most one).
+    writing: Option<Writing>,
     bad_in_a_row: u32,
     log: ProgressLog,
 }
+
+/// A checkpoint written on its own thread (`checkpoint.async_write`) from
+/// a host snapshot, while the trainer steps on.
+struct Writing {
+    step: u64,
+    /// How many of `trained` it holds.
+    trained: usize,
+    batch_ids: Vec<u64>,
+    started: Instant,
+    /// How long taking the snapshot paused training.
+    paused: Duration,
+    done: flume::Receiver<Result<Checkpoint, ModelError>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+/// How often a wait for a checkpoint write says it is still waiting.
+const WRITE_WAIT_NOTICE: Duration = Duration::from_secs(30);
 
 /// The next attempt of something that failed, with exponential backoff.
 struct Retry {
@@ -542,6 +562,7 @@ impl TrainLoop {
             checkpoint_retry: None,
             last_checkpoint_step: 0,
             checkpointed: 0,
+            writing: None,
             bad_in_a_row: 0,
             log: ProgressLog::new(),
         }
@@ -712,10 +733,27 @@ impl TrainLoop {
     /// is replica 0 (the leader: it reports, logs and checkpoints); other
     /// replicas run [`follow`] and send one [`ReplicaReport`] per step.
     pub fn run(mut self, mut replica: ReplicaStep, followers: flume::Receiver<ReplicaReport>) -> anyhow::Result<()> {
+        let trained = self.train(&mut replica, &followers);
+        // A checkpoint being written is finished and reported, whatever
+        // ended training (a lost peer too): its steps are then not redone.
+        let written = self.finish_write(true);
+        trained?;
+        written?;
+        // Stopped: a signal (SIGTERM from Kubernetes, Ctrl-C) checkpoints
+        // first so that no trained step is lost.
+        if matches!(self.session.stop.cause(), Some(StopCause::Signal(_))) && self.trained.len() > self.checkpointed {
+            tracing::info!("checkpointing step {} before exit", self.trainer.step());
+            self.checkpoint()?;
+            self.finish_write(true)?;
+        }
+        Ok(())
+    }
+
+    fn train(&mut self, replica: &mut ReplicaStep, followers: &flume::Receiver<ReplicaReport>) -> anyhow::Result<()> {
         let stop = self.session.stop.clone();
         loop {
-            match self.take_step(&mut replica, &followers, &stop)? {
-                Taken::Stopping => break,
+            match self.take_step(replica, followers, &stop)? {
+                Taken::Stopping => return Ok(()),
                 // No batch now: catch up on what failed before.
                 Taken::Nothing => {}
                 Taken::Step(taken) => {
@@ -725,13 +763,6 @@ impl TrainLoop {
             }
             self.catch_up()?;
         }
-        // Stopped: a signal (SIGTERM from Kubernetes, Ctrl-C) checkpoints
-        // first so that no trained step is lost.
-        if matches!(stop.cause(), Some(StopCause::Signal(_))) && self.trained.len() > self.checkpointed {
-            tracing::info!("checkpointing step {} before exit", self.trainer.step());
-            self.checkpoint()?;
-        }
-        Ok(())
     }
 
     /// Takes one lockstep step, and every replica's report of it.
@@ -844,7 +875,12 @@ impl TrainLoop {
             tokens: r.tokens,
             input_wait: self.log.input_wait,
         });
-        if step > 0 && step.is_multiple_of(c.checkpoint.interval_steps) && step != self.last_checkpoint_step {
+        let writing_it = self.writing.as_ref().is_some_and(|w| w.step == step);
+        if step > 0
+            && step.is_multiple_of(c.checkpoint.interval_steps)
+            && step != self.last_checkpoint_step
+            && !writing_it
+        {
             self.checkpoint()?;
         }
         if let Some(e) = &self.eval
@@ -862,9 +898,12 @@ impl TrainLoop {
     /// checkpoint write to retry, and, once every batch is trained, the
     /// final checkpoint.
     fn catch_up(&mut self) -> anyhow::Result<()> {
+        self.finish_write(false)?;
         let retry_due = self.checkpoint_retry.as_ref().is_some_and(Retry::due);
-        let final_due =
-            self.reporter.all_trained() && self.trained.len() > self.checkpointed && self.checkpoint_retry.is_none();
+        let final_due = self.reporter.all_trained()
+            && self.trained.len() > self.checkpointed
+            && self.checkpoint_retry.is_none()
+            && self.writing.is_none();
         if retry_due || final_due {
             if final_due {
                 if let Some(e) = self.eval.as_ref().filter(|e| e.every > 0) {
@@ -897,38 +936,110 @@ impl TrainLoop {
         self.trained_set.insert(id);
     }
 
-    /// Writes a checkpoint and hands its report on. A failed write (a full
-    /// disk) is not fatal: the last good checkpoint stays, the coordinator
-    /// hears of the failure, and the write is tried again with backoff.
+    /// Takes a checkpoint: a host snapshot of the trainer (the only part
+    /// that pauses training), then its write, on a thread of its own with
+    /// `checkpoint.async_write`, else here. Its report goes on once it is
+    /// durable. A failed write (a full disk) is not fatal: the last good
+    /// checkpoint stays, the coordinator hears of the failure, and the
+    /// write is tried again with backoff.
     fn checkpoint(&mut self) -> anyhow::Result<()> {
-        let t0 = Instant::now();
+        // One write at a time: a checkpoint due while the last one is still
+        // being written waits for it (bounding the snapshots held to one).
+        self.finish_write(true)?;
+        let started = Instant::now();
         let state = TrainerState {
             step: self.trainer.step(),
             batch_ids: self.trained.clone(),
             run_config: self.session.config_toml(),
             run_id: self.session.run_id.clone(),
         };
+        let (step, trained, batch_ids) = (state.step, self.trained.len(), state.batch_ids.clone());
+        let snapshot = match CheckpointSnapshot::take(&self.trainer, state) {
+            Ok(s) => s,
+            Err(e) => {
+                self.written(step, trained, batch_ids, (started, started.elapsed()), Err(e));
+                return Ok(());
+            }
+        };
+        let paused = started.elapsed();
         let keep = self.session.config.checkpoint.keep_last as usize;
-        match save_checkpoint(&self.checkpoint_dir, &self.trainer, &state, keep) {
+        let root = self.checkpoint_dir.clone();
+        if !self.session.config.checkpoint.async_write {
+            let r = snapshot.save(&root, keep);
+            self.written(step, trained, batch_ids, (started, started.elapsed()), r);
+            return Ok(());
+        }
+        tracing::debug!("checkpoint of step {step}: {} MiB snapshot on the host", snapshot.bytes() >> 20);
+        let (tx, done) = flume::bounded(1);
+        let thread = std::thread::Builder::new()
+            .name("checkpoint-write".into())
+            .spawn(move || {
+                let _ = tx.send(snapshot.save(&root, keep));
+            })
+            .context("starting the checkpoint writer thread")?;
+        self.writing = Some(Writing { step, trained, batch_ids, started, paused, done, thread });
+        Ok(())
+    }
+
+    /// Hands on the checkpoint being written once its write is over; with
+    /// `wait`, waits for it (saying so every [`WRITE_WAIT_NOTICE`]).
+    fn finish_write(&mut self, wait: bool) -> anyhow::Result<()> {
+        let Some(w) = self.writing.as_ref() else { return Ok(()) };
+        let result = loop {
+            match w.done.recv_timeout(if wait { WRITE_WAIT_NOTICE } else { Duration::ZERO }) {
+                Ok(r) => break r,
+                Err(flume::RecvTimeoutError::Timeout) if wait => tracing::warn!(
+                    "still writing the checkpoint of step {} after {:.0} s (training waits for it)",
+                    w.step,
+                    w.started.elapsed().as_secs_f64()
+                ),
+                Err(flume::RecvTimeoutError::Timeout) => return Ok(()),
+                Err(flume::RecvTimeoutError::Disconnected) => {
+                    break Err(ModelError::Checkpoint("the checkpoint writer thread ended without a result".into()));
+                }
+            }
+        };
+        let w = self.writing.take().expect("a write in flight");
+        if w.thread.join().is_err() {
+            anyhow::bail!("the checkpoint writer thread panicked");
+        }
+        self.written(w.step, w.trained, w.batch_ids, (w.started, w.paused), result);
+        Ok(())
+    }
+
+    /// What a checkpoint write came to: its report, or a retry.
+    /// `(started, paused)`: when it began and how long it paused training.
+    fn written(
+        &mut self,
+        step: u64,
+        trained: usize,
+        batch_ids: Vec<u64>,
+        (started, paused): (Instant, Duration),
+        result: Result<Checkpoint, ModelError>,
+    ) {
+        match result {
             Ok(ck) => {
                 self.checkpoint_retry = None;
-                self.last_checkpoint_step = state.step;
-                self.checkpointed = self.trained.len();
+                self.last_checkpoint_step = step;
+                self.checkpointed = trained;
                 tracing::info!(
-                    "checkpoint {} written in {:.2} s (content {})",
+                    "checkpoint {} written in {:.2} s, training paused {:.2} s for it (content {})",
                     ck.dir.display(),
-                    t0.elapsed().as_secs_f64(),
+                    started.elapsed().as_secs_f64(),
+                    paused.as_secs_f64(),
                     short(&ck.content_hash)
                 );
-                self.reporter.send(Report::Checkpoint { checkpoint: ck, batch_ids: state.batch_ids });
+                let seconds = &dflash_telemetry::metrics().checkpoint_seconds;
+                seconds.with_label_values(&["pause"]).observe(paused.as_secs_f64());
+                seconds.with_label_values(&["write"]).observe(started.elapsed().as_secs_f64());
+                self.reporter.send(Report::Checkpoint { checkpoint: ck, batch_ids });
             }
             Err(e) => {
                 let retry = self.checkpoint_retry.get_or_insert_with(Retry::new);
                 let delay = retry.failed();
                 let err = anyhow::anyhow!(
-                    "checkpoint of step {} failed: {e}; training goes on, the last good checkpoint (step {}) stays, \
-                     retrying in {:.1} s",
-                    state.step,
+                    "checkpoint of step {step} failed: {e}; training goes on, the last good checkpoint (step {}) \
+                     stays, retrying in {:.1} s",
                     self.last_checkpoint_step,
                     delay.as_secs_f64()
                 );
@@ -937,7 +1048,6 @@ impl TrainLoop {
                 self.reporter.send(Report::Error { kind: ErrorKind::CheckpointWrite, error: err });
             }
         }
-        Ok(())
     }
 }
 
