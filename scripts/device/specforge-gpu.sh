@@ -18,14 +18,18 @@
 # Binaries in $DFLASH_BIN (default /tmp/dbin/bin); chitchat-prompts.jsonl and
 # mt-bench-turn1.jsonl in .device/g; the dflash and specforge wheels in .device/whl.
 # Environment:
-#   FULL=1      data: every chitchat prompt but the held-out 600-619 (~7,150),
+#   FULL=1      data: every chitchat prompt but the held-out ones (~7,150),
 #               answered 256 at a time, not 1,200
+#   HELDOUT=N   data with FULL=1: prompts 600..600+N-1 are held out (default
+#               20, the `chat` set); 100 makes room for the `chat100` set
 #   REGEN_BATCH=N  data: prompts answered at a time for the 1,200 (default 64)
 #   EPOCHS=N    train: run.epochs for both trainers (default: the config's 6)
 #   KD=1        train: one more dflash drafter, with training.loss = "kd"
 #   DFLASH2=1   train: one more dflash drafter, drafter.variant = "dflash2"
 #   SEED=N      train: run.seed and SpecForge's seed (default 0); results are
 #               named ...-sN then
+#   SETS="..."  train: the prompt sets scored (default "chat mt"; see
+#               smollm2-eval.sh: chat100 needs HELDOUT=100 data, mt80 all of MT-Bench)
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
@@ -56,7 +60,18 @@ if [ "$phase" = data ]; then
   ranges=("0 600 first" "620 600 more")
   batch=${REGEN_BATCH:-64}
   if [ "${FULL:-0}" = 1 ]; then
-    ranges=("0 600 first" "620 1000 more" "1620 1500 more2" "3120 1500 more3" "4620 1500 more4" "6120 1100 more5")
+    # Every prompt after the held-out ones: 1,000, then 1,500 at a time (the
+    # chunks the first full set was answered in: a chunk is one decode
+    # order, and bf16 batching shows in the answers).
+    total=$(wc -l < .device/g/chitchat-prompts.jsonl)
+    at=$((600 + ${HELDOUT:-20}))
+    ranges=("0 600 first" "$at 1000 more")
+    at=$((at + 1000)) part=1
+    while [ "$at" -lt "$total" ]; do
+      part=$((part + 1))
+      ranges+=("$at 1500 more$part")
+      at=$((at + 1500))
+    done
     batch=256
   fi
   rm -f /tmp/g/first.jsonl /tmp/g/more*.jsonl
@@ -109,9 +124,10 @@ if [ "$phase" = train ]; then
     --gamma $gamma --max-seq-len 512 --token-budget 4096 --max-batch-size 32 --seed $seed \
     2>&1 | grep -v -i warn | tee "$OUT/specforge-$name.log" | tail -3
   echo "specforge $name: $steps steps in $(( $(date +%s) - start )) s"
-  smollm2_eval $ours dflash-$name chat mt
-  for arm in "${arms[@]:1}"; do smollm2_eval $ours-$arm dflash-$name-$arm chat mt; done
-  smollm2_eval /tmp/g/specforge-$name specforge-$name chat mt
+  sets=(${SETS:-chat mt})
+  smollm2_eval $ours dflash-$name "${sets[@]}"
+  for arm in "${arms[@]:1}"; do smollm2_eval $ours-$arm dflash-$name-$arm "${sets[@]}"; done
+  smollm2_eval /tmp/g/specforge-$name specforge-$name "${sets[@]}"
   exit 0
 fi
 
