@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use dflash_models::perf::{matmul_peak, sync_device};
-use dflash_models::synthetic::{SHAPE_PRESETS, shape_preset};
 use dflash_models::{LoadScope, TargetConfig, TargetModel};
 use dflash_role::Stop;
 use dflash_wire::{DType, FeatureSpec, Layout};
@@ -150,12 +149,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     if a.threads > 0 {
         tch::set_num_threads(a.threads);
     }
-    let config = shape_preset(&a.shape)
-        .with_context(|| format!("unknown shape {} (known: {})", a.shape, SHAPE_PRESETS.join(", ")))?;
-    let device = match a.device.as_str() {
-        "cpu" => Device::Cpu,
-        i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
-    };
+    let config = crate::cli_args::shape(&a.shape)?;
+    let device = crate::cli_args::device(&a.device)?;
     let dtype = DType::compute(dflash_config::ComputeDtype::Auto, device.is_cuda());
     let kind = dflash_models::features::kind_of(dtype);
     if device.is_cuda() {

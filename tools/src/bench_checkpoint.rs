@@ -13,7 +13,6 @@ use dflash_models::blocks::BlockSettings;
 use dflash_models::checkpoint::{CheckpointSnapshot, TrainerState, save_checkpoint};
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::perf::sync_device;
-use dflash_models::synthetic::{SHAPE_PRESETS, shape_preset};
 use dflash_models::{Drafter, DrafterConfig, TrainSettings, Trainer};
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
@@ -51,12 +50,8 @@ struct Row {
 
 pub fn run(a: &BenchCheckpointArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.rounds > 0, "--rounds must be at least 1");
-    let shape = shape_preset(&a.shape)
-        .with_context(|| format!("unknown shape {} (known: {})", a.shape, SHAPE_PRESETS.join(", ")))?;
-    let device = match a.device.as_str() {
-        "cpu" => Device::Cpu,
-        i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
-    };
+    let shape = crate::cli_args::shape(&a.shape)?;
+    let device = crate::cli_args::device(&a.device)?;
     let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
     let layer_ids: Vec<i64> = dflash_config::default_target_layer_ids(shape.num_layers as u32, a.layers as u32)
         .into_iter()

@@ -11,7 +11,6 @@ use dflash_models::collective::Collective;
 use dflash_models::gloo::GroupStore;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::perf::{matmul_peak, sync_device};
-use dflash_models::synthetic::{SHAPE_PRESETS, shape_preset};
 use dflash_models::{DeviceBatch, Drafter, DrafterConfig, LayerType, StepOutcome, TrainSettings, Trainer};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -136,12 +135,8 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
     if a.threads > 0 {
         tch::set_num_threads(a.threads);
     }
-    let shape = shape_preset(&a.shape)
-        .with_context(|| format!("unknown shape {} (known: {})", a.shape, SHAPE_PRESETS.join(", ")))?;
-    let device = match a.device.as_str() {
-        "cpu" => Device::Cpu,
-        i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
-    };
+    let shape = crate::cli_args::shape(&a.shape)?;
+    let device = crate::cli_args::device(&a.device)?;
     let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
     if device.is_cuda() {
         dflash_models::cuda::set_cudnn_attention(!a.no_cudnn_attention);

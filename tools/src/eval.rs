@@ -8,7 +8,7 @@ use dflash_data::ChatTokenizer;
 use dflash_models::evaluation::{EvalReport, PromptPick, evaluate, greedy_reference, read_prompts};
 use dflash_models::generate::{SpecSettings, first_block_logits};
 use dflash_models::{Drafter, LoadScope, TargetModel};
-use tch::{Device, Kind};
+use tch::Kind;
 
 use crate::meter::Meter;
 
@@ -101,10 +101,7 @@ pub fn run(a: &EvalArgs) -> anyhow::Result<()> {
     if a.threads > 0 {
         tch::set_num_threads(a.threads);
     }
-    let device = match a.device.as_str() {
-        "cpu" => Device::Cpu,
-        i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
-    };
+    let device = crate::cli_args::device(&a.device)?;
     let kind = match (a.dtype.as_str(), device.is_cuda()) {
         ("auto", true) | ("bf16", _) => Kind::BFloat16,
         ("auto", false) | ("f32", _) => Kind::Float,

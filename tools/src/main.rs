@@ -12,6 +12,7 @@ mod bench_capture;
 mod bench_checkpoint;
 mod bench_step;
 mod bench_transport;
+mod cli_args;
 mod code_prompts;
 mod eval;
 mod gguf;

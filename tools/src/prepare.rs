@@ -46,9 +46,7 @@ pub fn synthetic(a: &SyntheticArgs) -> anyhow::Result<()> {
     }
     let cfg = match &a.shape {
         None => dflash_models::synthetic::synthetic_target_config(a.layers),
-        Some(s) => dflash_models::synthetic::shape_preset(s).with_context(|| {
-            format!("unknown shape {s} (known: {})", dflash_models::synthetic::SHAPE_PRESETS.join(", "))
-        })?,
+        Some(s) => crate::cli_args::shape(s)?,
     };
     let device = dflash_models::cuda::tch_device(a.gpu)?;
     let kind = if a.bf16 { tch::Kind::BFloat16 } else { tch::Kind::Float };
