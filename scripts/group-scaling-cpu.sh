@@ -41,7 +41,7 @@ for n in ${MEMBERS:-1 2 3}; do
   done
   wait $coord || true
   sleep 3
-  leader=$(grep -l "rank 0 of $n" "$dir"/drafter-*.log | head -1)
+  leader=$(grep -l "rank 0 of world $n" "$dir"/drafter-*.log | head -1)
   # Mean of the tok/s of the log lines after the first ten steps.
   rate=$(grep -o "step [0-9]*/[0-9]* .* [0-9]* tok/s" "$leader" | awk '{split($2,a,"/"); if (a[1] > 10) {for (i=1;i<=NF;i++) if ($(i+1)=="tok/s") {s+=$i; c++}}} END {if (c) printf "%.0f", s/c; else print 0}')
   [ -n "$base" ] || base=$rate

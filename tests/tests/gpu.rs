@@ -47,7 +47,7 @@ fn data_parallel_replicas_keep_identical_weights() {
     let ws = Workspace::synthetic(400, 4);
     let (ok, log) = up_on_gpus(&ws, "gpu2", "0,1", "15");
     assert!(ok, "{log}");
-    assert!(log.contains("data-parallel training on 2 GPUs"), "{log}");
+    assert!(log.contains("data-parallel training on 2 rank(s) of 1 member(s)"), "{log}");
     // Checked at steps 5, 10 and 15 (checkpoint interval), exactly.
     let checks = log.lines().filter(|l| l.contains("weights identical on all 2 replicas")).count();
     assert!(checks >= 3, "{checks} identity checks:\n{log}");

@@ -251,15 +251,23 @@ fn only_the_drafter_that_trained_a_batch_can_commit_it() {
         // Registered but in no group: not the drafter whose reports count.
         let e = c.report_checkpoint(report("d-evil", false, 1)).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
-        let join = pb::JoinGroupRequest { run_id: run_id.clone(), instance_id: "d-evil".into(), ..Default::default() };
-        let joined = c.join_group(join).await.unwrap().into_inner();
+        // A member bringing another number of replicas than devices.drafter
+        // gives runs another config: refused, naming both.
+        let join = |id: &str, replicas| pb::JoinGroupRequest {
+            run_id: run_id.clone(),
+            instance_id: id.into(),
+            replicas,
+            ..Default::default()
+        };
+        let e = c.join_group(join("d-evil", 2)).await.unwrap_err();
+        assert!(e.message().contains("joins with 2 replica(s), but devices.drafter (cpu)"), "{e:?}");
+        let joined = c.join_group(join("d-evil", 1)).await.unwrap().into_inner();
         assert!(joined.formed && joined.rank == 0 && joined.world == 1, "{joined:?}");
         // A drafter of another build may not join that group.
         c.register(pb::RegisterRequest { version: "0.0.1-other".into(), ..register(pb::Role::Drafter, "d-old") })
             .await
             .unwrap();
-        let join = pb::JoinGroupRequest { run_id: run_id.clone(), instance_id: "d-old".into(), ..Default::default() };
-        let e = c.join_group(join).await.unwrap_err();
+        let e = c.join_group(join("d-old", 1)).await.unwrap_err();
         assert!(e.message().contains("d-old runs dflash 0.0.1-other, but group member d-evil runs"), "{e:?}");
         let e = c.report_checkpoint(report("d-evil", false, 1)).await.unwrap_err();
         assert!(e.message().contains("has not trained"), "{e:?}");

@@ -357,7 +357,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
 fn group_of_one(device: Device) -> anyhow::Result<Box<dyn Collective>> {
     let timeout = std::time::Duration::from_secs(60);
     let store = GroupStore::serve("127.0.0.1", 1, 1, timeout)?;
-    Ok(dflash_models::group::join(store, "127.0.0.1", 0, 1, device)?)
+    Ok(dflash_models::group::join(store, "127.0.0.1", 0, 1, device, dflash_models::dp::never_cancelled())?)
 }
 
 /// One step as a group member takes it (`services/drafter/src/train_loop.rs`):

@@ -1,4 +1,8 @@
 //! Device lists: `"cpu"` or GPU indices (`"0,1,2"`, `"cuda:0,cuda:1"`).
+//! A drafter trains one data-parallel replica per entry; `"cpu,cpu"` runs
+//! two replicas on the host's cores (each a rank of the drafter group's Gloo
+//! collective), which is how a member with several devices runs, and is
+//! tested, on machines without GPUs.
 
 use std::fmt;
 
@@ -20,7 +24,8 @@ impl fmt::Display for Device {
     }
 }
 
-/// The devices a role owns, in order. Never empty; CPU never mixes with GPUs.
+/// The devices a role owns, in order. Never empty; CPU never mixes with
+/// GPUs; a GPU is listed at most once (the CPU may be, once per replica).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "Spelled", into = "String")]
 pub struct DeviceList(Vec<Device>);
@@ -48,7 +53,7 @@ impl DeviceList {
     }
 
     pub fn is_cpu(&self) -> bool {
-        self.0 == [Device::Cpu]
+        self.0.iter().all(|d| *d == Device::Cpu)
     }
 
     /// GPU indices (empty for CPU).
@@ -79,11 +84,12 @@ impl std::str::FromStr for DeviceList {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let s = s.trim();
-        if s.eq_ignore_ascii_case("cpu") {
-            return Ok(Self::cpu());
-        }
         let mut out = Vec::new();
         for part in s.split(',').map(str::trim) {
+            if part.eq_ignore_ascii_case("cpu") {
+                out.push(Device::Cpu);
+                continue;
+            }
             let idx = part.strip_prefix("cuda:").unwrap_or(part);
             let i: u32 = idx
                 .parse()
@@ -96,6 +102,9 @@ impl std::str::FromStr for DeviceList {
         }
         if out.is_empty() {
             return Err("the device list is empty".into());
+        }
+        if out.contains(&Device::Cpu) && !out.iter().all(|d| *d == Device::Cpu) {
+            return Err(format!("\"{s}\" mixes the CPU with GPUs: a role runs on one or the other"));
         }
         Ok(Self(out))
     }
@@ -110,7 +119,7 @@ impl From<DeviceList> for String {
 impl fmt::Display for DeviceList {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.is_cpu() {
-            return f.write_str("cpu");
+            return f.write_str(&vec!["cpu"; self.0.len()].join(","));
         }
         let parts: Vec<String> = self.cuda_indices().iter().map(u32::to_string).collect();
         f.write_str(&parts.join(","))
@@ -124,6 +133,8 @@ mod tests {
     #[test]
     fn parses_cpu_and_gpu_lists() {
         assert!("cpu".parse::<DeviceList>().unwrap().is_cpu());
+        let two: DeviceList = "cpu, CPU".parse().unwrap();
+        assert_eq!((two.devices().len(), two.is_cpu(), two.to_string()), (2, true, "cpu,cpu".to_string()));
         let l: DeviceList = "0, 1,cuda:4".parse().unwrap();
         assert_eq!(l.cuda_indices(), vec![0, 1, 4]);
         assert_eq!(l.to_string(), "0,1,4");
@@ -134,5 +145,6 @@ mod tests {
         assert!("gpu0".parse::<DeviceList>().unwrap_err().contains("gpu0"));
         assert!("1,1".parse::<DeviceList>().unwrap_err().contains("twice"));
         assert!("".parse::<DeviceList>().is_err());
+        assert!("cpu,0".parse::<DeviceList>().unwrap_err().contains("mixes the CPU with GPUs"));
     }
 }

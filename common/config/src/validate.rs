@@ -216,16 +216,15 @@ impl RunConfig {
         });
         c.require(g.wait_ms >= 1, "group.wait_ms", || "must be at least 1".into());
         c.require(g.collective_timeout_ms >= 1000, "group.collective_timeout_ms", || "must be at least 1000".into());
-        let per_member = self.devices.drafter.devices().len() as u32;
-        c.require(g.size == 1 || per_member == 1, "devices.drafter", || {
-            format!(
-                "names {per_member} devices; a member of a drafter group (group.size = {}) trains on one device: \
-                 run one member per GPU instead",
-                g.size
-            )
+        // One forward loop per device: a target has nothing to gain from
+        // the CPU twice (its forward already uses every core).
+        let target_cpus = self.devices.target.devices().len();
+        c.require(!self.devices.target.is_cpu() || target_cpus == 1, "devices.target", || {
+            format!("names the CPU {target_cpus} times; a target runs one forward loop on the CPU: use \"cpu\"")
         });
-        // Each member sequences its own batches: the window is per member.
-        let replicas = per_member;
+        // Each member sequences its own batches, one per replica and step:
+        // the window is per member and must hold a step's worth.
+        let replicas = self.devices.drafter.devices().len() as u32;
         c.require(
             p.reorder_window == 0 || (replicas..=p.hs_queue_depth).contains(&p.reorder_window),
             "pipeline.reorder_window",
@@ -391,14 +390,19 @@ mod tests {
     }
 
     #[test]
-    fn a_group_is_refused_where_the_code_does_not_implement_it() {
+    fn group_members_may_own_several_devices_and_the_sizes_are_checked() {
         let mut c = valid();
         c.group.size = 2;
         c.devices.drafter = DeviceList::cuda([5, 6]);
-        let err = c.validate().unwrap_err().to_string();
-        assert!(err.contains("devices.drafter") && err.contains("trains on one device"), "{err}");
-        c.devices.drafter = DeviceList::cuda([5]);
         c.validate().unwrap();
+        c.devices.drafter = "cpu,cpu".parse().unwrap();
+        c.devices.target = DeviceList::cpu();
+        c.validate().unwrap();
+        c.devices.target = "cpu,cpu".parse().unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("devices.target") && err.contains("the CPU 2 times"), "{err}");
+        c.devices.target = DeviceList::cpu();
+        c.devices.drafter = DeviceList::cuda([5]);
         c.group.min_size = 3;
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("group.min_size") && err.contains("must not exceed group.size (2)"), "{err}");

@@ -121,6 +121,12 @@ impl GroupStore {
         Self::wrap(raw, generation, timeout, address.to_string())
     }
 
+    /// How long every wait on the store, and on the collectives formed over
+    /// it, may take (`group.collective_timeout_ms`).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     fn wrap(raw: *mut c_void, generation: u64, timeout: Duration, address: String) -> Result<Self, ModelError> {
         let generation = CString::new(format!("gen-{generation}")).expect("digits hold no NUL");
         Ok(Self { raw, generation, timeout, address })

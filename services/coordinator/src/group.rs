@@ -8,10 +8,12 @@
 //! group could take (it is short of `group.size`, or full and the arrival
 //! is a member's replacement): its members then leave and join the next
 //! generation, which resumes from the last committed checkpoint whatever its
-//! size. Batches are dealt out once rank 0 has resumed: the batches left,
-//! in plan order, the i-th to rank i mod world, so that step k trains the
-//! k-th batch of every member -- the same batches for the same world size,
-//! however often the run was interrupted.
+//! size. A member holds one rank per replica (per device it trains on), so
+//! the world is the number of replicas over all members. Batches are dealt
+//! out once rank 0 has resumed: the batches left, in plan order, the i-th to
+//! rank i mod world, so that step k trains the k-th batch of every rank --
+//! the same batches for the same world size, however the ranks are spread
+//! over members and however often the run was interrupted.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -23,13 +25,15 @@ use dflash_proto as pb;
 pub struct Member {
     pub instance_id: String,
     pub endpoint: String,
+    /// Ranks it holds (one per device it trains on).
+    pub replicas: usize,
 }
 
 /// One formed generation.
 #[derive(Clone, Debug)]
 pub struct Generation {
     pub number: u64,
-    /// By rank.
+    /// In rank order: member i holds the ranks after member i-1's.
     pub members: Vec<Member>,
     /// Rank 0's rendezvous store (empty until it published it).
     pub store_address: String,
@@ -40,12 +44,28 @@ pub struct Generation {
 }
 
 impl Generation {
-    pub fn world(&self) -> usize {
-        self.members.len()
+    fn new(number: u64, members: Vec<Member>) -> Self {
+        Self { number, members, store_address: String::new(), assignment: None, by_rank: Vec::new() }
     }
 
+    /// Ranks: every member's replicas.
+    pub fn world(&self) -> usize {
+        self.members.iter().map(|m| m.replicas).sum()
+    }
+
+    /// The member's first rank.
     pub fn rank_of(&self, instance_id: &str) -> Option<usize> {
-        self.members.iter().position(|m| m.instance_id == instance_id)
+        let i = self.members.iter().position(|m| m.instance_id == instance_id)?;
+        Some(self.members[..i].iter().map(|m| m.replicas).sum())
+    }
+
+    /// The member that holds `rank`.
+    pub fn member_at(&self, rank: usize) -> Option<&Member> {
+        let mut first = 0;
+        self.members.iter().find(|m| {
+            first += m.replicas;
+            rank < first
+        })
     }
 
     pub fn leader(&self) -> &Member {
@@ -60,12 +80,23 @@ impl Generation {
     /// a batch left to train).
     pub fn destination(&self, batch_id: u64) -> Option<&Member> {
         let rank = *self.assignment.as_ref()?.get(&batch_id)?;
-        self.members.get(rank)
+        self.member_at(rank)
     }
 
     /// The batches of `rank`, in order (empty until dealt out).
     pub fn batches_of(&self, rank: usize) -> &[u64] {
         self.by_rank.get(rank).map_or(&[], Vec::as_slice)
+    }
+
+    /// A member's batches in plan order, each with the rank (one of its
+    /// replicas) that trains it (None: not a member).
+    pub fn member_batches(&self, instance_id: &str) -> Option<Vec<(u64, usize)>> {
+        let first = self.rank_of(instance_id)?;
+        let replicas = self.members.iter().find(|m| m.instance_id == instance_id)?.replicas;
+        let mut out: Vec<(u64, usize)> =
+            (first..first + replicas).flat_map(|r| self.batches_of(r).iter().map(move |&id| (id, r))).collect();
+        out.sort_unstable();
+        Some(out)
     }
 
     pub fn to_proto(&self) -> pb::DrafterGroup {
@@ -74,13 +105,18 @@ impl Generation {
 }
 
 fn members_proto(members: &[Member]) -> Vec<pb::GroupMember> {
+    let mut first = 0;
     members
         .iter()
-        .enumerate()
-        .map(|(rank, m)| pb::GroupMember {
-            rank: rank as u32,
-            instance_id: m.instance_id.clone(),
-            endpoint: m.endpoint.clone(),
+        .map(|m| {
+            let rank = first;
+            first += m.replicas;
+            pb::GroupMember {
+                rank: rank as u32,
+                instance_id: m.instance_id.clone(),
+                endpoint: m.endpoint.clone(),
+                replicas: m.replicas as u32,
+            }
         })
         .collect()
 }
@@ -145,8 +181,8 @@ impl GroupBook {
         // as the replacement of a member presumed lost (a supervisor starts
         // a member again only when it died). Either way it re-forms.
         let g = self.current.as_ref()?;
-        let why = if g.world() < self.size {
-            format!("drafter {} joins a group of {} (group.size = {})", m.instance_id, g.world(), self.size)
+        let why = if g.members.len() < self.size {
+            format!("drafter {} joins a group of {} (group.size = {})", m.instance_id, g.members.len(), self.size)
         } else {
             format!("drafter {} arrived while the group was full: it replaces a member", m.instance_id)
         };
@@ -197,18 +233,21 @@ impl GroupBook {
         self.waiting_since = (!self.waiting.is_empty()).then_some(now);
         self.last_generation += 1;
         let number = self.last_generation;
+        let g = Generation::new(number, members);
         tracing::info!(
-            "drafter group generation {number} formed with {} member(s): {}",
-            members.len(),
-            members
+            "drafter group generation {number} formed with {} member(s), world {}: {}",
+            g.members.len(),
+            g.world(),
+            members_proto(&g.members)
                 .iter()
-                .enumerate()
-                .map(|(r, m)| format!("rank {r} {}", m.instance_id))
+                .map(|m| match m.replicas {
+                    1 => format!("rank {} {}", m.rank, m.instance_id),
+                    n => format!("ranks {}-{} {}", m.rank, m.rank + n - 1, m.instance_id),
+                })
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        self.current =
-            Some(Generation { number, members, store_address: String::new(), assignment: None, by_rank: Vec::new() });
+        self.current = Some(g);
         Ok(Some(Change::Formed(number)))
     }
 
@@ -222,7 +261,7 @@ impl GroupBook {
         if self.current.is_some() {
             return None;
         }
-        if world != 1 || self.size != 1 {
+        if world as usize != m.replicas || self.size != 1 {
             tracing::warn!(
                 "drafter {} was rank of generation {generation} ({world} members) before this coordinator \
                  started: that generation is over",
@@ -231,13 +270,7 @@ impl GroupBook {
             return Some(Change::Ended(generation, "the coordinator restarted".into()));
         }
         tracing::info!("drafter {} goes on in generation {generation} (registered again)", m.instance_id);
-        self.current = Some(Generation {
-            number: generation,
-            members: vec![m],
-            store_address: String::new(),
-            assignment: None,
-            by_rank: Vec::new(),
-        });
+        self.current = Some(Generation::new(generation, vec![m]));
         Some(Change::Formed(generation))
     }
 
@@ -294,7 +327,7 @@ mod tests {
     use super::*;
 
     fn member(i: u32) -> Member {
-        Member { instance_id: format!("d{i}"), endpoint: format!("http://h{i}:1") }
+        Member { instance_id: format!("d{i}"), endpoint: format!("http://h{i}:1"), replicas: 1 }
     }
 
     fn book(size: u32, min: u32, wait_ms: u64) -> GroupBook {
@@ -356,5 +389,45 @@ mod tests {
         b.join(member(2), t);
         assert_eq!(b.try_form(t), Ok(Some(Change::Formed(3))));
         assert_eq!(b.current().unwrap().world(), 2, "the world grows back");
+    }
+
+    #[test]
+    fn members_with_several_replicas_hold_consecutive_ranks_and_their_batches() {
+        let t = Instant::now();
+        let mut b = book(2, 0, 1000);
+        b.join(Member { replicas: 2, ..member(0) }, t);
+        b.join(Member { replicas: 3, ..member(1) }, t);
+        assert_eq!(b.try_form(t), Ok(Some(Change::Formed(1))));
+        let g = b.current().unwrap();
+        assert_eq!((g.world(), g.rank_of("d0"), g.rank_of("d1")), (5, Some(0), Some(2)));
+        assert_eq!(g.member_at(1).unwrap().instance_id, "d0");
+        assert_eq!(g.member_at(4).unwrap().instance_id, "d1");
+        assert!(g.member_at(5).is_none());
+        let ids: Vec<u64> = (10..22).collect();
+        b.assign(&ids);
+        let g = b.current().unwrap();
+        // The i-th batch left goes to rank i mod 5: d0 holds ranks 0 and 1.
+        assert_eq!(g.member_batches("d0").unwrap(), vec![(10, 0), (11, 1), (15, 0), (16, 1), (20, 0), (21, 1)]);
+        assert_eq!(g.member_batches("d1").unwrap(), vec![(12, 2), (13, 3), (14, 4), (17, 2), (18, 3), (19, 4)]);
+        assert_eq!(g.destination(14).unwrap().instance_id, "d1");
+        let r = b.joined("d1").unwrap();
+        assert_eq!((r.rank, r.world), (2, 5));
+        let ranks: Vec<(u32, u32)> = r.members.iter().map(|m| (m.rank, m.replicas)).collect();
+        assert_eq!(ranks, vec![(0, 2), (2, 3)]);
+        // A group short of its size counts members, not ranks.
+        let mut b = book(2, 1, 1000);
+        b.join(Member { replicas: 2, ..member(0) }, t);
+        assert_eq!(b.try_form(t + Duration::from_millis(1000)), Ok(Some(Change::Formed(1))));
+        assert!(matches!(b.join(member(1), t), Some(Change::Ended(1, why)) if why.contains("joins a group of 1")));
+    }
+
+    #[test]
+    fn a_restarted_coordinator_adopts_a_lone_member_with_all_its_replicas() {
+        let mut b = book(1, 0, 1000);
+        assert_eq!(b.adopt(Member { replicas: 2, ..member(0) }, 4, 2), Some(Change::Formed(4)));
+        assert_eq!(b.current().unwrap().world(), 2);
+        let mut b = book(1, 0, 1000);
+        // It claims a world its replicas do not make: another member was in it.
+        assert!(matches!(b.adopt(Member { replicas: 2, ..member(0) }, 4, 3), Some(Change::Ended(4, _))));
     }
 }

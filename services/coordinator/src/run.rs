@@ -149,8 +149,9 @@ impl Run {
     pub fn lease(&self, holder: &str, max: u32) -> Result<Vec<(Lease, Member, u64)>, LedgerError> {
         let reg = self.registry.lock().expect("registry lock");
         let Some(g) = reg.group.current().filter(|g| g.is_assigned()) else { return Ok(Vec::new()) };
-        // The window holds for each member's own batches.
-        let window = u64::from(self.config.pipeline.reorder_window) * g.world() as u64;
+        // The window holds for each member's own batches (a member holds
+        // its share of the plan, whatever its replicas).
+        let window = u64::from(self.config.pipeline.reorder_window) * g.members.len() as u64;
         let leases = self.ledger().lease(holder, max, now_ms(), self.lease_ms(), window)?;
         let mut out = Vec::with_capacity(leases.len());
         let mut unrouted = Vec::new();
@@ -355,8 +356,20 @@ impl Run {
         instance_id: &str,
         generation: u64,
         store_address: &str,
+        replicas: u32,
     ) -> Result<Option<pb::JoinGroupResponse>, LedgerError> {
         let mut changes = Vec::new();
+        // Each member trains on the devices the run config gives it; a
+        // member that brings another number of replicas runs another config
+        // (or build) and would break the deal of batches by rank.
+        let configured = self.config.devices.drafter.devices().len() as u32;
+        if replicas != configured {
+            return Err(LedgerError::Refused(format!(
+                "drafter {instance_id} joins with {replicas} replica(s), but devices.drafter ({}) gives every member \
+                 of this run's drafter group {configured}",
+                self.config.devices.drafter
+            )));
+        }
         let reply = {
             let mut reg = self.registry.lock().expect("registry lock");
             let (endpoint, version) = reg
@@ -385,7 +398,8 @@ impl Run {
                 self.group_moved();
             }
             if generation == 0 {
-                changes.extend(book.join(Member { instance_id: instance_id.to_string(), endpoint }, Instant::now()));
+                let member = Member { instance_id: instance_id.to_string(), endpoint, replicas: configured as usize };
+                changes.extend(book.join(member, Instant::now()));
                 match book.try_form(Instant::now()) {
                     Ok(c) => changes.extend(c),
                     Err(why) => {
@@ -408,11 +422,12 @@ impl Run {
         self.registry.lock().expect("registry lock").group.current().map_or(0, |g| g.number)
     }
 
-    /// A member's batches in `generation`, once dealt out.
-    pub fn assigned(&self, instance_id: &str, generation: u64) -> Option<Vec<u64>> {
+    /// A member's batches in `generation`, once dealt out, each with the
+    /// rank that trains it.
+    pub fn assigned(&self, instance_id: &str, generation: u64) -> Option<Vec<(u64, usize)>> {
         let reg = self.registry.lock().expect("registry lock");
         let g = reg.group.current().filter(|g| g.number == generation && g.is_assigned())?;
-        Some(g.batches_of(g.rank_of(instance_id)?).to_vec())
+        g.member_batches(instance_id)
     }
 
     pub fn stop_event(&self) -> Option<pb::RunEvent> {
@@ -521,7 +536,11 @@ impl Run {
             if req.endpoint.is_empty() { String::new() } else { format!(", endpoint {}", req.endpoint) }
         );
         let claim = (req.group_generation, req.group_world);
-        let member = Member { instance_id: id.clone(), endpoint: req.endpoint.clone() };
+        let member = Member {
+            instance_id: id.clone(),
+            endpoint: req.endpoint.clone(),
+            replicas: self.config.devices.drafter.devices().len(),
+        };
         reg.instances.insert(id.clone(), Instance { request: req, last_seen: Instant::now(), alive: true });
         // A member of a generation this coordinator did not form (it
         // restarted): a group of one goes on; a larger one re-forms.

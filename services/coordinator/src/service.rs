@@ -363,10 +363,13 @@ impl Coordinator for CoordinatorService {
         } else {
             None
         };
+        let (assigned_batch_ids, assigned_ranks) =
+            assigned.iter().flatten().map(|&(id, rank)| (id, rank as u32)).unzip();
         Ok(Response::new(pb::GetPlanResponse {
             fingerprint,
             assignment_ready: assigned.is_some(),
-            assigned_batch_ids: assigned.unwrap_or_default(),
+            assigned_batch_ids,
+            assigned_ranks,
             batches: batches
                 .into_iter()
                 .map(|b| pb::PlannedBatch {
@@ -384,8 +387,9 @@ impl Coordinator for CoordinatorService {
         self.check_instance(&req.run_id, &req.instance_id)?;
         let joined = self
             .wait_for_group(|run| {
-                let joined =
-                    run.join_group(&req.instance_id, req.generation, &req.store_address).map_err(ledger_status)?;
+                let joined = run
+                    .join_group(&req.instance_id, req.generation, &req.store_address, req.replicas)
+                    .map_err(ledger_status)?;
                 Ok(match joined {
                     // Rank 0 needs no store address (it serves the store);
                     // the others wait until it published one.

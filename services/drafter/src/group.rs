@@ -1,7 +1,8 @@
 //! This drafter's membership in the drafter group: joining a generation
-//! through the coordinator, the rendezvous rank 0 serves (PyTorch's
-//! TCPStore), the collective on top (Gloo between CPU members, NCCL between
-//! GPU members, its unique id handed over through the store), and leaving
+//! through the coordinator with one rank per replica (device), the
+//! rendezvous rank 0 serves (PyTorch's TCPStore), each replica's collective
+//! on top (Gloo between CPU ranks, NCCL between GPU ranks, its unique id
+//! handed over through the store), and leaving
 //! when the generation ends -- the process exits with
 //! [`dflash_role::EXIT_GROUP_REFORM`] so that its supervisor starts it again
 //! into the next generation, from the last committed checkpoint.
@@ -16,43 +17,81 @@ use dflash_role::{KindExt, Session, Stages, StopCause, with_timeout};
 use dflash_telemetry::ErrorKind;
 use tokio::sync::watch;
 
-/// The generation this drafter trains in, and its rank.
+/// The generation this drafter trains in, and its ranks.
 #[derive(Clone, Debug)]
 pub struct Membership {
     pub generation: u64,
+    /// This member's first rank: its replicas hold `rank .. rank + replicas`.
     pub rank: usize,
+    pub replicas: usize,
+    /// Ranks in the generation (every member's replicas).
     pub world: usize,
+    /// Members in the generation.
+    pub members: usize,
     /// Instance id of each rank.
     pub names: Vec<String>,
 }
 
-/// Asks the coordinator for a place in the next generation until the group
-/// is formed (the coordinator fails the run when too few come within
-/// `group.wait_ms`).
-pub async fn join(session: &Session) -> anyhow::Result<Membership> {
+impl Membership {
+    /// The ranks of this member's replicas, in order.
+    pub fn ranks(&self) -> std::ops::Range<usize> {
+        self.rank..self.rank + self.replicas
+    }
+
+    /// Whether this member leads the group (holds rank 0).
+    pub fn leads(&self) -> bool {
+        self.rank == 0
+    }
+}
+
+/// Asks the coordinator for a place in the next generation, bringing
+/// `replicas` ranks, until the group is formed (the coordinator fails the
+/// run when too few come within `group.wait_ms`).
+pub async fn join(session: &Session, replicas: usize) -> anyhow::Result<Membership> {
     let r = ask_until(session, "joining the drafter group", None, || {
         let req = pb::JoinGroupRequest {
             run_id: session.run_id.clone(),
             instance_id: session.instance_id.clone(),
             generation: 0,
             store_address: String::new(),
+            replicas: replicas as u32,
         };
         let mut client = session.client();
         async move { with_timeout(session.rpc_timeout(), client.join_group(req)).await.map(|r| r.formed.then_some(r)) }
     })
     .await?;
+    let names = r
+        .members
+        .iter()
+        .flat_map(|m| std::iter::repeat_n(m.instance_id.clone(), m.replicas.max(1) as usize))
+        .collect::<Vec<_>>();
     let m = Membership {
         generation: r.generation,
         rank: r.rank as usize,
+        replicas,
         world: r.world as usize,
-        names: r.members.iter().map(|m| m.instance_id.clone()).collect(),
+        members: r.members.len(),
+        names,
     };
+    if m.names.len() != m.world || !m.ranks().all(|rank| m.names[rank] == session.instance_id) {
+        return Err(anyhow::anyhow!(
+            "the coordinator's generation {} does not add up: world {}, members' ranks {:?}",
+            m.generation,
+            m.world,
+            r.members.iter().map(|x| (x.rank, x.replicas)).collect::<Vec<_>>()
+        ))
+        .kind(ErrorKind::Protocol);
+    }
     tracing::info!(
-        "drafter group generation {}: rank {} of {} ({})",
+        "drafter group generation {}: {} of world {} ({} member(s): {})",
         m.generation,
-        m.rank,
+        match m.replicas {
+            1 => format!("rank {}", m.rank),
+            n => format!("ranks {}-{}", m.rank, m.rank + n - 1),
+        },
         m.world,
-        m.names.join(", ")
+        m.members,
+        r.members.iter().map(|x| x.instance_id.as_str()).collect::<Vec<_>>().join(", ")
     );
     session.set_group(m.generation, m.world as u32);
     Ok(m)
@@ -127,18 +166,21 @@ pub fn host_of(endpoint: &str) -> String {
 }
 
 /// The rendezvous: rank 0 serves the store and tells the coordinator where;
-/// the others wait for that and connect. Err with [`StopCause::GroupReform`]
-/// semantics when the generation ended meanwhile.
-pub async fn rendezvous(session: &Session, m: &Membership, own_host: &str) -> anyhow::Result<GroupStore> {
+/// the others wait for that and connect. Returns one store connection per
+/// replica of this member (rank 0's own is the one it serves). Err with
+/// [`StopCause::GroupReform`] semantics when the generation ended meanwhile.
+pub async fn rendezvous(session: &Session, m: &Membership, own_host: &str) -> anyhow::Result<Vec<GroupStore>> {
     let timeout = Duration::from_millis(session.config.group.collective_timeout_ms);
     let ask = |store_address: String| pb::JoinGroupRequest {
         run_id: session.run_id.clone(),
         instance_id: session.instance_id.clone(),
         generation: m.generation,
         store_address,
+        replicas: m.replicas as u32,
     };
-    if m.rank == 0 {
-        let (host, world, generation) = (own_host.to_string(), m.world, m.generation);
+    let generation = m.generation;
+    let first = if m.leads() {
+        let (host, world) = (own_host.to_string(), m.world);
         let store = tokio::task::spawn_blocking(move || GroupStore::serve(&host, world, generation, timeout))
             .await?
             .kind(ErrorKind::Device)?;
@@ -147,40 +189,70 @@ pub async fn rendezvous(session: &Session, m: &Membership, own_host: &str) -> an
             .await
             .map_err(|s| anyhow::anyhow!("publishing the group's rendezvous: {}", s.message()))
             .kind(ErrorKind::PeerLost)?;
-        return Ok(store);
+        store
+    } else {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let what = "waiting for rank 0's rendezvous (group.collective_timeout_ms)";
+        let address = ask_until(session, what, Some(deadline), || {
+            let (mut client, req) = (session.client(), ask(String::new()));
+            async move {
+                let r = with_timeout(session.rpc_timeout(), client.join_group(req)).await?;
+                Ok(if r.formed && r.generation == m.generation && !r.store_address.is_empty() {
+                    Some(Ok(r.store_address))
+                } else if !r.formed && r.generation != m.generation {
+                    Some(Err(anyhow::anyhow!("generation {} ended before its rendezvous", m.generation)))
+                } else {
+                    None
+                })
+            }
+        })
+        .await??;
+        tokio::task::spawn_blocking(move || GroupStore::connect(&address, generation, timeout))
+            .await?
+            .kind(ErrorKind::PeerLost)?
+    };
+    // The member's other replicas reach the same store, each on its own
+    // connection (each is a rank of its own).
+    let address = first.address.clone();
+    let mut stores = vec![first];
+    for _ in 1..m.replicas {
+        let address = address.clone();
+        stores.push(
+            tokio::task::spawn_blocking(move || GroupStore::connect(&address, generation, timeout))
+                .await?
+                .kind(ErrorKind::PeerLost)?,
+        );
     }
-    let deadline = tokio::time::Instant::now() + timeout;
-    let what = "waiting for rank 0's rendezvous (group.collective_timeout_ms)";
-    let address = ask_until(session, what, Some(deadline), || {
-        let (mut client, req) = (session.client(), ask(String::new()));
-        async move {
-            let r = with_timeout(session.rpc_timeout(), client.join_group(req)).await?;
-            Ok(if r.formed && r.generation == m.generation && !r.store_address.is_empty() {
-                Some(Ok(r.store_address))
-            } else if !r.formed && r.generation != m.generation {
-                Some(Err(anyhow::anyhow!("generation {} ended before its rendezvous", m.generation)))
-            } else {
-                None
-            })
-        }
-    })
-    .await??;
-    let generation = m.generation;
-    tokio::task::spawn_blocking(move || GroupStore::connect(&address, generation, timeout))
-        .await?
-        .kind(ErrorKind::PeerLost)
+    Ok(stores)
 }
 
-/// Forms the collective over the store (collective: every member calls it).
-/// A GPU member that fails here has a device problem; a CPU member, a lost peer.
+/// Forms one replica's collective over its store, as `rank` (collective:
+/// every rank of the generation calls it). A GPU rank that fails here has a
+/// device problem or lost its peers; a CPU rank, lost peers. Both end the
+/// generation. An NCCL wait also ends when `stop` says the generation is
+/// over (or the role failed); a completed run or a signal is agreed on at
+/// the next step instead, so that the leader checkpoints first.
 pub fn collective(
     store: GroupStore,
     m: &Membership,
+    rank: usize,
     own_host: &str,
     device: tch::Device,
+    stop: &dflash_role::Stop,
 ) -> anyhow::Result<Box<dyn Collective>> {
     let kind = if device.is_cuda() { ErrorKind::Device } else { ErrorKind::PeerLost };
-    dflash_models::group::join(store, own_host, m.rank, m.world, device).kind(kind)
+    let stop = stop.clone();
+    let cancel: dflash_models::dp::Cancel = std::sync::Arc::new(move || {
+        stop.is_stopped() && stop.cause().is_some_and(|c| !matches!(c, StopCause::RunCompleted | StopCause::Signal(_)))
+    });
+    dflash_models::group::join(store, own_host, rank, m.world, device, cancel).kind(kind)
+}
+
+/// Where the other ranks reach this member's rendezvous and collectives:
+/// the host of its endpoint, or loopback when it is the only member (its
+/// replicas meet inside this host; no name needs to resolve).
+pub fn own_host(m: &Membership, endpoint: &str) -> String {
+    if m.members == 1 { "127.0.0.1".to_string() } else { host_of(endpoint) }
 }
 
 /// Leaves the group (stops the role with [`StopCause::GroupReform`]) when

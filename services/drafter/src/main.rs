@@ -24,8 +24,8 @@ use dflash_drafter::periodic_eval;
 use dflash_drafter::prefetch::{self, Prefetcher};
 use dflash_drafter::receiver::{self, DrafterService, Expected, Landing};
 use dflash_drafter::reporter::Reporter;
-use dflash_drafter::sequencer::Sequencer;
-use dflash_drafter::train_loop::{GroupMember, ReplicaStep, TrainLoop, follow, follow_member};
+use dflash_drafter::sequencer::{Lanes, Sequencer};
+use dflash_drafter::train_loop::{GroupMember, ReplicaStep, TrainLoop, follow_member};
 use dflash_models::features::kind_of;
 use dflash_wire::rpc::{HiddenStateService, transport};
 use dflash_wire::{DType, FeatureSpec};
@@ -157,9 +157,10 @@ fn device_name(d: tch::Device) -> String {
     }
 }
 
-/// The batches the coordinator dealt out to this member of `generation`
-/// (ready once rank 0 has resumed, which it has when the members met).
-async fn fetch_assignment(session: &Session, generation: u64) -> anyhow::Result<Vec<u64>> {
+/// The batches the coordinator dealt out to this member of `generation`,
+/// each with the rank (one of its replicas) that trains it (ready once rank
+/// 0 has resumed, which it has when the members met).
+async fn fetch_assignment(session: &Session, generation: u64) -> anyhow::Result<Vec<(u64, usize)>> {
     let deadline = tokio::time::Instant::now() + Duration::from_millis(session.config.group.collective_timeout_ms);
     let what = format!("asking for generation {generation}'s batches (group.collective_timeout_ms)");
     let batches = group::ask_until(session, &what, Some(deadline), || {
@@ -168,13 +169,31 @@ async fn fetch_assignment(session: &Session, generation: u64) -> anyhow::Result<
         let mut client = session.client();
         async move {
             let p = dflash_role::with_timeout(session.rpc_timeout(), client.get_plan(req)).await?;
-            Ok(p.assignment_ready.then_some(p.assigned_batch_ids))
+            if !p.assignment_ready {
+                return Ok(None);
+            }
+            if p.assigned_ranks.len() != p.assigned_batch_ids.len() {
+                return Ok(Some(Err(anyhow::anyhow!(
+                    "the coordinator dealt {} batch(es) with {} rank(s)",
+                    p.assigned_batch_ids.len(),
+                    p.assigned_ranks.len()
+                ))));
+            }
+            Ok(Some(Ok(p
+                .assigned_batch_ids
+                .into_iter()
+                .zip(p.assigned_ranks.into_iter().map(|r| r as usize))
+                .collect())))
         }
     })
     .await;
     // Dealt out in time or not at all: a generation that cannot start is
     // re-formed; a refusal or the run's end is what it is.
-    batches.map_err(|e| if dflash_role::kind_of(&e) == ErrorKind::PeerLost { reform(session, e) } else { e })
+    match batches {
+        Ok(dealt) => dealt.kind(ErrorKind::Protocol),
+        Err(e) if dflash_role::kind_of(&e) == ErrorKind::PeerLost => Err(reform(session, e)),
+        Err(e) => Err(e),
+    }
 }
 
 /// The generation this member trains in cannot go on (a member lost, a
@@ -336,51 +355,53 @@ async fn start(
     let plan = Arc::new(fetch_plan(session).await?);
     let vocab_size = trainers[0].drafter().config.vocab_size as u32;
 
-    // A place in the drafter group first: rank 0 resumes and leads.
-    let membership = group::join(session).await?;
+    // A place in the drafter group first, one rank per replica: rank 0
+    // resumes and leads.
+    let membership = group::join(session, tdevs.len()).await?;
     group::spawn_leave_watch(session, stages, events, &membership);
-    let member_of_many = membership.world > 1;
+    let in_group = membership.world > 1;
     // Resume before accepting batches, so the coordinator resets the work
     // this drafter will not have before any target sends it more.
     let rt = tokio::runtime::Handle::current();
     let mut leader = None;
-    let mut resumed_step = 0;
-    if membership.rank == 0 {
+    if membership.leads() {
         let eval = tokio::task::block_in_place(|| periodic_eval::PeriodicEval::load(c, device, kind))
             .kind(ErrorKind::Config)?;
         let (reporter, delivery) = Reporter::start(Arc::clone(session));
         stages.spawn_task("report-progress", delivery);
         let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone(), eval, reporter);
         tokio::task::block_in_place(|| train.resume())?;
-        resumed_step = train.trainer().step();
         leader = Some(train);
     }
-    // Members of a larger group: the collective, rank 0's weights and step,
-    // and the batches the coordinator dealt out to this member.
-    let mut member_group = None;
+    // Ranks of a larger group: the rendezvous, and the batches the
+    // coordinator dealt out to each of this member's replicas.
+    let own_host = group::own_host(&membership, endpoint);
+    let mut stores = Vec::new();
     let mut order: Vec<u64> = plan.keys().copied().collect();
-    if member_of_many {
-        let own_host = group::host_of(endpoint);
-        let store = group::rendezvous(session, &membership, &own_host).await.map_err(|e| reform(session, e))?;
-        let g = tokio::task::block_in_place(|| group::collective(store, &membership, &own_host, device))
-            .map_err(|e| reform(session, e))?;
-        let trainer = leader.as_ref().map_or_else(|| &trainers[0], |l| l.trainer());
-        tokio::task::block_in_place(|| sync_replica(g.as_ref(), trainer)).map_err(|e| reform(session, e))?;
-        let step = tokio::task::block_in_place(|| g.agree(&[resumed_step as f64], device))
-            .kind(ErrorKind::PeerLost)
-            .map_err(|e| reform(session, e))?;
-        resumed_step = step[0] as u64;
-        if let Some(t) = trainers.first_mut() {
-            t.set_step(resumed_step);
+    let mut lane_of = None;
+    if in_group {
+        stores = group::rendezvous(session, &membership, &own_host).await.map_err(|e| reform(session, e))?;
+        let assigned = fetch_assignment(session, membership.generation).await?;
+        let first = membership.rank;
+        let mut lanes = std::collections::HashMap::with_capacity(assigned.len());
+        for &(id, rank) in &assigned {
+            if !membership.ranks().contains(&rank) {
+                return Err(anyhow::anyhow!(
+                    "the coordinator dealt batch {id} to rank {rank}, not one of this member's ({:?})",
+                    membership.ranks()
+                ))
+                .kind(ErrorKind::Protocol);
+            }
+            lanes.insert(id, rank - first);
         }
-        order = fetch_assignment(session, membership.generation).await?;
+        order = assigned.iter().map(|&(id, _)| id).collect();
         tracing::info!(
-            "rank {} trains {} batch(es) of the plan from step {resumed_step} (first: {:?})",
-            membership.rank,
+            "ranks {:?} train {} batch(es) of the plan (first: {:?})",
+            membership.ranks(),
             order.len(),
             order.first()
         );
-        member_group = Some(g);
+        lane_of = Some(lanes);
     }
     let spec = FeatureSpec::of(c);
     let max_payload = spec.payload_bytes(c.pipeline.token_budget as usize, hidden as usize) as u64;
@@ -407,7 +428,7 @@ async fn start(
             vocab_size,
             // A member takes only its own batches (another member's would
             // break the step order).
-            plan: if member_of_many {
+            plan: if in_group {
                 Arc::new(order.iter().filter_map(|id| plan.get(id).map(|p| (*id, p.clone()))).collect())
             } else {
                 Arc::clone(&plan)
@@ -444,22 +465,25 @@ async fn start(
     stages.spawn_task("grpc", async move { server.await.context("drafter gRPC server") });
     session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
 
-    // Per replica: a prefetch stage onto its GPU and a train thread, in
-    // lockstep through NCCL when there are several.
-    let world = tdevs.len();
-    let group_id = if world > 1 { Some(dflash_models::dp::new_group_id().kind(ErrorKind::Device)?) } else { None };
-    let (report_tx, report_rx) = flume::bounded(world * 2);
+    // Per replica: a lane of the plan's order, a prefetch stage onto its
+    // device and a train thread, in lockstep with every other rank of the
+    // group (this member's and the others') when there are several.
     let trained = leader.as_ref().map_or_else(Default::default, TrainLoop::trained_set);
-    // The HS queue, in the plan's order, to every replica's prefetch.
     let sequencer = Sequencer::new(order, trained.clone(), c.pipeline.reorder_window as usize);
-    let (ordered_tx, ordered_rx) = flume::bounded(1);
+    let (lane_txs, lane_rxs): (Vec<_>, Vec<_>) = tdevs.iter().map(|_| flume::bounded(1)).unzip();
+    let lanes = match lane_of {
+        Some(by_batch) => Lanes::dealt(lane_txs, by_batch),
+        None => Lanes::single(lane_txs.into_iter().next().expect("one device at least")),
+    };
     let s = stop.clone();
     stages.spawn_thread("sequencer", move || {
-        sequencer.run(hs_rx, ordered_tx, s, member_of_many);
+        sequencer.run(hs_rx, lanes, s, in_group);
         Ok(())
     });
     let mut followers = trainers.into_iter();
-    for (rank, &dev) in tdevs.iter().enumerate() {
+    let mut stores = stores.into_iter();
+    for ((lane, &dev), lane_rx) in tdevs.iter().enumerate().zip(lane_rxs) {
+        let rank = membership.rank + lane;
         let gpu_landing = match dev {
             tch::Device::Cuda(i) => {
                 let ctx = dflash_models::gpu::context(i).kind(ErrorKind::Device)?;
@@ -481,73 +505,74 @@ async fn start(
             gpu: gpu_landing,
             stop: stop.clone(),
         };
-        let (s, hs) = (stop.clone(), ordered_rx.clone());
-        stages.spawn_thread(&format!("prefetch-{rank}"), move || pf.run(hs, pf_tx, s).on_device(device_name(dev)));
-        let join = move || -> anyhow::Result<Option<Box<dyn Collective>>> {
-            let (Some(id), tch::Device::Cuda(ordinal)) = (group_id, dev) else { return Ok(None) };
-            Ok(Some(Box::new(dflash_models::dp::Replica::join(id, rank, world, ordinal).kind(ErrorKind::Device)?)))
-        };
-        let check_every = c.checkpoint.interval_steps;
+        let s = stop.clone();
+        stages.spawn_thread(&format!("prefetch-{rank}"), move || pf.run(lane_rx, pf_tx, s).on_device(device_name(dev)));
         let mut replica = ReplicaStep {
             input: pf_rx,
             group: None,
             trained: trained.clone(),
             device: dev,
-            check_every,
+            check_every: c.checkpoint.interval_steps,
             member: session.instance_id.clone(),
             group_member: None,
         };
-        // A member of a larger group: one replica, in lockstep with the
-        // other members; a lost member ends the generation, not the run.
-        if let Some(g) = member_group.take() {
-            replica.group = Some(g);
-            replica.group_member = Some(GroupMember::new(membership.names.clone()));
-            let (s, sess) = (stop.clone(), Arc::clone(session));
-            match leader.take() {
-                Some(train) => {
-                    let reports = report_rx.clone();
-                    stages.spawn_thread("train-0", move || {
-                        member_ends(&sess, train.run(replica, reports)).on_device(device_name(dev))
-                    });
-                }
-                None => {
-                    let trainer = followers.next().expect("the member's trainer");
-                    stages.spawn_thread(&format!("train-{}", membership.rank), move || {
-                        member_ends(&sess, follow_member(trainer, replica, s)).on_device(device_name(dev))
-                    });
-                }
-            }
-            continue;
-        }
-        if rank == 0 {
-            let train = leader.take().expect("one leader");
-            let reports = report_rx.clone();
-            stages.spawn_thread("train-0", move || {
-                {
-                    replica.group = join()?;
-                    if let Some(g) = &replica.group {
-                        sync_replica(g.as_ref(), train.trainer())?;
-                        tracing::info!("data-parallel training on {world} GPUs (rank 0 leads)");
+        let role = match leader.take() {
+            Some(train) => Rank::Leader(train),
+            None => Rank::Follower(followers.next().expect("a trainer per replica")),
+        };
+        let store = stores.next();
+        let (m, host, s, sess) = (membership.clone(), own_host.clone(), stop.clone(), Arc::clone(session));
+        stages.spawn_thread(&format!("train-{rank}"), move || {
+            let trained = (|| {
+                let mut role = role;
+                if let Some(store) = store {
+                    let g = group::collective(store, &m, rank, &host, dev, &s)?;
+                    role.join_group(g.as_ref(), dev)?;
+                    if rank == 0 {
+                        tracing::info!(
+                            "data-parallel training on {} rank(s) of {} member(s) (rank 0 leads)",
+                            m.world,
+                            m.members
+                        );
                     }
-                    train.run(replica, reports)
+                    replica.group = Some(g);
+                    replica.group_member = Some(GroupMember::new(m.names.clone()));
                 }
-                .on_device(device_name(dev))
-            });
-        } else {
-            let mut trainer = followers.next().expect("a trainer per replica");
-            let (s, reports) = (stop.clone(), report_tx.clone());
-            stages.spawn_thread(&format!("train-{rank}"), move || {
-                {
-                    replica.group = join()?;
-                    if let Some(g) = &replica.group {
-                        sync_replica(g.as_ref(), &trainer)?;
-                        trainer.set_step(resumed_step);
-                    }
-                    follow(trainer, replica, s, reports)
+                match role {
+                    Rank::Leader(train) => train.run(replica),
+                    Rank::Follower(trainer) => follow_member(trainer, replica, s),
                 }
-                .on_device(device_name(dev))
-            });
-        }
+            })();
+            // In a group, a lost peer or a failed collective ends this
+            // generation, not the run.
+            if in_group { member_ends(&sess, trained) } else { trained }.on_device(device_name(dev))
+        });
     }
     Ok(())
+}
+
+/// What one replica's train thread is: rank 0 leads (resumes, reports,
+/// checkpoints); every other rank follows in lockstep.
+#[allow(clippy::large_enum_variant, reason = "made once per replica and moved into its thread")]
+enum Rank {
+    Leader(TrainLoop),
+    Follower(Trainer),
+}
+
+impl Rank {
+    /// Takes rank 0's weights, optimizer state and step: every rank then
+    /// steps from the same state.
+    fn join_group(&mut self, g: &dyn Collective, device: tch::Device) -> anyhow::Result<()> {
+        let trainer = match self {
+            Rank::Leader(train) => train.trainer(),
+            Rank::Follower(t) => &*t,
+        };
+        sync_replica(g, trainer)?;
+        let own = if g.rank() == 0 { trainer.step() as f64 } else { 0.0 };
+        let step = g.agree(&[own], device).kind(ErrorKind::PeerLost)?[0] as u64;
+        if let Rank::Follower(t) = self {
+            t.set_step(step);
+        }
+        Ok(())
+    }
 }

@@ -36,6 +36,34 @@ impl Arrival {
     }
 }
 
+/// Where the ordered batches go: one lane per replica of this drafter.
+/// A group member's replicas each train the batches dealt to their rank;
+/// a drafter alone has one lane that takes every batch.
+pub struct Lanes {
+    outputs: Vec<flume::Sender<Arrival>>,
+    /// The lane of each batch dealt out (None: every batch to lane 0).
+    by_batch: Option<HashMap<u64, usize>>,
+}
+
+impl Lanes {
+    /// One lane that takes every batch.
+    pub fn single(output: flume::Sender<Arrival>) -> Self {
+        Self { outputs: vec![output], by_batch: None }
+    }
+
+    /// A lane per replica; `by_batch` names each batch's.
+    pub fn dealt(outputs: Vec<flume::Sender<Arrival>>, by_batch: HashMap<u64, usize>) -> Self {
+        Self { outputs, by_batch: Some(by_batch) }
+    }
+
+    fn lane(&self, batch_id: u64) -> Option<&flume::Sender<Arrival>> {
+        match &self.by_batch {
+            None => self.outputs.first(),
+            Some(m) => self.outputs.get(*m.get(&batch_id)?),
+        }
+    }
+}
+
 /// Puts arrivals into the plan's order.
 pub struct Sequencer {
     /// Position of each planned batch in the order.
@@ -134,21 +162,21 @@ impl Sequencer {
 
     /// Hands arrivals on in order until the input closes or the role stops;
     /// with `end_when_done`, also once its whole order is handed on (a group
-    /// member then tells the others it has no more batches by its input
-    /// closing).
-    pub fn run(
-        mut self,
-        input: flume::Receiver<Arrival>,
-        output: flume::Sender<Arrival>,
-        stop: Stop,
-        end_when_done: bool,
-    ) {
+    /// member's replicas then tell the others they have no more batches by
+    /// their inputs closing). Each arrival goes to its lane: the replica of
+    /// this member that trains it (`lanes.lane`).
+    pub fn run(mut self, input: flume::Receiver<Arrival>, lanes: Lanes, stop: Stop, end_when_done: bool) {
         if end_when_done && self.next_id().is_none() {
             return;
         }
         while let Some(a) = recv_until_stop(&input, &stop) {
             for a in self.push(a) {
-                if !send_until_stop(&output, a, &stop) {
+                let Some(output) = lanes.lane(a.batch_id()) else {
+                    // The receiver takes only this member's batches.
+                    tracing::error!("batch {} is not dealt to this member's replicas: dropped", a.batch_id());
+                    continue;
+                };
+                if !send_until_stop(output, a, &stop) {
                     return;
                 }
             }
@@ -195,6 +223,24 @@ mod tests {
         assert_eq!((s.next_id(), s.held()), (Some(6), 0));
         assert_eq!(ids(&s.push(rejected(6))), vec![(6, true)]);
         assert_eq!(s.next_id(), None);
+    }
+
+    #[test]
+    fn each_replica_gets_the_batches_dealt_to_its_rank_in_order() {
+        let (tx0, rx0) = flume::unbounded();
+        let (tx1, rx1) = flume::unbounded();
+        let (input_tx, input) = flume::unbounded();
+        // Ranks 2 and 3 of a world of 4: batches 2, 6, 10 (lane 0) and 3, 7, 11 (lane 1).
+        let by_batch = [(2, 0), (6, 0), (10, 0), (3, 1), (7, 1), (11, 1)].into_iter().collect();
+        let s = Sequencer::new([2, 3, 6, 7, 10, 11], TrainedSet::default(), 4);
+        for id in [7, 3, 11, 2, 10, 6] {
+            input_tx.send(rejected(id)).unwrap();
+        }
+        drop(input_tx);
+        s.run(input, Lanes::dealt(vec![tx0, tx1], by_batch), Stop::new(), true);
+        let got = |rx: flume::Receiver<Arrival>| rx.drain().map(|a| a.batch_id()).collect::<Vec<_>>();
+        assert_eq!(got(rx0), vec![2, 6, 10]);
+        assert_eq!(got(rx1), vec![3, 7, 11]);
     }
 
     #[test]

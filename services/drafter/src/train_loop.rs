@@ -93,10 +93,6 @@ pub struct Agreement {
 /// stop wakes the wait at once.
 const IDLE_TICK: Duration = Duration::from_millis(100);
 
-/// How long the leader waits for the other replicas' reports of a step
-/// they all took (they send them right after the step's collectives).
-const REPORT_TIMEOUT: Duration = Duration::from_secs(60);
-
 /// What a replica's wait for its next batch brought.
 enum Next {
     Batch(Prepared),
@@ -130,15 +126,15 @@ pub struct ReplicaStep {
     pub check_every: u64,
     /// This process's instance id (the member its replicas belong to).
     pub member: String,
-    /// Set in a group of several processes: see [`GroupMember`].
+    /// Set with `group` (a group of several ranks): see [`GroupMember`].
     pub group_member: Option<GroupMember>,
 }
 
-/// A replica that is a member of a drafter group spread over processes.
-/// It steps only when every member holds its next batch in the plan's
-/// order (or has none left), so that step k trains the k-th batch of each
-/// member whatever the timing; and it learns the others' outcomes through
-/// the collective (rank 0 reports them all).
+/// A rank of a drafter group of several ranks (replicas of this member,
+/// of others, or both). It steps only when every rank holds its next batch
+/// in the plan's order (or has none left), so that step k trains the k-th
+/// batch dealt to each rank whatever the timing; and it learns the others'
+/// outcomes through the collective (rank 0 reports them all).
 #[derive(Default)]
 pub struct GroupMember {
     /// Instance id of each rank.
@@ -184,7 +180,7 @@ impl ReplicaStep {
         self.train_step(trainer, prepared, stop)
     }
 
-    /// A group member's step: first every member says whether it is ready.
+    /// A group rank's step: first every rank says whether it is ready.
     fn member_step(
         &mut self,
         trainer: &mut dflash_models::Trainer,
@@ -346,28 +342,10 @@ impl ReplicaStep {
     }
 }
 
-/// A replica other than the leader: steps in lockstep and reports each
-/// step it took part in to the leader.
-pub fn follow(
-    mut trainer: dflash_models::Trainer,
-    mut replica: ReplicaStep,
-    stop: dflash_role::Stop,
-    reports: flume::Sender<ReplicaReport>,
-) -> anyhow::Result<()> {
-    loop {
-        let (report, flags) = replica.step(&mut trainer, &stop)?;
-        if flags.stopping {
-            return Ok(());
-        }
-        if flags.any_batch && reports.send(report).is_err() {
-            return Ok(());
-        }
-    }
-}
-
-/// A group member other than rank 0 (another process): steps in lockstep
-/// and keeps its own record of what it trained (replays are not trained
-/// twice); rank 0 learns its outcomes through the collective and reports them.
+/// A rank other than 0 (another replica of this member, or of another
+/// member): steps in lockstep and keeps its own record of what it trained
+/// (replays are not trained twice); rank 0 learns its outcomes through the
+/// collective and reports them.
 pub fn follow_member(
     mut trainer: dflash_models::Trainer,
     mut replica: ReplicaStep,
@@ -730,10 +708,11 @@ impl TrainLoop {
     }
 
     /// Trains until every batch is trained or the role stops. This thread
-    /// is replica 0 (the leader: it reports, logs and checkpoints); other
-    /// replicas run [`follow`] and send one [`ReplicaReport`] per step.
-    pub fn run(mut self, mut replica: ReplicaStep, followers: flume::Receiver<ReplicaReport>) -> anyhow::Result<()> {
-        let trained = self.train(&mut replica, &followers);
+    /// is rank 0 (the leader: it reports, logs and checkpoints); the other
+    /// ranks run [`follow_member`], and their outcomes of each step reach
+    /// this one through the collective.
+    pub fn run(mut self, mut replica: ReplicaStep) -> anyhow::Result<()> {
+        let trained = self.train(&mut replica);
         // A checkpoint being written is finished and reported, whatever
         // ended training (a lost peer too): its steps are then not redone.
         let written = self.finish_write(true);
@@ -749,10 +728,10 @@ impl TrainLoop {
         Ok(())
     }
 
-    fn train(&mut self, replica: &mut ReplicaStep, followers: &flume::Receiver<ReplicaReport>) -> anyhow::Result<()> {
+    fn train(&mut self, replica: &mut ReplicaStep) -> anyhow::Result<()> {
         let stop = self.session.stop.clone();
         loop {
-            match self.take_step(replica, followers, &stop)? {
+            match self.take_step(replica, &stop)? {
                 Taken::Stopping => return Ok(()),
                 // No batch now: catch up on what failed before.
                 Taken::Nothing => {}
@@ -766,12 +745,7 @@ impl TrainLoop {
     }
 
     /// Takes one lockstep step, and every replica's report of it.
-    fn take_step(
-        &mut self,
-        replica: &mut ReplicaStep,
-        followers: &flume::Receiver<ReplicaReport>,
-        stop: &dflash_role::Stop,
-    ) -> anyhow::Result<Taken> {
+    fn take_step(&mut self, replica: &mut ReplicaStep, stop: &dflash_role::Stop) -> anyhow::Result<Taken> {
         let wait_start = Instant::now();
         let (own, flags) = replica.step(&mut self.trainer, stop)?;
         let seconds = own.busy.as_secs_f64();
@@ -782,19 +756,14 @@ impl TrainLoop {
         if !flags.any_batch {
             return Ok(Taken::Nothing);
         }
-        // Exactly one report per replica for every step anyone took.
+        // Exactly one report per rank for every step anyone took: the other
+        // ranks' came with the step's collective.
         let mut reports = vec![own];
         if let Some(m) = replica.group_member.as_mut() {
             reports.extend(m.take_gathered());
         }
-        while reports.len() < replica.world() {
-            // The step is taken: every replica reports it, stopping or not
-            // (a stop is honoured at the next step, after the checkpoint).
-            // A replica that died drops its sender.
-            match followers.recv_timeout(REPORT_TIMEOUT) {
-                Ok(r) => reports.push(r),
-                Err(e) => anyhow::bail!("a drafter replica did not report its step: {e}"),
-            }
+        if reports.len() != replica.world() {
+            anyhow::bail!("step gathered {} report(s) from a group of {} rank(s)", reports.len(), replica.world());
         }
         Ok(Taken::Step(TakenStep { reports, seconds }))
     }
