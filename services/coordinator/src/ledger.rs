@@ -626,6 +626,22 @@ impl Ledger {
         tx.commit().map_err(wrap)
     }
 
+    /// A coordinator starting on this ledger has heard from no target yet:
+    /// every lease now ends by `deadline_ms` unless its holder renews it
+    /// (a target that is still alive re-registers and renews with its next
+    /// heartbeat). Without this, the leases of targets that died with the
+    /// last coordinator would wait out their whole lease. Returns how many
+    /// were shortened.
+    pub fn shorten_leases(&mut self, deadline_ms: u64) -> Result<u64, LedgerError> {
+        self.conn
+            .execute(
+                "UPDATE batches SET lease_expires_ms = ?1 WHERE state = 'leased' AND lease_expires_ms > ?1",
+                [deadline_ms as i64],
+            )
+            .map(|n| n as u64)
+            .map_err(|e| self.err(e))
+    }
+
     /// Expired leases go back to pending. Returns how many.
     pub fn expire_leases(&mut self, now_ms: u64) -> Result<u64, LedgerError> {
         self.conn
@@ -853,12 +869,26 @@ mod tests {
     }
 
     #[test]
+    fn a_restarted_coordinator_ends_the_leases_nobody_renews_soon() {
+        let (_d, mut l) = ledger(4);
+        l.lease("dead", 2, 1000, 120_000, 0).unwrap(); // 0, 1 until 121000
+        l.lease("alive", 2, 1000, 120_000, 0).unwrap(); // 2, 3
+        // Started again at 5000 with an instance timeout of 3000.
+        assert_eq!(l.shorten_leases(8000).unwrap(), 4);
+        l.renew("alive", &[2, 3], 5200, 120_000).unwrap(); // re-registered, heartbeat
+        assert_eq!(l.expire_leases(8001).unwrap(), 2, "the dead target's two");
+        assert_eq!(l.counts().unwrap().pending, 2);
+        assert_eq!(l.shorten_leases(9000).unwrap(), 2, "a later start shortens them again");
+    }
+
+    #[test]
     fn failures_return_work_to_pending() {
         let (_d, mut l) = ledger(6);
         l.lease("t0", 2, 1000, 50, 0).unwrap(); // 0, 1 expire at 1050
         l.lease("t1", 2, 1000, 500, 0).unwrap(); // 2, 3
         l.renew("t0", &[0], 1040, 50).unwrap(); // 0 now expires at 1090
         assert_eq!(l.expire_leases(1060).unwrap(), 1, "batch 1 expired");
+
         assert_eq!(l.release_holder("t1").unwrap(), 2, "dead target's leases");
         l.mark_sent("t0", &[0]).unwrap();
         l.mark_trained("d", &[0], 1).unwrap();

@@ -98,6 +98,16 @@ async fn run(args: Args) -> anyhow::Result<i32> {
     };
     let counts = ledger.counts()?;
     if resumed {
+        // Leases of targets that do not come back end after an instance
+        // timeout, as a target that falls silent loses its leases.
+        let deadline = dflash_coordinator::run::now_ms() + plan.config.faults.instance_timeout_ms;
+        let n = ledger.shorten_leases(deadline)?;
+        if n > 0 {
+            tracing::info!(
+                "{n} batch(es) leased before this start go back to pending unless their target renews them within \
+                 faults.instance_timeout_ms"
+            );
+        }
         tracing::info!(
             "resuming run {run_id} from ledger {}: {} of {} batches committed",
             ledger_path.display(),

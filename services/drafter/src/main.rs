@@ -469,7 +469,10 @@ async fn start(
     // device and a train thread, in lockstep with every other rank of the
     // group (this member's and the others') when there are several.
     let trained = leader.as_ref().map_or_else(Default::default, TrainLoop::trained_set);
-    let sequencer = Sequencer::new(order, trained.clone(), c.pipeline.reorder_window as usize);
+    let mut sequencer = Sequencer::new(order, trained.clone(), c.pipeline.reorder_window as usize);
+    if in_group {
+        sequencer = sequencer.in_lockstep();
+    }
     let (lane_txs, lane_rxs): (Vec<_>, Vec<_>) = tdevs.iter().map(|_| flume::bounded(1)).unzip();
     let lanes = match lane_of {
         Some(by_batch) => Lanes::dealt(lane_txs, by_batch),
@@ -477,7 +480,7 @@ async fn start(
     };
     let s = stop.clone();
     stages.spawn_thread("sequencer", move || {
-        sequencer.run(hs_rx, lanes, s, in_group);
+        sequencer.run(hs_rx, lanes, s);
         Ok(())
     });
     let mut followers = trainers.into_iter();

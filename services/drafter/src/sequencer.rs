@@ -10,7 +10,11 @@
 //! A batch of the plan that the receiver rejected takes its place in the
 //! order too (it is reported as skipped). A batch already trained in this
 //! lineage (a replay whose acknowledgement was lost) goes on at once: the
-//! train loop reports it again and does not train it.
+//! train loop reports it again and does not train it. In a group's lockstep
+//! such a replay is dropped instead: every batch a rank holds is a step of
+//! the whole group, so a replay would pair the ranks' batches differently
+//! from then on (and add a step); its first copy is reported by the step
+//! that trains it.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -77,6 +81,9 @@ pub struct Sequencer {
     /// 0: hand every arrival on as it comes.
     window: usize,
     waiting_logged: Option<u64>,
+    /// A group's lockstep: replays are dropped, and the sequencer ends once
+    /// its whole order is handed on.
+    lockstep: bool,
 }
 
 impl Sequencer {
@@ -86,9 +93,24 @@ impl Sequencer {
         let mut order: Vec<u64> = plan.into_iter().collect();
         order.sort_unstable();
         let slot_of = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-        let mut s = Self { slot_of, order, next: 0, trained, held: BTreeMap::new(), window, waiting_logged: None };
+        let mut s = Self {
+            slot_of,
+            order,
+            next: 0,
+            trained,
+            held: BTreeMap::new(),
+            window,
+            waiting_logged: None,
+            lockstep: false,
+        };
         s.skip_trained();
         s
+    }
+
+    /// For the ranks of a drafter group (see the module's comment).
+    pub fn in_lockstep(mut self) -> Self {
+        self.lockstep = true;
+        self
     }
 
     /// The batch id the sequencer hands on next (None: the plan is done).
@@ -123,6 +145,10 @@ impl Sequencer {
         };
         if slot < self.next || self.is_trained(id) {
             return match a {
+                Arrival::Batch(_) if self.lockstep => {
+                    tracing::info!("batch {id} arrived again after it was handed on; dropped (the group's lockstep)");
+                    Vec::new()
+                }
                 // Reported again as trained; never trained twice.
                 Arrival::Batch(_) => vec![a],
                 Arrival::Rejected(_) => Vec::new(),
@@ -161,11 +187,12 @@ impl Sequencer {
     }
 
     /// Hands arrivals on in order until the input closes or the role stops;
-    /// with `end_when_done`, also once its whole order is handed on (a group
-    /// member's replicas then tell the others they have no more batches by
-    /// their inputs closing). Each arrival goes to its lane: the replica of
-    /// this member that trains it (`lanes.lane`).
-    pub fn run(mut self, input: flume::Receiver<Arrival>, lanes: Lanes, stop: Stop, end_when_done: bool) {
+    /// in lockstep, also once its whole order is handed on (a group member's
+    /// replicas then tell the others they have no more batches by their
+    /// inputs closing). Each arrival goes to its lane: the replica of this
+    /// member that trains it (`lanes.lane`).
+    pub fn run(mut self, input: flume::Receiver<Arrival>, lanes: Lanes, stop: Stop) {
+        let end_when_done = self.lockstep;
         if end_when_done && self.next_id().is_none() {
             return;
         }
@@ -237,10 +264,41 @@ mod tests {
             input_tx.send(rejected(id)).unwrap();
         }
         drop(input_tx);
-        s.run(input, Lanes::dealt(vec![tx0, tx1], by_batch), Stop::new(), true);
+        s.in_lockstep().run(input, Lanes::dealt(vec![tx0, tx1], by_batch), Stop::new());
         let got = |rx: flume::Receiver<Arrival>| rx.drain().map(|a| a.batch_id()).collect::<Vec<_>>();
         assert_eq!(got(rx0), vec![2, 6, 10]);
         assert_eq!(got(rx1), vec![3, 7, 11]);
+    }
+
+    #[test]
+    fn in_lockstep_a_replay_of_a_batch_handed_on_is_dropped() {
+        let batch = |id| {
+            let meta = dflash_wire::BatchMeta {
+                batch_id: id,
+                epoch: 0,
+                target_instance: "target-0".into(),
+                layout: dflash_wire::Layout::Split,
+                dtype: dflash_wire::DType::F32,
+                seq_lengths: vec![2],
+                input_ids: vec![5, 6],
+                loss_mask: vec![1, 1],
+                layer_ids: vec![0],
+                hidden_size: 2,
+                sample_ids: vec![id],
+                target_top_k: 0,
+                trace_context: Default::default(),
+            };
+            let payload = vec![0u8; meta.payload_bytes()].into();
+            let batch = dflash_wire::HostBatch::new(meta, payload).unwrap();
+            Arrival::Batch(ReceivedBatch { batch, queue_wait: tracing::Span::none() })
+        };
+        let mut alone = Sequencer::new([0, 1], TrainedSet::default(), 4);
+        assert_eq!(ids(&alone.push(batch(0))), vec![(0, false)]);
+        assert_eq!(ids(&alone.push(batch(0))), vec![(0, false)], "alone: on again, reported as trained");
+        let mut group = Sequencer::new([0, 1], TrainedSet::default(), 4).in_lockstep();
+        assert_eq!(ids(&group.push(batch(0))), vec![(0, false)]);
+        assert!(group.push(batch(0)).is_empty(), "a rank's held batch is a step of the whole group");
+        assert_eq!(ids(&group.push(batch(1))), vec![(1, false)]);
     }
 
     #[test]
