@@ -11,6 +11,8 @@
 #                                                   to chitchat prompts 0-599 and 620-1219
 #   scripts/device/specforge-gpu.sh train BLOCK LAYERS
 #                                                   both trainers, then `dflash eval` of both
+#   scripts/device/specforge-gpu.sh eval BLOCK LAYERS
+#                                                   `dflash eval` of the drafters trained
 #   scripts/device/specforge-gpu.sh score BLOCK LAYERS
 #                                                   the package's decoding of both
 #   scripts/device/specforge-gpu.sh all BLOCK LAYERS
@@ -26,16 +28,20 @@
 #   EPOCHS=N    train: run.epochs for both trainers (default: the config's 6)
 #   KD=1        train: one more dflash drafter, with training.loss = "kd"
 #   DFLASH2=1   train: one more dflash drafter, drafter.variant = "dflash2"
+#   F32=1       train: one more dflash drafter with model.dtype = "f32" (target
+#               and drafter in f32: SpecForge keeps f32 weights, norms and
+#               residual stream under autocast; ours are bf16 by default)
 #   SEED=N      train: run.seed and SpecForge's seed (default 0); results are
 #               named ...-sN then
-#   SETS="..."  train: the prompt sets scored (default "chat mt"; see
-#               smollm2-eval.sh: chat100 needs HELDOUT=100 data, mt80 all of MT-Bench)
+#   SETS="..."  train, eval: the prompt sets scored (default "chat mt"; see
+#               smollm2-eval.sh: chat100 needs HELDOUT=100 data, mt80 all of MT-Bench);
+#               SETS= (empty) trains without scoring
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
 . scripts/device/smollm2-eval.sh
 B=${DFLASH_BIN:-/tmp/dbin/bin}
-phase=${1:?data, train, score or all}
+phase=${1:?data, train, eval, score or all}
 block=${2:-16}
 layers=${3:-5}
 export PYTHONUNBUFFERED=1
@@ -99,6 +105,7 @@ epochs=()
 arms=(ce)
 [ "${KD:-0}" = 1 ] && arms+=(kd)
 [ "${DFLASH2:-0}" = 1 ] && arms+=(dflash2)
+[ "${F32:-0}" = 1 ] && arms+=(f32)
 if [ "$phase" = train ]; then
   for arm in "${arms[@]}"; do
     rm -rf /tmp/g/up /tmp/g/checkpoints
@@ -107,6 +114,7 @@ if [ "$phase" = train ]; then
     case $arm in
       kd) how=(--set 'training.loss="kd"') ;;
       dflash2) how=(--set 'drafter.variant="dflash2"') ;;
+      f32) how=(--set 'model.dtype="f32"') ;;
       *) how=() ;;
     esac
     timeout 300 $B/dflash up --config deploy/configs/h200-smollm2.toml --workdir /tmp/g/up --no-final-eval \
@@ -124,7 +132,13 @@ if [ "$phase" = train ]; then
     --gamma $gamma --max-seq-len 512 --token-budget 4096 --max-batch-size 32 --seed $seed \
     2>&1 | grep -v -i warn | tee "$OUT/specforge-$name.log" | tail -3
   echo "specforge $name: $steps steps in $(( $(date +%s) - start )) s"
+  [ -n "${SETS-chat mt}" ] && exec "$0" eval "$block" "$layers"
+  exit 0
+fi
+
+if [ "$phase" = eval ]; then
   sets=(${SETS:-chat mt})
+  ours=/tmp/g/ours-$name
   smollm2_eval $ours dflash-$name "${sets[@]}"
   for arm in "${arms[@]:1}"; do smollm2_eval $ours-$arm dflash-$name-$arm "${sets[@]}"; done
   smollm2_eval /tmp/g/specforge-$name specforge-$name "${sets[@]}"
