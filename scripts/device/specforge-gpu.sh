@@ -31,6 +31,8 @@
 #   F32=1       train: one more dflash drafter with model.dtype = "f32" (target
 #               and drafter in f32: SpecForge keeps f32 weights, norms and
 #               residual stream under autocast; ours are bf16 by default)
+#   F32_RESIDUAL=1  train: one more dflash drafter with training.f32_residual
+#               (bf16 weights and matmuls, f32 residual stream and norms)
 #   SEED=N      train: run.seed and SpecForge's seed (default 0); results are
 #               named ...-sN then
 #   SETS="..."  train, eval: the prompt sets scored (default "chat mt"; see
@@ -106,6 +108,7 @@ arms=(ce)
 [ "${KD:-0}" = 1 ] && arms+=(kd)
 [ "${DFLASH2:-0}" = 1 ] && arms+=(dflash2)
 [ "${F32:-0}" = 1 ] && arms+=(f32)
+[ "${F32_RESIDUAL:-0}" = 1 ] && arms+=(f32res)
 if [ "$phase" = train ]; then
   for arm in "${arms[@]}"; do
     rm -rf /tmp/g/up /tmp/g/checkpoints
@@ -115,6 +118,7 @@ if [ "$phase" = train ]; then
       kd) how=(--set 'training.loss="kd"') ;;
       dflash2) how=(--set 'drafter.variant="dflash2"') ;;
       f32) how=(--set 'model.dtype="f32"') ;;
+      f32res) how=(--set training.f32_residual=true) ;;
       *) how=() ;;
     esac
     timeout 300 $B/dflash up --config deploy/configs/h200-smollm2.toml --workdir /tmp/g/up --no-final-eval \

@@ -82,6 +82,9 @@ pub struct BenchStepArgs {
     /// keeps it on: faster for masked block attention at 512 anchors).
     #[arg(long)]
     pub no_cudnn_attention: bool,
+    /// Keep the residual stream and norms in f32 (training.f32_residual).
+    #[arg(long)]
+    pub f32_residual: bool,
     /// Round each micro-batch's context up to a multiple of this
     /// (training.context_pad_multiple; 1: no padding).
     #[arg(long, default_value_t = 128)]
@@ -274,6 +277,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             tch::manual_seed(0);
             let mut drafter = Drafter::new(config.clone(), device, kind);
             drafter.set_split_attention(split);
+            drafter.set_f32_residual(a.f32_residual);
             let mut trainer = Trainer::new(drafter, embed.shallow_clone(), head.shallow_clone(), settings);
             let mut t0 = Instant::now();
             let (mut flops, mut step_seqs, mut step_tokens) = (0.0, 0usize, 0usize);
@@ -344,6 +348,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             "device": a.device,
             "batches": all_lens,
             "cudnn_attention": !a.no_cudnn_attention,
+            "f32_residual": a.f32_residual,
             "matmul_peak_flops": peak,
             "rows": rows,
         });

@@ -112,6 +112,12 @@ impl fmt::Display for RunConfig {
             None => String::new(),
         };
         writeln!(f, "  Objective: {objective}{selector}")?;
+        if t.f32_residual {
+            writeln!(
+                f,
+                "  Precision: residual stream and norms in f32, matmuls in the model's dtype (training.f32_residual)"
+            )?;
+        }
         if t.deterministic_kernels {
             writeln!(f, "  Kernels: deterministic only (training.deterministic_kernels)")?;
         }

@@ -168,6 +168,9 @@ pub struct Drafter {
     /// Whether training layouts may use the split (mask-free) attention
     /// where the device supports it.
     split_attention: bool,
+    /// A half-precision drafter keeps its residual stream and RMSNorms in
+    /// f32 (see [`Drafter::set_f32_residual`]).
+    f32_residual: bool,
 }
 
 /// Inputs of one drafter forward over `n` sequences, padded to `S` context
@@ -247,7 +250,7 @@ impl Drafter {
             vs.set_kind(kind);
         }
         let rope = Rope::new(hd, c.rope_theta, device);
-        Self { config, vs, fc, hidden_norm, layers, norm, selector, rope, split_attention: true }
+        Self { config, vs, fc, hidden_norm, layers, norm, selector, rope, split_attention: true, f32_residual: false }
     }
 
     /// Initialises the decoder layers from the target's top layers (drafter
@@ -432,6 +435,24 @@ impl Drafter {
         self.split_attention = on;
     }
 
+    /// Keeps the residual stream between the layers, and the RMSNorms that
+    /// read it, in f32 while the weights, matmuls and attention stay in the
+    /// drafter's half precision: what a PyTorch trainer under bf16 autocast
+    /// computes. A bf16 residual stream rounds every layer's sum to 8 bits
+    /// of mantissa; the outputs still come back in the drafter's kind. No
+    /// effect on a drafter in f32 or f64.
+    pub fn set_f32_residual(&mut self, on: bool) {
+        self.f32_residual = on;
+    }
+
+    /// The kind of the residual stream between layers.
+    fn residual_kind(&self) -> Kind {
+        match self.kind() {
+            Kind::BFloat16 | Kind::Half if self.f32_residual => Kind::Float,
+            k => k,
+        }
+    }
+
     /// Whether [`Drafter::forward_layout`] attends by the split attention
     /// here. Not with sliding-attention layers: the split attention's
     /// mask-free calls cannot bound each slot's window, so those drafters
@@ -455,11 +476,11 @@ impl Drafter {
             blk_cos: bc.unsqueeze(2),
             blk_sin: bs.unsqueeze(2),
         };
-        let mut x = input.block_embeds.to_kind(kind);
+        let mut x = input.block_embeds.to_kind(self.residual_kind());
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(&x, ctx, &rope, &input.attention, &self.config, self.config.layer_type(i));
         }
-        self.norm.forward(&x)
+        self.norm.forward_to(&x, kind)
     }
 }
 
@@ -484,7 +505,10 @@ impl DrafterLayer {
         let (n, q_len, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
         let (nh, kv, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let block = c.block_size;
-        let xn = self.input_layernorm.forward(x);
+        // The residual stream `x` may be f32 (`f32_residual`); the norms
+        // hand the sublayers their input in the weights' kind.
+        let kind = a.q_proj.weight.kind();
+        let xn = self.input_layernorm.forward_to(x, kind);
         let (xn, attention_dynamic) = match &self.attention_conv {
             Some(conv) => {
                 let (y, dynamic) = conv.prepare(&xn, block);
@@ -549,8 +573,8 @@ impl DrafterLayer {
             (Some(conv), Some(dynamic)) => conv.finish(&attended, dynamic, block),
             _ => attended,
         };
-        let x = x + attended;
-        let xn = self.post_attention_layernorm.forward(&x);
+        let x = x + attended.to_kind(x.kind());
+        let xn = self.post_attention_layernorm.forward_to(&x, kind);
         let mlp = match &self.mlp_conv {
             Some(conv) => {
                 let (y, dynamic) = conv.prepare(&xn, block);
@@ -558,6 +582,6 @@ impl DrafterLayer {
             }
             None => self.mlp.forward(&xn),
         };
-        &x + mlp
+        &x + mlp.to_kind(x.kind())
     }
 }

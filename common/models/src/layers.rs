@@ -19,6 +19,16 @@ impl RmsNorm {
         let dim = *x.size().last().expect("rms_norm input has a last dimension");
         x.rms_norm([dim], Some(&self.weight), self.eps)
     }
+
+    /// Normalizes `x` in its own kind (an f32 residual stream under half
+    /// weights: the scale is widened to it) and returns the result in `kind`.
+    pub fn forward_to(&self, x: &Tensor, kind: tch::Kind) -> Tensor {
+        if x.kind() == self.weight.kind() {
+            return self.forward(x).to_kind(kind);
+        }
+        let dim = *x.size().last().expect("rms_norm input has a last dimension");
+        x.rms_norm([dim], Some(&self.weight.to_kind(x.kind())), self.eps).to_kind(kind)
+    }
 }
 
 /// A linear layer with weight `[out, in]` and optional bias.

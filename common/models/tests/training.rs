@@ -108,3 +108,54 @@ fn non_finite_features_are_skipped_without_touching_the_weights() {
     }
     assert_eq!(t.step(), 0);
 }
+
+/// A bf16 drafter's loss and gradients against the same drafter in f64,
+/// with its residual stream and norms in bf16 or in f32: the f32 stream
+/// (what autocast trainers compute) lands closer to the f64 reference.
+#[test]
+fn an_f32_residual_stream_brings_a_bf16_drafters_gradients_closer_to_f64() {
+    let tc = synthetic_target_config(2);
+    let dc = DrafterConfig::for_target(&tc, 4, 4, 3, vec![0, 1]);
+    tch::manual_seed(11);
+    let reference = Drafter::new(dc.clone(), Device::Cpu, Kind::Double);
+    let embed = Tensor::randn([tc.vocab_size, tc.hidden_size], (Kind::Double, Device::Cpu));
+    let head = Tensor::randn([tc.vocab_size, tc.hidden_size], (Kind::Double, Device::Cpu)) * 0.1;
+    let b = batch();
+    let run = |kind: Kind, f32_residual: bool| {
+        let mut d = Drafter::new(dc.clone(), Device::Cpu, kind);
+        d.vs.copy(&reference.vs).unwrap();
+        d.set_f32_residual(f32_residual);
+        let mut t = Trainer::new(d, embed.to_kind(kind), head.to_kind(kind), settings(1000, 1000));
+        let kb = DeviceBatch {
+            batch_id: b.batch_id,
+            features: b.features.to_kind(kind),
+            input_ids: b.input_ids.clone(),
+            loss_mask: b.loss_mask.clone(),
+            seq_lengths: b.seq_lengths.clone(),
+            target_top_k: None,
+            landing: None,
+            trace_context: Default::default(),
+        };
+        let l = loss(t.train_batch(&kb));
+        (l, grads(&t).iter().map(|g| g.to_kind(Kind::Double)).collect::<Vec<_>>())
+    };
+    let (l_ref, g_ref) = run(Kind::Double, false);
+    let error = |(l, g): (f64, Vec<Tensor>)| {
+        let num: f64 = g.iter().zip(&g_ref).map(|(a, r)| (a - r).square().sum(Kind::Double).double_value(&[])).sum();
+        let den: f64 = g_ref.iter().map(|r| r.square().sum(Kind::Double).double_value(&[])).sum();
+        ((l - l_ref).abs(), (num / den).sqrt())
+    };
+    let (loss_bf16, grad_bf16) = error(run(Kind::BFloat16, false));
+    let (loss_mixed, grad_mixed) = error(run(Kind::BFloat16, true));
+    // Both are bf16 drafters (loose), the f32 stream the closer of the two.
+    assert!(grad_bf16 < 0.1 && grad_mixed < 0.1, "gradients off by {grad_bf16} / {grad_mixed}");
+    eprintln!(
+        "relative gradient error {grad_mixed:.3e} (f32 stream) vs {grad_bf16:.3e} (bf16 stream); loss {loss_mixed:.3e} vs {loss_bf16:.3e}"
+    );
+    assert!(grad_mixed < grad_bf16, "f32 stream {grad_mixed} vs bf16 stream {grad_bf16}");
+    assert!(loss_mixed < loss_bf16, "loss off by {loss_mixed} (f32 stream) vs {loss_bf16}");
+    // An f64 drafter is unchanged by the setting.
+    let (l64, g64) = run(Kind::Double, true);
+    assert_eq!(l64, l_ref);
+    assert!(g64.iter().zip(&g_ref).all(|(a, r)| a.equal(r)));
+}

@@ -265,6 +265,7 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
         drafter.load_weights(Path::new(init)).kind(ErrorKind::Checkpoint)?;
         tracing::info!("initialised the drafter from {init}");
     }
+    drafter.set_f32_residual(c.training.f32_residual);
     let params: i64 = drafter.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
     tracing::info!(
         "drafter: {} layers, hidden {}, {params} parameters, {kind:?} on {device:?}",
