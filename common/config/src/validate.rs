@@ -236,6 +236,16 @@ impl RunConfig {
                 )
             },
         );
+        // Ranks step in lockstep on the batches dealt to them, in the plan's
+        // order: arrival order would hand a replica a batch out of turn (and
+        // a replay as a step of its own).
+        c.require(p.reorder_window > 0 || (g.size == 1 && replicas == 1), "pipeline.reorder_window", || {
+            format!(
+                "is 0 (arrival order), but a drafter group of {} member(s) with {replicas} replica(s) each steps in \
+                 lockstep on the plan's order: set it between {replicas} and pipeline.hs_queue_depth ({})",
+                g.size, p.hs_queue_depth
+            )
+        });
         c.require(p.max_target_streams >= p.streams_per_target, "pipeline.max_target_streams", || {
             format!(
                 "is {}; must admit at least one target's streams (pipeline.streams_per_target = {})",
@@ -383,7 +393,10 @@ mod tests {
         c.pipeline.reorder_window = 2;
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("replicas (3)"), "{err}");
-        for ok in [0, 3, 8] {
+        c.pipeline.reorder_window = 0;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("lockstep") && err.contains("3 replica(s)"), "{err}");
+        for ok in [3, 8] {
             c.pipeline.reorder_window = ok;
             c.validate().unwrap();
         }
@@ -402,6 +415,10 @@ mod tests {
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("devices.target") && err.contains("the CPU 2 times"), "{err}");
         c.devices.target = DeviceList::cpu();
+        c.pipeline.reorder_window = 0;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("pipeline.reorder_window") && err.contains("lockstep"), "{err}");
+        c.pipeline.reorder_window = 8;
         c.devices.drafter = DeviceList::cuda([5]);
         c.group.min_size = 3;
         let err = c.validate().unwrap_err().to_string();

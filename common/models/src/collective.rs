@@ -26,6 +26,23 @@ pub trait Collective: Send {
     /// on the device the collective works on.
     fn all_reduce(&self, t: &Tensor, op: Reduce) -> Result<(), ModelError>;
 
+    /// Like [`Collective::all_reduce`] for a wait that may last as long as
+    /// another rank pauses between steps (rank 0 evaluating, snapshotting a
+    /// checkpoint): a collective that can be cancelled waits without its
+    /// timeout and ends only when cancelled (the generation ended, as it
+    /// does when a member is lost); the others keep their timeout.
+    fn all_reduce_between_steps(&self, t: &Tensor, op: Reduce) -> Result<(), ModelError> {
+        self.all_reduce(t, op)
+    }
+
+    /// [`Collective::agree`] at the start of a step, through
+    /// [`Collective::all_reduce_between_steps`].
+    fn agree_between_steps(&self, values: &[f64], device: tch::Device) -> Result<Vec<f64>, ModelError> {
+        let t = Tensor::from_slice(values).to_device(device);
+        self.all_reduce_between_steps(&t, Reduce::Sum)?;
+        Ok(Vec::<f64>::try_from(&t.to_device(tch::Device::Cpu)).expect("1-D values"))
+    }
+
     /// Minimum and maximum of an f64 value over the replicas (exact).
     fn min_max(&self, v: f64, device: tch::Device) -> Result<(f64, f64), ModelError> {
         let lo = Tensor::from_slice(&[v]).to_device(device);

@@ -6,7 +6,10 @@
 //! nonblocking, and every wait on it -- its initialisation, each
 //! all-reduce's enqueue and completion -- polls the communicator's
 //! asynchronous error and ends after the group's collective timeout or
-//! when the caller cancels (its generation ended). Then the communicator is
+//! when the caller cancels (its generation ended). The wait for the others
+//! to be ready for the next step has no timeout (rank 0 may pause between
+//! steps for as long as an evaluation takes); it ends when cancelled, which
+//! a lost member causes through the coordinator. Then the communicator is
 //! aborted (`ncclCommAbort` ends its kernels and frees the stream) and the
 //! wait returns an error: the member leaves its generation instead of
 //! hanging in a collective. The lockstep built on it is in `collective.rs`.
@@ -93,7 +96,7 @@ impl NcclReplica {
         }
         let me = Self { comm, stream, rank, world, timeout, cancel, aborted: AtomicBool::new(false) };
         // Initialisation goes on in NCCL's threads until every rank came.
-        me.wait(&what, || Ok(Poll::Done)).map_err(|e| {
+        me.wait(&what, Some(timeout), || Ok(Poll::Done)).map_err(|e| {
             ModelError::Device(format!(
                 "{e} (every rank of the drafter group must join within group.collective_timeout_ms)"
             ))
@@ -127,8 +130,14 @@ impl NcclReplica {
     }
 
     /// Waits until the communicator is ready and `poll` says done, within
-    /// the timeout and until cancelled; aborts the communicator otherwise.
-    fn wait(&self, what: &str, mut poll: impl FnMut() -> Result<Poll, String>) -> Result<(), ModelError> {
+    /// `timeout` (None: without one) and until cancelled; aborts the
+    /// communicator otherwise.
+    fn wait(
+        &self,
+        what: &str,
+        timeout: Option<Duration>,
+        mut poll: impl FnMut() -> Result<Poll, String>,
+    ) -> Result<(), ModelError> {
         let start = Instant::now();
         let mut polls = 0u32;
         loop {
@@ -144,9 +153,10 @@ impl NcclReplica {
             let why = match outcome {
                 Err(e) => Some(e),
                 Ok(()) if (self.cancel)() => Some("cancelled: the drafter group's generation ended".to_string()),
-                Ok(()) if start.elapsed() >= self.timeout => {
-                    Some(format!("no answer from the other ranks within {} ms", self.timeout.as_millis()))
-                }
+                Ok(()) if timeout.is_some_and(|t| start.elapsed() >= t) => Some(format!(
+                    "no answer from the other ranks within {} ms",
+                    timeout.unwrap_or_default().as_millis()
+                )),
                 Ok(()) => None,
             };
             if let Some(why) = why {
@@ -164,7 +174,13 @@ impl NcclReplica {
         }
     }
 
-    fn reduce(&self, t: &Tensor, dtype: sys::ncclDataType_t, op: Reduce) -> Result<(), ModelError> {
+    fn reduce(
+        &self,
+        t: &Tensor,
+        dtype: sys::ncclDataType_t,
+        op: Reduce,
+        timeout: Option<Duration>,
+    ) -> Result<(), ModelError> {
         if self.aborted.load(Ordering::SeqCst) {
             return Err(ModelError::Device(format!(
                 "NCCL all-reduce (rank {} of {}): the communicator was aborted",
@@ -188,12 +204,13 @@ impl NcclReplica {
             // Nonblocking: the enqueue may finish later (`state` says when).
             sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
             e => {
+                let why = describe(e, self.comm);
                 self.abort();
-                return Err(ModelError::Device(format!("{what}: {}", describe(e, self.comm))));
+                return Err(ModelError::Device(format!("{what}: {why}")));
             }
         }
         let mut done: Option<cudarc::driver::CudaEvent> = None;
-        self.wait(&what, || {
+        self.wait(&what, timeout, || {
             // Enqueued (the communicator is ready): wait for the kernel.
             let event = match &done {
                 Some(e) => e,
@@ -226,12 +243,22 @@ impl Collective for NcclReplica {
     }
 
     fn all_reduce(&self, t: &Tensor, op: Reduce) -> Result<(), ModelError> {
+        self.reduce_checked(t, op, Some(self.timeout))
+    }
+
+    fn all_reduce_between_steps(&self, t: &Tensor, op: Reduce) -> Result<(), ModelError> {
+        self.reduce_checked(t, op, None)
+    }
+}
+
+impl NcclReplica {
+    fn reduce_checked(&self, t: &Tensor, op: Reduce, timeout: Option<Duration>) -> Result<(), ModelError> {
         if !t.is_contiguous() || !t.device().is_cuda() {
             return Err(ModelError::Device("NCCL all-reduce needs a contiguous CUDA tensor".into()));
         }
         match t.kind() {
-            Kind::Float => self.reduce(t, sys::ncclDataType_t::ncclFloat32, op),
-            Kind::Double => self.reduce(t, sys::ncclDataType_t::ncclFloat64, op),
+            Kind::Float => self.reduce(t, sys::ncclDataType_t::ncclFloat32, op, timeout),
+            Kind::Double => self.reduce(t, sys::ncclDataType_t::ncclFloat64, op, timeout),
             k => Err(ModelError::Device(format!("NCCL all-reduce of {k:?} is not used here"))),
         }
     }

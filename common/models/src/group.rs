@@ -31,6 +31,9 @@ impl Collective for NcclMember {
     fn all_reduce(&self, t: &Tensor, op: Reduce) -> Result<(), ModelError> {
         self.comm.all_reduce(t, op)
     }
+    fn all_reduce_between_steps(&self, t: &Tensor, op: Reduce) -> Result<(), ModelError> {
+        self.comm.all_reduce_between_steps(t, op)
+    }
 }
 
 /// Forms the collective of `rank` in a group of `world` over `store`

@@ -190,6 +190,9 @@ pub fn on_drafter_error(e: Option<&DrafterError>) -> Reaction {
 
 /// Retry delays of the written policy: exponential from 200 ms, capped at
 /// 5 s, with jitter so that restarted peers do not come back in step.
+/// The longest delay [`retry_delays`] gives: 5 s, jittered up to twice that.
+pub const RETRY_DELAY_CAP: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub fn retry_delays() -> impl Iterator<Item = std::time::Duration> {
     use backon::BackoffBuilder;
     backon::ExponentialBuilder::default()
@@ -319,7 +322,7 @@ mod tests {
         let delays: Vec<_> = retry_delays().take(12).collect();
         assert!(delays[0] >= std::time::Duration::from_millis(200), "starts at 200 ms: {:?}", delays[0]);
         for d in &delays {
-            assert!(*d <= std::time::Duration::from_secs(10), "capped: {d:?}");
+            assert!(*d <= RETRY_DELAY_CAP, "capped: {d:?}");
         }
         let last = delays[delays.len() - 1];
         assert!(last >= std::time::Duration::from_secs(5), "grows to the cap: {last:?}");

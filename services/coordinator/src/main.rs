@@ -99,13 +99,16 @@ async fn run(args: Args) -> anyhow::Result<i32> {
     let counts = ledger.counts()?;
     if resumed {
         // Leases of targets that do not come back end after an instance
-        // timeout, as a target that falls silent loses its leases.
-        let deadline = dflash_coordinator::run::now_ms() + plan.config.faults.instance_timeout_ms;
+        // timeout, as a target that falls silent loses its leases; a live
+        // target may first take its longest retry delay to find us again.
+        let deadline = dflash_coordinator::run::now_ms()
+            + plan.config.faults.instance_timeout_ms
+            + dflash_telemetry::RETRY_DELAY_CAP.as_millis() as u64;
         let n = ledger.shorten_leases(deadline)?;
         if n > 0 {
             tracing::info!(
                 "{n} batch(es) leased before this start go back to pending unless their target renews them within \
-                 faults.instance_timeout_ms"
+                 faults.instance_timeout_ms (and the longest retry delay)"
             );
         }
         tracing::info!(

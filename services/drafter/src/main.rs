@@ -187,13 +187,9 @@ async fn fetch_assignment(session: &Session, generation: u64) -> anyhow::Result<
         }
     })
     .await;
-    // Dealt out in time or not at all: a generation that cannot start is
-    // re-formed; a refusal or the run's end is what it is.
-    match batches {
-        Ok(dealt) => dealt.kind(ErrorKind::Protocol),
-        Err(e) if dflash_role::kind_of(&e) == ErrorKind::PeerLost => Err(reform(session, e)),
-        Err(e) => Err(e),
-    }
+    // Dealt out in time or not at all (a lost peer: the caller decides
+    // whether that ends a generation); a refusal or the run's end is what it is.
+    batches.and_then(|dealt| dealt.kind(ErrorKind::Protocol))
 }
 
 /// The generation this member trains in cannot go on (a member lost, a
@@ -381,8 +377,13 @@ async fn start(
     let mut order: Vec<u64> = plan.keys().copied().collect();
     let mut lane_of = None;
     if in_group {
-        stores = group::rendezvous(session, &membership, &own_host).await.map_err(|e| reform(session, e))?;
-        let assigned = fetch_assignment(session, membership.generation).await?;
+        // A member of several leaves its generation on a lost peer; a
+        // drafter alone has no peer to lose and fails as it is.
+        let leave = |e: anyhow::Error| if membership.members > 1 { reform(session, e) } else { e };
+        stores = group::rendezvous(session, &membership, &own_host).await.map_err(leave)?;
+        let assigned = fetch_assignment(session, membership.generation)
+            .await
+            .map_err(|e| if dflash_role::kind_of(&e) == ErrorKind::PeerLost { leave(e) } else { e })?;
         let first = membership.rank;
         let mut lanes = std::collections::HashMap::with_capacity(assigned.len());
         for &(id, rank) in &assigned {
@@ -547,9 +548,11 @@ async fn start(
                     Rank::Follower(trainer) => follow_member(trainer, replica, s),
                 }
             })();
-            // In a group, a lost peer or a failed collective ends this
-            // generation, not the run.
-            if in_group { member_ends(&sess, trained) } else { trained }.on_device(device_name(dev))
+            // In a group of several members, a lost peer or a failed
+            // collective ends this generation, not the run. A drafter alone
+            // (however many devices) fails as any process does: its replicas
+            // live and die together.
+            if m.members > 1 { member_ends(&sess, trained) } else { trained }.on_device(device_name(dev))
         });
     }
     Ok(())

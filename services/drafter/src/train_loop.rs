@@ -200,7 +200,11 @@ impl ReplicaStep {
             f64::from(u8::from(stop.is_stopped())),
             f64::from(u8::from(m.held.is_some())),
         ];
-        let a = g.agree(&flags, self.device).kind(ErrorKind::PeerLost)?;
+        // Rank 0 may pause between steps (evaluating, snapshotting a
+        // checkpoint): this wait ends when the others are ready or the
+        // generation ends, not after the collective timeout (where the
+        // collective can be cancelled: NCCL).
+        let a = g.agree_between_steps(&flags, self.device).kind(ErrorKind::PeerLost)?;
         let idle = ReplicaReport {
             batch_id: None,
             member: self.member.clone(),
