@@ -13,7 +13,7 @@ pub use health::{HealthArgs, check_health, serve_health, serve_health_only};
 pub use security::{Security, SecurityArgs};
 pub use session::{
     Announce, CoordinatorConn, DeviceError, DeviceExt, KindExt, RoleArgs, RoleError, Session, coordinator_client,
-    device_of, format_chain, kind_of, lazy_channel, registration_failed, with_timeout,
+    device_of, format_chain, kind_of, lazy_channel, registration_failed, run_over_cause, with_timeout,
 };
 pub use stages::Stages;
 pub use stop::{EXIT_GROUP_REFORM, Stop, StopCause, recv_until_stop, send_until_stop};

@@ -427,6 +427,12 @@ impl Session {
             (Err(e), Some(StopCause::GroupReform(_))) => {
                 tracing::warn!("leaving the drafter group: {}", format_chain(e))
             }
+            // The run ended while this role was still starting or waiting
+            // on it (a replacement arriving after the last commit): that is
+            // the run's end, not this role's failure.
+            (Err(e), Some(StopCause::RunCompleted | StopCause::RunFailed(_) | StopCause::RunCancelled(_))) => {
+                tracing::info!("the run ended meanwhile: {}", format_chain(e))
+            }
             (Err(e), _) => {
                 let kind = kind_of(e);
                 tracing::error!("{}", format_chain(e));
@@ -500,7 +506,7 @@ impl<T, E: Into<anyhow::Error>> KindExt<T> for Result<T, E> {
 }
 
 /// The stop cause of a run that is over in `state`.
-fn run_over_cause(state: pb::RunState, message: String) -> StopCause {
+pub fn run_over_cause(state: pb::RunState, message: String) -> StopCause {
     match state {
         pb::RunState::Completed => StopCause::RunCompleted,
         pb::RunState::Cancelled => StopCause::RunCancelled(message),

@@ -132,7 +132,12 @@ where
                     Reaction::Fail => {
                         return Err(anyhow::anyhow!("{what}: {}", s.message())).kind(ErrorKind::Protocol);
                     }
-                    Reaction::RunOver(_) => anyhow::bail!("{what}: the run is over: {}", s.message()),
+                    Reaction::RunOver(state) => {
+                        // The run's end stops the role for its reason (a
+                        // completed run is this drafter's success too).
+                        stop.stop(dflash_role::run_over_cause(state, s.message().to_string()));
+                        anyhow::bail!("{what}: the run is over: {}", s.message())
+                    }
                     // This member's generation is over: it leaves.
                     Reaction::Rejoin => {
                         return Err(anyhow::anyhow!("{what}: {}", s.message())).kind(ErrorKind::PeerLost);
