@@ -38,9 +38,7 @@ pub trait Collective: Send {
     /// [`Collective::agree`] at the start of a step, through
     /// [`Collective::all_reduce_between_steps`].
     fn agree_between_steps(&self, values: &[f64], device: tch::Device) -> Result<Vec<f64>, ModelError> {
-        let t = Tensor::from_slice(values).to_device(device);
-        self.all_reduce_between_steps(&t, Reduce::Sum)?;
-        Ok(Vec::<f64>::try_from(&t.to_device(tch::Device::Cpu)).expect("1-D values"))
+        summed(values, device, |t| self.all_reduce_between_steps(t, Reduce::Sum))
     }
 
     /// Minimum and maximum of an f64 value over the replicas (exact).
@@ -56,9 +54,7 @@ pub trait Collective: Send {
     /// needs to agree on before a step (who has a batch, who stops, which
     /// batch each trained). f64 holds batch ids exactly.
     fn agree(&self, values: &[f64], device: tch::Device) -> Result<Vec<f64>, ModelError> {
-        let t = Tensor::from_slice(values).to_device(device);
-        self.all_reduce(&t, Reduce::Sum)?;
-        Ok(Vec::<f64>::try_from(&t.to_device(tch::Device::Cpu)).expect("1-D values"))
+        summed(values, device, |t| self.all_reduce(t, Reduce::Sum))
     }
 
     /// Makes every replica's tensors equal to rank 0's (weights and
@@ -113,6 +109,17 @@ pub trait Collective: Send {
         }
         Ok(())
     }
+}
+
+/// `values` on `device`, summed over the replicas by `sum`, back on the host.
+fn summed(
+    values: &[f64],
+    device: tch::Device,
+    sum: impl FnOnce(&Tensor) -> Result<(), ModelError>,
+) -> Result<Vec<f64>, ModelError> {
+    let t = Tensor::from_slice(values).to_device(device);
+    sum(&t)?;
+    Ok(Vec::<f64>::try_from(&t.to_device(tch::Device::Cpu)).expect("1-D values"))
 }
 
 /// A position-weighted checksum of the parameters (swapped values change

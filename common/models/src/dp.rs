@@ -174,13 +174,16 @@ impl NcclReplica {
         }
     }
 
-    fn reduce(
-        &self,
-        t: &Tensor,
-        dtype: sys::ncclDataType_t,
-        op: Reduce,
-        timeout: Option<Duration>,
-    ) -> Result<(), ModelError> {
+    /// Reduces `t` in place over the ranks, waiting at most `timeout`.
+    fn reduce(&self, t: &Tensor, op: Reduce, timeout: Option<Duration>) -> Result<(), ModelError> {
+        if !t.is_contiguous() || !t.device().is_cuda() {
+            return Err(ModelError::Device("NCCL all-reduce needs a contiguous CUDA tensor".into()));
+        }
+        let dtype = match t.kind() {
+            Kind::Float => sys::ncclDataType_t::ncclFloat32,
+            Kind::Double => sys::ncclDataType_t::ncclFloat64,
+            k => return Err(ModelError::Device(format!("NCCL all-reduce of {k:?} is not used here"))),
+        };
         if self.aborted.load(Ordering::SeqCst) {
             return Err(ModelError::Device(format!(
                 "NCCL all-reduce (rank {} of {}): the communicator was aborted",
@@ -243,24 +246,11 @@ impl Collective for NcclReplica {
     }
 
     fn all_reduce(&self, t: &Tensor, op: Reduce) -> Result<(), ModelError> {
-        self.reduce_checked(t, op, Some(self.timeout))
+        self.reduce(t, op, Some(self.timeout))
     }
 
     fn all_reduce_between_steps(&self, t: &Tensor, op: Reduce) -> Result<(), ModelError> {
-        self.reduce_checked(t, op, None)
-    }
-}
-
-impl NcclReplica {
-    fn reduce_checked(&self, t: &Tensor, op: Reduce, timeout: Option<Duration>) -> Result<(), ModelError> {
-        if !t.is_contiguous() || !t.device().is_cuda() {
-            return Err(ModelError::Device("NCCL all-reduce needs a contiguous CUDA tensor".into()));
-        }
-        match t.kind() {
-            Kind::Float => self.reduce(t, sys::ncclDataType_t::ncclFloat32, op, timeout),
-            Kind::Double => self.reduce(t, sys::ncclDataType_t::ncclFloat64, op, timeout),
-            k => Err(ModelError::Device(format!("NCCL all-reduce of {k:?} is not used here"))),
-        }
+        self.reduce(t, op, None)
     }
 }
 
