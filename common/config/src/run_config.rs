@@ -316,9 +316,10 @@ pub struct TrainingSection {
     /// A half-precision drafter (bf16 on GPUs) keeps its residual stream
     /// and its RMSNorms in f32; matmuls and attention stay in bf16. That is
     /// what PyTorch trainers under autocast compute (SpecForge keeps f32
-    /// weights, norms and residual stream): on SmolLM2 a drafter all in f32
-    /// reached tau 2.19 on 100 held-out prompts where the bf16 one reached
-    /// 2.12 (BENCHMARKS.md). No effect on a drafter that computes in f32.
+    /// weights, norms and residual stream). Off by default: on SmolLM2 it
+    /// reached tau 2.16 on 100 held-out prompts where the bf16 stream
+    /// reached 2.20, a rerun's noise apart, for 4% more step time
+    /// (BENCHMARKS.md). No effect on a drafter that computes in f32.
     pub f32_residual: bool,
 }
 
