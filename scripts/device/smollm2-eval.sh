@@ -35,6 +35,6 @@ smollm2_eval() {
       *) echo "smollm2_eval: unknown prompt set '$set' (chat, chat100, mt, mt80, code or instr)" >&2; return 2 ;;
     esac
     timeout "${EVAL_TIMEOUT:-120}" "$B/dflash" eval --device 0 --dtype f32 --target /tmp/g/model --drafter "$drafter" "${args[@]}" \
-      --max-new-tokens 64 --json "$OUT/eval-$label-$set.json" 2>&1 | grep -E "trained +tau" | sed "s/^/$label $set: /"
+      --max-new-tokens 64 --json "$OUT/eval-$label-$set.json" 2>&1 | grep -E "trained +tau|drafted slots" | sed -E "s/^ */$label $set: /"
   done
 }

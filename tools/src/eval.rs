@@ -95,6 +95,13 @@ fn print_report(r: &EvalReport, greedy_tps: f64) {
             100.0 * agree
         );
     }
+    if let (Some(ce), Some(acc)) = (r.slot_cross_entropy, r.slot_accuracy) {
+        println!(
+            "{:<10} drafted slots of those anchors: cross-entropy {ce:.4} nats (no slot weights), accuracy {:.1}%",
+            "",
+            100.0 * acc
+        );
+    }
 }
 
 pub fn run(a: &EvalArgs) -> anyhow::Result<()> {

@@ -11,7 +11,7 @@ use dflash_data::{ChatTokenizer, Conversation};
 use serde::Serialize;
 use tch::Tensor;
 
-use crate::acceptance::block_predictions;
+use crate::acceptance::{SlotScores, block_predictions};
 use crate::blocks::anchor_candidates;
 use crate::generate::{SpecResult, SpecSettings, greedy_generate, speculative_generate};
 use crate::{Drafter, ModelError, TargetModel};
@@ -135,8 +135,15 @@ pub struct EvalReport {
     /// baseline was decoded).
     pub lossless: Option<bool>,
     /// Simulated acceptance (the training step's measure) over every valid
-    /// anchor of the prompts' greedy outputs, when those were given.
+    /// anchor of the prompts' greedy outputs (the reference when one was
+    /// given, else decoding's own output, which is greedy's).
     pub simulated_tau: Option<f64>,
+    /// Over the same anchors, every drafted slot inside the greedy output:
+    /// the drafter's mean cross-entropy on the output's token (nats, no slot
+    /// weights) and how often its proposal is that token -- the held-out
+    /// counterparts of the step log's loss and accuracy.
+    pub slot_cross_entropy: Option<f64>,
+    pub slot_accuracy: Option<f64>,
     /// Fraction of verify steps whose accepted count equals the training
     /// layout's at the same anchor (1.0 unless training and decoding see
     /// the drafter's inputs differently).
@@ -185,10 +192,16 @@ pub fn evaluate(
     let mut check = LayoutCheck::default();
     for (i, p) in prompts.iter().enumerate() {
         let r = speculative_generate(target, drafter, &p.ids, &s);
-        if let Some(refs) = reference {
-            lossless &= refs[i] == r.tokens;
-            check.add(target, drafter, (embed, lm_head), &p.ids, &refs[i], &r);
-        }
+        // The layout check reads the greedy output: the reference where one
+        // was decoded, else decoding's own (greedy by construction).
+        let output = match reference {
+            Some(refs) => {
+                lossless &= refs[i] == r.tokens;
+                &refs[i]
+            }
+            None => &r.tokens,
+        };
+        check.add(target, drafter, (embed, lm_head), &p.ids, output, &r);
         let produced: u64 = r.per_step.iter().map(|&n| n as u64).sum();
         steps += r.per_step.len() as u64;
         tokens += produced;
@@ -216,8 +229,10 @@ pub fn evaluate(
         per_category: cats.into_iter().map(|(k, (t, n))| (k, t / n.max(1.0))).collect(),
         per_prompt,
         lossless: reference.map(|_| lossless),
-        simulated_tau: reference.map(|_| check.sim_sum / check.sim_anchors.max(1) as f64),
-        step_agreement: reference.map(|_| check.agreed as f64 / check.compared.max(1) as f64),
+        simulated_tau: (check.sim_anchors > 0).then(|| check.sim_sum / check.sim_anchors as f64),
+        slot_cross_entropy: check.slots.means().map(|(ce, _)| ce),
+        slot_accuracy: check.slots.means().map(|(_, acc)| acc),
+        step_agreement: (check.compared > 0).then(|| check.agreed as f64 / check.compared as f64),
         decodes,
     }
 }
@@ -231,6 +246,7 @@ struct LayoutCheck {
     sim_anchors: usize,
     agreed: usize,
     compared: usize,
+    slots: SlotScores,
 }
 
 impl LayoutCheck {
@@ -255,6 +271,9 @@ impl LayoutCheck {
         let at: BTreeMap<usize, u32> = anchors.iter().copied().zip(pred.accepted(&seq, &mask)).collect();
         self.sim_sum += candidates.iter().map(|a| 1.0 + f64::from(at[a])).sum::<f64>();
         self.sim_anchors += candidates.len();
+        let candidate_rows: Vec<usize> =
+            candidates.iter().map(|a| anchors.binary_search(a).expect("every candidate is an anchor")).collect();
+        self.slots.add(pred.slot_scores(&seq, &mask, &candidate_rows));
         // Steps whose whole block lies inside the output: both sides see every slot.
         for st in r.steps.iter().filter(|st| st.anchor + drafter.config.block_size as usize <= seq.len()) {
             self.compared += 1;

@@ -155,7 +155,27 @@ fn draft_block(drafter: &Drafter, context: &Tensor, last: i64, s: &SpecSettings)
 pub fn first_block_logits(target: &TargetModel, drafter: &Drafter, prompt: &[u32], s: &SpecSettings) -> Tensor {
     let _guard = tch::no_grad_guard();
     let (_, context, last) = prefill(target, drafter, prompt);
-    draft_block(drafter, &context, last, s).1.squeeze_dim(0).to_kind(Kind::Float).to_device(Device::Cpu)
+    host_logits(drafter, &context, last, s)
+}
+
+/// The drafter's logits `[block - 1, vocab]` (f32, on the CPU) for the
+/// block decoding would draft after `prefix` if the token at the anchor
+/// were `anchor` (whatever the target's greedy choice): how a sequence
+/// that is not greedy's is drafted, block by block.
+pub fn block_logits_at(
+    target: &TargetModel,
+    drafter: &Drafter,
+    prefix: &[u32],
+    anchor: u32,
+    s: &SpecSettings,
+) -> Tensor {
+    let _guard = tch::no_grad_guard();
+    let (_, context, _) = prefill(target, drafter, prefix);
+    host_logits(drafter, &context, i64::from(anchor), s)
+}
+
+fn host_logits(drafter: &Drafter, context: &Tensor, anchor: i64, s: &SpecSettings) -> Tensor {
+    draft_block(drafter, context, anchor, s).1.squeeze_dim(0).to_kind(Kind::Float).to_device(Device::Cpu)
 }
 
 /// The target's forward over `prompt`: its cache, the drafter's context

@@ -4,8 +4,8 @@
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 
-use dflash_models::acceptance::block_predictions;
-use dflash_models::generate::{SpecSettings, greedy_generate, speculative_generate};
+use dflash_models::acceptance::{SlotScores, block_predictions};
+use dflash_models::generate::{SpecSettings, block_logits_at, greedy_generate, speculative_generate};
 use dflash_models::synthetic::{synthetic_target_config, write_synthetic_target};
 use dflash_models::{Drafter, DrafterConfig, LayerType, LoadScope, TargetModel};
 use tch::{Device, Kind};
@@ -109,5 +109,70 @@ fn decoding_proposes_what_the_training_layout_predicts_at_the_same_anchors() {
                 assert_eq!(st.accepted, *a, "anchor {}", st.anchor);
             }
         }
+    }
+}
+
+#[test]
+fn the_layouts_slot_scores_equal_decodings_block_logits_at_every_anchor() {
+    // `eval`'s held-out cross-entropy and accuracy read the training
+    // layout's logits at every anchor of an output; decoding drafts each
+    // block on its own (features of the prefix, block [anchor token,
+    // MASK...]). Both must give the output's tokens the same
+    // log-probabilities, and the scores must count exactly the slots inside
+    // the sequence and the loss mask. The output is not the synthetic
+    // target's greedy one (that repeats one token, and a slot read at the
+    // wrong position would pass) but varied tokens.
+    let (_d, t) = target();
+    let vocab = t.config.vocab_size as u32;
+    for (seed, block, window) in [(6i64, 4i64, None), (7, 8, Some(10))] {
+        let drafter = sliding_drafter(&t, seed, 2, block, window);
+        // A fresh drafter's logits are nearly uniform (every token about
+        // -ln(vocab)); widening the final norm spreads them.
+        let norm = drafter.named_parameters().into_iter().find(|(n, _)| n == "norm.weight").unwrap().1;
+        tch::no_grad(|| {
+            let _ = norm.shallow_clone().fill_(30.0);
+        });
+        let prompt: Vec<u32> = (80..92).collect();
+        let output: Vec<u32> = (0..24u32).map(|i| (i * 37 + 11) % vocab).collect();
+        let seq: Vec<u32> = prompt.iter().chain(&output).copied().collect();
+        // The last 3 tokens are outside the loss mask (as an end-of-turn
+        // suffix would be when a template masks it).
+        let mask: Vec<u8> = (0..seq.len()).map(|i| u8::from(i >= prompt.len() && i + 3 < seq.len())).collect();
+        let anchors: Vec<usize> = (prompt.len()..seq.len() - 1).collect();
+        let pred = block_predictions(&t, &drafter, t.embed_tokens(), t.lm_head().unwrap(), &seq, &mask, &anchors);
+        let s = settings(&t, 1);
+        let mut want = SlotScores::default();
+        let mut spread = (f64::MAX, f64::MIN);
+        for (i, &a) in anchors.iter().enumerate() {
+            let logits = block_logits_at(&t, &drafter, &seq[..a], seq[a], &s).to_kind(Kind::Double);
+            let lp = logits.log_softmax(-1, Kind::Double);
+            for k in 0..(block as usize - 1) {
+                let pos = a + k + 1;
+                let got = pred.label_log_probs[i][k];
+                if pos >= seq.len() {
+                    assert!(got.is_nan(), "anchor {a} slot {k} is past the end: {got}");
+                    continue;
+                }
+                let expected = lp.double_value(&[k as i64, i64::from(seq[pos])]);
+                spread = (spread.0.min(expected), spread.1.max(expected));
+                assert!(
+                    (f64::from(got) - expected).abs() < 1e-4,
+                    "block {block}, anchor {a}, slot {k}: layout {got}, decoding {expected}"
+                );
+                assert_eq!(pred.proposals[i][k], logits.get(k as i64).argmax(-1, false).int64_value(&[]) as u32);
+                if mask[pos] == 1 {
+                    want.slots += 1;
+                    want.cross_entropy_sum -= expected;
+                    want.correct += u64::from(pred.proposals[i][k] == seq[pos]);
+                }
+            }
+        }
+        assert!(spread.1 - spread.0 > 1.0, "the log-probabilities must differ to tell slots apart: {spread:?}");
+        let got = pred.slot_scores(&seq, &mask, &(0..anchors.len()).collect::<Vec<_>>());
+        assert_eq!((got.slots, got.correct), (want.slots, want.correct), "block {block}");
+        assert!(got.slots > 0 && got.slots < (anchors.len() * (block as usize - 1)) as u64);
+        assert!((got.cross_entropy_sum - want.cross_entropy_sum).abs() < 1e-4 * got.slots as f64);
+        let (ce, acc) = got.means().unwrap();
+        assert!(ce > 0.0 && (0.0..=1.0).contains(&acc));
     }
 }

@@ -52,7 +52,8 @@ impl PeriodicEval {
         }))
     }
 
-    /// Runs the evaluation and logs tau.
+    /// Runs the evaluation and logs tau, and the drafter's cross-entropy and
+    /// accuracy on the drafted slots of the outputs (held-out loss).
     pub fn run(&self, step: u64, trainer: &dflash_models::Trainer) -> EvalReport {
         let r = evaluate(
             &format!("step {step}"),
@@ -68,8 +69,12 @@ impl PeriodicEval {
         );
         let cats: Vec<String> = r.per_category.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
         dflash_telemetry::metrics().acceptance_length.with_label_values(&["eval"]).set(r.tau);
+        let slots = match (r.slot_cross_entropy, r.slot_accuracy) {
+            (Some(ce), Some(acc)) => format!("; drafted slots: cross-entropy {ce:.4}, accuracy {:.1}%", 100.0 * acc),
+            _ => String::new(),
+        };
         tracing::info!(
-            "eval at step {step}: acceptance length tau {:.3} over {} prompts ({:.1} tok/s; {})",
+            "eval at step {step}: acceptance length tau {:.3} over {} prompts ({:.1} tok/s; {}){slots}",
             r.tau,
             self.prompts.len(),
             r.tokens_per_s,
