@@ -59,7 +59,7 @@ impl BlockPredictions {
             let a = self.anchors[i];
             for (k, (&t, &lp)) in self.proposals[i].iter().zip(&self.label_log_probs[i]).enumerate() {
                 let pos = a + k + 1;
-                if pos < input_ids.len() && loss_mask[pos] == 1 {
+                if supervised(pos, input_ids, loss_mask) {
                     s.slots += 1;
                     s.cross_entropy_sum -= f64::from(lp);
                     s.correct += u64::from(input_ids[pos] == t);
@@ -80,12 +80,18 @@ impl BlockPredictions {
                     .enumerate()
                     .take_while(|&(i, &t)| {
                         let pos = a + i + 1;
-                        pos < input_ids.len() && loss_mask[pos] == 1 && input_ids[pos] == t
+                        supervised(pos, input_ids, loss_mask) && input_ids[pos] == t
                     })
                     .count() as u32
             })
             .collect()
     }
+}
+
+/// Whether position `pos` holds a data token the drafter is scored on:
+/// inside the sequence and the loss mask.
+fn supervised(pos: usize, input_ids: &[u32], loss_mask: &[u8]) -> bool {
+    pos < input_ids.len() && loss_mask[pos] == 1
 }
 
 /// Proposals of `drafter` at `anchors` of the sequence `input_ids`, from

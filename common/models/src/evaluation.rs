@@ -219,6 +219,7 @@ pub fn evaluate(
         });
         progress();
     }
+    let slot_means = check.slots.means();
     EvalReport {
         label: label.to_string(),
         tau: tokens as f64 / steps.max(1) as f64,
@@ -230,8 +231,8 @@ pub fn evaluate(
         per_prompt,
         lossless: reference.map(|_| lossless),
         simulated_tau: (check.sim_anchors > 0).then(|| check.sim_sum / check.sim_anchors as f64),
-        slot_cross_entropy: check.slots.means().map(|(ce, _)| ce),
-        slot_accuracy: check.slots.means().map(|(_, acc)| acc),
+        slot_cross_entropy: slot_means.map(|(ce, _)| ce),
+        slot_accuracy: slot_means.map(|(_, acc)| acc),
         step_agreement: (check.compared > 0).then(|| check.agreed as f64 / check.compared as f64),
         decodes,
     }
