@@ -25,6 +25,7 @@
 #   HELDOUT=N   data with FULL=1: prompts 600..600+N-1 are held out (default
 #               20, the `chat` set); 100 makes room for the `chat100` set
 #   REGEN_BATCH=N  data: prompts answered at a time for the 1,200 (default 64)
+#   REGEN_JOBS=N   data: chunks answered side by side on the GPU (default 1)
 #   EPOCHS=N    train: run.epochs for both trainers (default: the config's 6)
 #   KD=1        train: one more dflash drafter, with training.loss = "kd"
 #   DFLASH2=1   train: one more dflash drafter, drafter.variant = "dflash2"
@@ -33,6 +34,11 @@
 #               residual stream under autocast; ours are bf16 by default)
 #   F32_RESIDUAL=1  train: one more dflash drafter with training.f32_residual
 #               (bf16 weights and matmuls, f32 residual stream and norms)
+#   SLIDING=1   train: one more dflash drafter whose first LAYERS-1 layers are
+#               sliding-window attention (window $WINDOW, default 128) and whose
+#               last is full attention; with DFLASH2=1 also its DFlash2
+#   SPECFORGE=0 train, eval, score: dflash's drafters only (SpecForge's of this
+#               shape and seed came from an earlier call, or are not wanted)
 #   SEED=N      train: run.seed and SpecForge's seed (default 0); results are
 #               named ...-sN then
 #   SETS="..."  train, eval, score: the prompt sets scored (default "chat mt"; see
@@ -83,14 +89,20 @@ if [ "$phase" = data ]; then
     batch=256
   fi
   rm -f /tmp/g/first.jsonl /tmp/g/more*.jsonl
+  # Chunks run REGEN_JOBS at a time: each is its own process and decode
+  # order, so its answers do not depend on what runs beside it.
   for r in "${ranges[@]}"; do
     set -- $r
-    start=$(date +%s)
-    timeout 200 $B/dflash regenerate --model /tmp/g/model --input .device/g/chitchat-prompts.jsonl \
-      --output /tmp/g/$3.jsonl --offset $1 --limit $2 --max-new-tokens 96 --batch-size $batch \
-      --max-batch-tokens 131072 --device 0 2>&1 | tail -1
-    echo "regenerate $1+$2 ($batch at a time): $(( $(date +%s) - start )) s"
+    while [ "$(jobs -rp | wc -l)" -ge "${REGEN_JOBS:-1}" ]; do wait -n; done
+    (
+      start=$(date +%s)
+      timeout 300 $B/dflash regenerate --model /tmp/g/model --input .device/g/chitchat-prompts.jsonl \
+        --output /tmp/g/$3.jsonl --offset $1 --limit $2 --max-new-tokens 96 --batch-size $batch \
+        --max-batch-tokens 131072 --device 0 2>&1 | tail -1
+      echo "regenerate $1+$2 ($batch at a time): $(( $(date +%s) - start )) s"
+    ) &
   done
+  wait
   cat /tmp/g/first.jsonl /tmp/g/more*.jsonl > /tmp/g/train.jsonl
   cp /tmp/g/train.jsonl "$OUT/train.jsonl"
   wc -l /tmp/g/train.jsonl
@@ -109,6 +121,14 @@ arms=(ce)
 [ "${DFLASH2:-0}" = 1 ] && arms+=(dflash2)
 [ "${F32:-0}" = 1 ] && arms+=(f32)
 [ "${F32_RESIDUAL:-0}" = 1 ] && arms+=(f32res)
+[ "${SLIDING:-0}" = 1 ] && arms+=(sliding)
+[ "${SLIDING:-0}${DFLASH2:-0}" = 11 ] && arms+=(dflash2-sliding)
+# 'drafter.layer_types=[...]': LAYERS-1 sliding-window layers, then one full.
+sliding=()
+if [ "${SLIDING:-0}" = 1 ]; then
+  types=$(python3 -c "import json;print(json.dumps(['sliding_attention']*($layers-1)+['full_attention']))")
+  sliding=(--set "drafter.layer_types=$types" --set drafter.sliding_window=${WINDOW:-128})
+fi
 if [ "$phase" = train ]; then
   for arm in "${arms[@]}"; do
     rm -rf /tmp/g/up /tmp/g/checkpoints
@@ -119,6 +139,8 @@ if [ "$phase" = train ]; then
       dflash2) how=(--set 'drafter.variant="dflash2"') ;;
       f32) how=(--set 'model.dtype="f32"') ;;
       f32res) how=(--set training.f32_residual=true) ;;
+      sliding) how=("${sliding[@]}") ;;
+      dflash2-sliding) how=(--set 'drafter.variant="dflash2"' "${sliding[@]}") ;;
       *) how=() ;;
     esac
     timeout 300 $B/dflash up --config deploy/configs/h200-smollm2.toml --workdir /tmp/g/up --no-final-eval \
@@ -128,6 +150,10 @@ if [ "$phase" = train ]; then
     grep -E "step [0-9]+/" "$OUT/up-dflash-$name$suffix.log" | tail -2
     rm -rf /tmp/g/ours-$name$suffix && cp -r /tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest) /tmp/g/ours-$name$suffix
   done
+  if [ "${SPECFORGE:-1}" = 0 ]; then
+    [ -n "${SETS-chat mt}" ] && exec "$0" eval "$block" "$layers"
+    exit 0
+  fi
   ours=/tmp/g/ours-$name
   steps=$(python3 -c "import json;print(json.load(open('$ours/trainer_state.json'))['step'])")
   start=$(date +%s)
@@ -143,7 +169,7 @@ fi
 # Every drafter trained here (dir, label): dflash's arms, then SpecForge's.
 drafters=("/tmp/g/ours-$name dflash-$name")
 for arm in "${arms[@]:1}"; do drafters+=("/tmp/g/ours-$name-$arm dflash-$name-$arm"); done
-drafters+=("/tmp/g/specforge-$name specforge-$name")
+[ "${SPECFORGE:-1}" = 0 ] || drafters+=("/tmp/g/specforge-$name specforge-$name")
 sets=(${SETS:-chat mt})
 
 if [ "$phase" = eval ]; then
