@@ -56,6 +56,30 @@ def encode(tok, messages, max_len):
     return ids, mask
 
 
+def specforge_drafter(like, attention):
+    """SpecForge's `DFlashDraftModel` (f32, its own initialisation) of the
+    shape a dflash export's config.json gives."""
+    cfg_json = json.load(open(os.path.join(like, "config.json")))
+    cfg = Qwen3Config(**{k: v for k, v in cfg_json.items() if k not in ("architectures", "auto_map", "model_type")})
+    cfg._attn_implementation = attention
+    return DFlashDraftModel(cfg).float()
+
+
+def online_model(drafter, target, attention, **objective):
+    """SpecForge's training wrapper (anchors, block inputs, mask, loss) around
+    `drafter`, with the target's embeddings and LM head; `objective`:
+    num_anchors, loss_decay_gamma, loss_type, dpace_alpha."""
+    return OnlineDFlashModel(
+        draft_model=drafter,
+        target_lm_head=target.lm_head,
+        target_embed_tokens=target.get_input_embeddings(),
+        mask_token_id=drafter.mask_token_id,
+        block_size=drafter.block_size,
+        attention_backend=attention,
+        **objective,
+    )
+
+
 def plan_epoch(lengths, rng, token_budget, max_batch_size):
     """One epoch's batches: a shuffled order cut greedily into batches of at
     most `token_budget` tokens and `max_batch_size` sequences."""
@@ -120,21 +144,9 @@ def main():
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.bfloat16 if cuda else torch.float32)
     target = target.to(dev).eval().requires_grad_(False)
 
-    cfg_json = json.load(open(os.path.join(a.like, "config.json")))
-    cfg = Qwen3Config(**{k: v for k, v in cfg_json.items() if k not in ("architectures", "auto_map", "model_type")})
-    cfg._attn_implementation = a.attention
-    drafter = DFlashDraftModel(cfg).to(dev).float()
+    drafter = specforge_drafter(a.like, a.attention).to(dev)
     layer_ids = drafter.target_layer_ids
-    model = OnlineDFlashModel(
-        draft_model=drafter,
-        target_lm_head=target.lm_head,
-        target_embed_tokens=target.get_input_embeddings(),
-        mask_token_id=drafter.mask_token_id,
-        block_size=drafter.block_size,
-        attention_backend=a.attention,
-        num_anchors=a.anchors,
-        loss_decay_gamma=a.gamma,
-    )
+    model = online_model(drafter, target, a.attention, num_anchors=a.anchors, loss_decay_gamma=a.gamma)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
