@@ -2,7 +2,7 @@
 norm that specforge 0.2.0's own `OnlineDFlashModel` computes for a drafter's
 weights on every conversation of a dataset at once, in f32 on the CPU. The
 suite compares them with the first step `dflash up` logs from the same
-weights on the same data (tests/tests/public_client.rs), so that the
+weights on the same data (tests/tests/peer_trainer.rs), so that the
 training objective itself -- anchors, block inputs, attention mask, labels,
 slot weights, normalisation and backward -- is checked against the peer
 trainer's code, not only against our own second implementation.

@@ -52,6 +52,23 @@ pub fn reference_python() -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
+/// Runs `scripts/reference/<script>` with the reference venv's python (one
+/// torch thread) and returns the JSON object it prints on stdout.
+pub fn reference_json<I, S>(script: &str, args: I) -> serde_json::Value
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let out = Command::new(reference_python())
+        .arg(repo_root().join("scripts/reference").join(script))
+        .args(args)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .expect("run the reference python");
+    assert!(out.status.success(), "{script} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script} printed no JSON object ({e})"))
+}
+
 /// The value of one sample (`name{labels}`) in a Prometheus text page.
 pub fn metric_value(page: &str, sample: &str) -> Option<f64> {
     page.lines().find_map(|l| l.strip_prefix(sample).and_then(|v| v.trim().parse().ok()))

@@ -12,10 +12,9 @@
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 
-use std::process::Command;
 use std::time::Duration;
 
-use dflash_tests::{Workspace, reference_python, repo_root};
+use dflash_tests::{Workspace, reference_json, reference_python};
 
 /// Relative tolerance of loss, accuracy and gradient norm, on top of half the
 /// log's last printed digit: both sides compute in f32 from the same
@@ -56,7 +55,8 @@ fn specforges_dpace_gives_our_loss_and_gradient_up_to_its_normalisation() {
 /// (None: D-PACE, which weighs slots itself), extra `[drafter]` and
 /// `[training]` settings.
 fn same_objective_as_specforge(block: usize, gamma: Option<f64>, drafter_extra: &str, training_extra: &str) {
-    let python = reference_python();
+    // The venv is installed (once per machine) before anything is trained.
+    reference_python();
     let ws = Workspace::synthetic(24, 6);
     let dpace = gamma.is_none();
     let decay = gamma.map_or(String::new(), |g| format!("gamma = {g}\n"));
@@ -99,22 +99,14 @@ fn same_objective_as_specforge(block: usize, gamma: Option<f64>, drafter_extra: 
     };
     let ((loss, loss_digit), (acc, acc_digit), (grad, grad_digit)) = (field("loss"), field("acc"), field("grad"));
 
-    let mut args = vec!["--max-seq-len".to_string(), "256".into()];
+    let data = ws.path("data.jsonl");
+    let mut args = vec![ws.path("model").into_os_string(), saved.into_os_string(), data.into_os_string()];
+    args.extend(["--max-seq-len", "256"].map(Into::into));
     match gamma {
-        Some(g) => args.extend(["--gamma".into(), g.to_string()]),
-        None => args.extend(["--loss".into(), "dpace".into(), "--dpace-alpha".into(), "0.5".into()]),
+        Some(g) => args.extend(["--gamma".into(), g.to_string().into()]),
+        None => args.extend(["--loss", "dpace", "--dpace-alpha", "0.5"].map(Into::into)),
     }
-    let out = Command::new(&python)
-        .arg(repo_root().join("scripts/reference/specforge_loss.py"))
-        .arg(ws.path("model"))
-        .arg(&saved)
-        .arg(ws.path("data.jsonl"))
-        .args(&args)
-        .env("OMP_NUM_THREADS", "1")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "specforge_loss.py failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    let theirs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let theirs = reference_json("specforge_loss.py", args);
     println!("ours: loss {loss} acc {acc} grad {grad}; SpecForge: {theirs}");
     assert_eq!(theirs["samples"], 24, "SpecForge kept other conversations: {theirs}");
     // SpecForge's D-PACE is a sum over the batch's sequences; ours a mean

@@ -10,7 +10,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use dflash_tests::{Workspace, bin, reference_python, repo_root};
+use dflash_tests::{Workspace, bin, reference_json, reference_python};
 
 /// Relative tolerance of the first-block logits: both sides compute in f32
 /// from the same bf16 weights; what differs is the order of the sums.
@@ -59,7 +59,8 @@ fn a_sliding_window_dflash2_drafter_decodes_exactly_as_the_package_reads_it() {
 /// against our eval; `window`: the sliding window the export must name.
 fn decodes_as_the_package(extra: &str, window: Option<i64>) {
     let dflash2 = extra.contains("dflash2");
-    let python = reference_python();
+    // The venv is installed (once per machine) before anything is trained.
+    reference_python();
     // The synthetic target ties its embeddings, so its greedy outputs
     // repeat the prompt's last token: what five steps teach a drafter, so
     // that it accepts more than one token and DFlash2's selector moves. An
@@ -119,16 +120,7 @@ fn decodes_as_the_package(extra: &str, window: Option<i64>) {
     assert_eq!(trained["step_agreement"], 1.0, "{trained}");
     assert_eq!(trained["lossless"], true, "{trained}");
 
-    let client = Command::new(&python)
-        .arg(repo_root().join("scripts/reference/public_client.py"))
-        .arg(ws.path("model"))
-        .arg(&export)
-        .arg(&eval_json)
-        .env("OMP_NUM_THREADS", "1")
-        .output()
-        .unwrap();
-    assert!(client.status.success(), "public_client.py failed:\n{}", String::from_utf8_lossy(&client.stderr));
-    let r: serde_json::Value = serde_json::from_slice(&client.stdout).unwrap();
+    let r = reference_json("public_client.py", [ws.path("model"), export.clone(), eval_json.clone()]);
     println!("{}", serde_json::to_string(&r).unwrap());
 
     assert_eq!(r["architecture"], class);
