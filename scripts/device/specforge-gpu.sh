@@ -150,18 +150,16 @@ if [ "$phase" = train ]; then
     grep -E "step [0-9]+/" "$OUT/up-dflash-$name$suffix.log" | tail -2
     rm -rf /tmp/g/ours-$name$suffix && cp -r /tmp/g/checkpoints/$(cat /tmp/g/checkpoints/latest) /tmp/g/ours-$name$suffix
   done
-  if [ "${SPECFORGE:-1}" = 0 ]; then
-    [ -n "${SETS-chat mt}" ] && exec "$0" eval "$block" "$layers"
-    exit 0
+  if [ "${SPECFORGE:-1}" != 0 ]; then
+    ours=/tmp/g/ours-$name
+    steps=$(python3 -c "import json;print(json.load(open('$ours/trainer_state.json'))['step'])")
+    start=$(date +%s)
+    timeout 300 python3 scripts/reference/specforge_train.py --target /tmp/g/model --like $ours \
+      --data /tmp/g/train.jsonl --out /tmp/g/specforge-$name --steps $steps --lr 1e-3 --anchors 32 \
+      --gamma $gamma --max-seq-len 512 --token-budget 4096 --max-batch-size 32 --seed $seed \
+      2>&1 | grep -v -i warn | tee "$OUT/specforge-$name.log" | tail -3
+    echo "specforge $name: $steps steps in $(( $(date +%s) - start )) s"
   fi
-  ours=/tmp/g/ours-$name
-  steps=$(python3 -c "import json;print(json.load(open('$ours/trainer_state.json'))['step'])")
-  start=$(date +%s)
-  timeout 300 python3 scripts/reference/specforge_train.py --target /tmp/g/model --like $ours \
-    --data /tmp/g/train.jsonl --out /tmp/g/specforge-$name --steps $steps --lr 1e-3 --anchors 32 \
-    --gamma $gamma --max-seq-len 512 --token-budget 4096 --max-batch-size 32 --seed $seed \
-    2>&1 | grep -v -i warn | tee "$OUT/specforge-$name.log" | tail -3
-  echo "specforge $name: $steps steps in $(( $(date +%s) - start )) s"
   [ -n "${SETS-chat mt}" ] && exec "$0" eval "$block" "$layers"
   exit 0
 fi
