@@ -44,7 +44,7 @@ fn max_rel_err(got: &serde_json::Value, want: &[f64]) -> f64 {
 
 #[test]
 fn inspect_prints_the_model_and_its_outputs_match_transformers() {
-    for name in ["tiny-qwen3-moe-fp8", "tiny-llama3-tf4", "tiny-qwen3-yarn"] {
+    for name in ["tiny-qwen3-moe-fp8", "tiny-llama3-tf4", "tiny-qwen3-yarn", "tiny-qwen3.5-moe-vl", "tiny-qwen3-next"] {
         let (_, ids) = reference(name, "ids");
         let ids: Vec<String> = ids.iter().map(|&i| (i as i64).to_string()).collect();
         let out = tempfile::tempdir().unwrap();
@@ -78,6 +78,28 @@ fn inspect_prints_the_model_and_its_outputs_match_transformers() {
     let text = String::from_utf8_lossy(&moe.stdout);
     assert!(text.contains("Qwen3MoeForCausalLM") && text.contains("8 per sparse layer, top 2"), "{text}");
     assert!(text.contains("fp8 e4m3, 16x16 blocks") && text.contains("active per token"), "{text}");
+
+    // A published multimodal hybrid: the language model, each layer's kind,
+    // and what of the checkpoint is not read.
+    let vl = Command::new(bin("dflash-target"))
+        .args(["inspect", "--model"])
+        .arg(fixture("tiny-qwen3.5-moe-vl"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&vl.stdout);
+    for want in [
+        "Qwen3_5MoeForCausalLM (Qwen35Moe), multimodal checkpoint: language model only",
+        "0-2 linear attention, 3 full attention",
+        "Gated DeltaNet, 2 key heads of 8, 4 value heads of 8, convolution 4",
+        "output gate",
+        "partial (factor 0.25)",
+        "a gated shared expert of width 24",
+        "vision tower (model.visual.*): 21 tensors",
+        "multi-token prediction (1 layer) (mtp.*): 3 tensors",
+        "captured layers:",
+    ] {
+        assert!(text.contains(want), "no {want:?} in\n{text}");
+    }
 }
 
 #[test]

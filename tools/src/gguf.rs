@@ -304,11 +304,12 @@ pub fn convert_llama_gguf(gguf_path: &Path, out: &Path) -> Result<TargetConfig, 
     let hidden = g.u64("llama.embedding_length")? as i64;
     let has_output = g.tensors.iter().any(|t| t.name == "output.weight");
     let tokens = g.strings("tokenizer.ggml.tokens")?;
+    let num_layers = g.u64("llama.block_count")? as i64;
     let config = TargetConfig {
         family: Family::Llama,
         hidden_size: hidden,
         intermediate_size: g.u64("llama.feed_forward_length")? as i64,
-        num_layers: g.u64("llama.block_count")? as i64,
+        num_layers,
         num_heads: n_head,
         num_kv_heads: n_kv,
         head_dim: hidden / n_head,
@@ -323,6 +324,12 @@ pub fn convert_llama_gguf(gguf_path: &Path, out: &Path) -> Result<TargetConfig, 
         max_position_embeddings: g.u64("llama.context_length").unwrap_or(4096) as i64,
         moe: None,
         fp8: None,
+        layer_types: TargetConfig::all_attention(num_layers),
+        linear_attention: None,
+        attn_output_gate: false,
+        norm_offset: false,
+        tensor_names: Default::default(),
+        mtp_layers: 0,
     };
     std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e))?;
     let mut named = Vec::with_capacity(g.tensors.len());

@@ -270,6 +270,18 @@ impl Drafter {
                 ),
             });
         }
+        if t.is_hybrid() || t.attn_output_gate || t.norm_offset {
+            // Its top layers are not the drafter's kind of layer (linear
+            // attention, gated queries, zero-centred norm scales).
+            return Err(ModelError::Config {
+                path: dir.join("config.json"),
+                message: format!(
+                    "drafter.init_from_target_layers: a {:?} target's layers are not Qwen3 decoder layers; \
+                     start the drafter from random weights",
+                    t.family
+                ),
+            });
+        }
         let mut map = std::collections::HashMap::new();
         map.insert("model.norm.weight".to_string(), "norm.weight".to_string());
         for i in 0..l {
@@ -293,6 +305,7 @@ impl Drafter {
         let kind = self.kind();
         let w = crate::weights::Weights::load_quantized(
             dir,
+            &t.tensor_names,
             self.device(),
             kind,
             |name| map.contains_key(name) || name.strip_suffix("_scale_inv").is_some_and(|w| map.contains_key(w)),

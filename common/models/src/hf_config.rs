@@ -88,6 +88,9 @@ pub struct HfConfig {
     fields: BTreeMap<String, Value>,
     /// The architecture name it was resolved by, for messages.
     pub architecture: String,
+    /// Where these fields sit in the file (`text_config.` for a nested
+    /// config), for messages.
+    scope: String,
 }
 
 impl HfConfig {
@@ -110,7 +113,20 @@ impl HfConfig {
             (_, Some(Value::String(t))) => t.clone(),
             _ => String::new(),
         };
-        Ok(Self { path: path.to_path_buf(), fields: map.into_iter().collect(), architecture })
+        Ok(Self { path: path.to_path_buf(), fields: map.into_iter().collect(), architecture, scope: String::new() })
+    }
+
+    /// The object `field` (e.g. a multimodal checkpoint's `text_config`)
+    /// as a config of its own, taken out of this one; errors about its
+    /// fields name them as `field.key`. None when absent.
+    pub fn nested(&mut self, field: &str) -> Result<Option<HfConfig>, ModelError> {
+        let Some(map) = self.opt::<serde_json::Map<String, Value>>(field)? else { return Ok(None) };
+        Ok(Some(Self {
+            path: self.path.clone(),
+            fields: map.into_iter().collect(),
+            architecture: self.architecture.clone(),
+            scope: format!("{}{field}.", self.scope),
+        }))
     }
 
     pub fn path(&self) -> &Path {
@@ -119,7 +135,7 @@ impl HfConfig {
 
     /// An error about `field`, naming the file.
     pub fn error(&self, field: &str, message: impl std::fmt::Display) -> ModelError {
-        ModelError::Config { path: self.path.clone(), message: format!("field \"{field}\": {message}") }
+        ModelError::Config { path: self.path.clone(), message: format!("field \"{}{field}\": {message}", self.scope) }
     }
 
     /// Whether `field` is present and not null (without reading it).

@@ -8,6 +8,12 @@ use tch::Tensor;
 pub use crate::rope::{Rope, apply_rope};
 
 /// RMSNorm over the last dimension with a learned scale.
+///
+/// A scale kept in f32 under half-precision activations means the
+/// normalised value is scaled in f32 and rounded once, as transformers'
+/// zero-centred norms do (Qwen3-Next, Qwen3.5: `x_hat * (1 + w)` in f32);
+/// a scale in the activations' kind multiplies the rounded normalised
+/// value (Llama's `w * x_hat.to(dtype)`).
 #[derive(Debug)]
 pub struct RmsNorm {
     pub weight: Tensor,
@@ -17,6 +23,9 @@ pub struct RmsNorm {
 impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Tensor {
         let dim = *x.size().last().expect("rms_norm input has a last dimension");
+        if self.weight.kind() == tch::Kind::Float && x.kind() != tch::Kind::Float {
+            return x.to_kind(tch::Kind::Float).rms_norm([dim], Some(&self.weight), self.eps).to_kind(x.kind());
+        }
         x.rms_norm([dim], Some(&self.weight), self.eps)
     }
 
@@ -59,8 +68,11 @@ impl Mlp {
 }
 
 /// A target layer's attention projections: `q_proj`, `k_proj`, `v_proj`,
-/// `o_proj` (biases as the family has them) and, in Qwen3-style families,
-/// the per-head RMSNorms `q_norm` / `k_norm` applied before RoPE.
+/// `o_proj` (biases as the family has them), in Qwen3-style families the
+/// per-head RMSNorms `q_norm` / `k_norm` applied before RoPE, and in gated
+/// attention (Qwen3-Next, Qwen3.5) an output gate: `q_proj` gives each
+/// head its query followed by a gate, and the attention output is
+/// multiplied by `sigmoid(gate)` before `o_proj`.
 #[derive(Debug)]
 pub struct Attention {
     pub q_proj: Linear,
@@ -72,23 +84,48 @@ pub struct Attention {
     pub num_heads: i64,
     pub num_kv_heads: i64,
     pub head_dim: i64,
+    pub output_gate: bool,
+}
+
+/// What [`Attention::project`] gives: q `[.., S, nh, d]`, k and v
+/// `[.., S, kv, d]`, and the output gate `[.., S, nh * d]` of gated attention.
+pub struct Projected {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub gate: Option<Tensor>,
 }
 
 impl Attention {
-    /// Projections, QK norm and RoPE. `x` `[.., S, H]` gives q `[.., S, nh, d]`
-    /// and k, v `[.., S, kv, d]`; `cos`/`sin` broadcast over heads.
-    pub fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
+    /// Projections, QK norm and RoPE of `x` `[.., S, H]`; `cos`/`sin`
+    /// broadcast over heads.
+    pub fn project(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Projected {
         let mut lead = x.size();
         lead.pop();
-        let shape = |heads: i64| [lead.clone(), vec![heads, self.head_dim]].concat();
-        let mut q = self.q_proj.forward(x).view(shape(self.num_heads).as_slice());
-        let mut k = self.k_proj.forward(x).view(shape(self.num_kv_heads).as_slice());
-        let v = self.v_proj.forward(x).view(shape(self.num_kv_heads).as_slice());
+        let shape = |heads: i64, per: i64| [lead.clone(), vec![heads, per]].concat();
+        let d = self.head_dim;
+        let (mut q, gate) = if self.output_gate {
+            let both = self.q_proj.forward(x).view(shape(self.num_heads, 2 * d).as_slice());
+            let gate = both.narrow(-1, d, d).reshape([lead.clone(), vec![self.num_heads * d]].concat().as_slice());
+            (both.narrow(-1, 0, d), Some(gate))
+        } else {
+            (self.q_proj.forward(x).view(shape(self.num_heads, d).as_slice()), None)
+        };
+        let mut k = self.k_proj.forward(x).view(shape(self.num_kv_heads, d).as_slice());
+        let v = self.v_proj.forward(x).view(shape(self.num_kv_heads, d).as_slice());
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = qn.forward(&q);
             k = kn.forward(&k);
         }
-        (apply_rope(&q, cos, sin), apply_rope(&k, cos, sin), v)
+        Projected { q: apply_rope(&q, cos, sin), k: apply_rope(&k, cos, sin), v, gate }
+    }
+
+    /// The attention output `[.., nh * d]` through the gate (if any) and `o_proj`.
+    pub fn output(&self, attended: &Tensor, gate: Option<&Tensor>) -> Tensor {
+        match gate {
+            Some(g) => self.o_proj.forward(&(attended * g.sigmoid())),
+            None => self.o_proj.forward(attended),
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! Model code on libtorch (tch): the frozen targets (a zoo of families in
-//! `zoo/`, sharing the layers in `layers.rs`, `rope.rs`, `moe.rs` and
-//! `decoder.rs`) with layer capture, the DFlash drafter and its training
+//! `zoo/`, sharing the layers in `layers.rs`, `rope.rs`, `moe.rs`,
+//! `gated_deltanet.rs` + `delta_rule.rs` and `decoder.rs`) with layer capture, the DFlash drafter and its training
 //! step, AdamW, checkpoints in the served layout, and CUDA loading.
 
 pub mod acceptance;
@@ -9,18 +9,20 @@ pub mod checkpoint;
 pub mod collective;
 pub mod cuda;
 pub mod decoder;
+pub mod delta_rule;
 pub mod dflash2;
 pub mod distill;
 pub mod dp;
 pub mod drafter;
 pub mod evaluation;
 pub mod features;
+pub mod gated_deltanet;
 pub mod generate;
 pub mod gloo;
 pub mod gpu;
 pub mod group;
 pub mod hf_config;
-mod kv_cache;
+pub mod kv_cache;
 pub mod layers;
 pub mod moe;
 pub mod optim;
@@ -40,8 +42,8 @@ use std::path::{Path, PathBuf};
 pub use distill::TopK;
 pub use drafter::{BlockAttention, Drafter, DrafterConfig, DrafterInput, LayerType};
 pub use kv_cache::KvCache;
-pub use target::{LoadScope, TargetModel, load_embeddings};
-pub use target_config::{Family, MoeConfig, TargetConfig};
+pub use target::{Inspection, LoadScope, TargetModel, load_embeddings};
+pub use target_config::{Family, LayerKind, MoeConfig, TargetConfig};
 pub use trainer::{DeviceBatch, Objective, StepMetrics, StepOutcome, TrainSettings, Trainer};
 
 /// Why a model could not be loaded, run or saved. Variants name the file.

@@ -1,7 +1,9 @@
 //! The sparse mixture-of-experts block of Qwen3 MoE-style targets: a
 //! softmax router picks `top_k` experts per token (weights optionally
 //! renormalised to sum to 1), each expert is a SwiGLU MLP, and the token's
-//! output is the weighted sum of its experts' outputs.
+//! output is the weighted sum of its experts' outputs -- plus, in
+//! Qwen3-Next and Qwen3.5 MoE, a shared expert every token passes through,
+//! scaled by a sigmoid gate of its own.
 //!
 //! The experts run as two grouped GEMMs over tokens sorted by expert
 //! (libtorch's `_grouped_mm`: one kernel for all experts on Hopper, a loop
@@ -10,6 +12,17 @@
 //! asynchronous.
 
 use tch::{Kind, Tensor};
+
+use crate::layers::Mlp;
+
+/// The expert every token passes through, and its gate `[1, H]`
+/// (`mlp.shared_expert`, `mlp.shared_expert_gate`): the token adds
+/// `sigmoid(gate . x) * shared(x)`.
+#[derive(Debug)]
+pub struct SharedExpert {
+    pub mlp: Mlp,
+    pub gate: Tensor,
+}
 
 /// One MoE feed-forward block with its experts' weights stacked.
 #[derive(Debug)]
@@ -22,6 +35,7 @@ pub struct SparseMoe {
     pub down: Tensor,
     pub top_k: i64,
     pub norm_topk_prob: bool,
+    pub shared: Option<SharedExpert>,
 }
 
 impl SparseMoe {
@@ -35,7 +49,14 @@ impl SparseMoe {
         let _guard = tch::no_grad_guard();
         let gate_up: Vec<Tensor> = experts.iter().map(|(g, u, _)| Tensor::cat(&[g, u], 0)).collect();
         let down: Vec<&Tensor> = experts.iter().map(|(_, _, d)| d).collect();
-        Self { router, gate_up: Tensor::stack(&gate_up, 0), down: Tensor::stack(&down, 0), top_k, norm_topk_prob }
+        Self {
+            router,
+            gate_up: Tensor::stack(&gate_up, 0),
+            down: Tensor::stack(&down, 0),
+            top_k,
+            norm_topk_prob,
+            shared: None,
+        }
     }
 
     pub fn num_experts(&self) -> i64 {
@@ -75,7 +96,12 @@ impl SparseMoe {
         let n = flat.size()[0];
         let inverse = order.empty_like().scatter(0, &order, &Tensor::arange(n, (Kind::Int64, x.device())));
         let per_slot = out.index_select(0, &inverse).view([-1, k, h]); // [T, k, H]
-        weights.unsqueeze(1).bmm(&per_slot).squeeze_dim(1).reshape(shape.as_slice())
+        let routed = weights.unsqueeze(1).bmm(&per_slot).squeeze_dim(1);
+        let y = match &self.shared {
+            Some(s) => routed + x.linear(&s.gate, None::<Tensor>).sigmoid() * s.mlp.forward(&x),
+            None => routed,
+        };
+        y.reshape(shape.as_slice())
     }
 }
 
@@ -157,6 +183,7 @@ mod tests {
                 router: m.router.to_kind(Kind::Double),
                 gate_up: m.gate_up.to_kind(Kind::Double),
                 down: m.down.to_kind(Kind::Double),
+                shared: None,
                 ..m
             };
             let x64 = x.to_kind(Kind::Double);
@@ -167,6 +194,27 @@ mod tests {
             // Leading dimensions pass through.
             assert_eq!(m.forward(&x.view([1, 5, h])).size(), vec![1, 5, h]);
         }
+    }
+
+    #[test]
+    fn a_shared_expert_adds_its_gated_output_to_every_token() {
+        tch::manual_seed(4);
+        let (e, h, i) = (4, 8, 6);
+        let opts = (Kind::Float, Device::Cpu);
+        let experts: Vec<_> = (0..e)
+            .map(|_| (Tensor::randn([i, h], opts), Tensor::randn([i, h], opts), Tensor::randn([h, i], opts)))
+            .collect();
+        let router = Tensor::randn([e, h], opts);
+        let plain = SparseMoe::from_experts(router.copy(), experts_clone(&experts), 2, true);
+        let mut with_shared = SparseMoe::from_experts(router, experts, 2, true);
+        let lin = |o, i| crate::layers::Linear { weight: Tensor::randn([o, i], opts), bias: None };
+        let mlp = crate::layers::Mlp { gate_proj: lin(i, h), up_proj: lin(i, h), down_proj: lin(h, i) };
+        let gate = Tensor::randn([1, h], opts);
+        let x = Tensor::randn([5, h], opts);
+        let want = plain.forward(&x) + x.matmul(&gate.tr()).sigmoid() * mlp.forward(&x);
+        with_shared.shared = Some(SharedExpert { mlp, gate });
+        let err = (with_shared.forward(&x) - &want).abs().max().double_value(&[]);
+        assert!(err < 1e-5, "{err}");
     }
 
     fn experts_clone(v: &[(Tensor, Tensor, Tensor)]) -> Vec<(Tensor, Tensor, Tensor)> {

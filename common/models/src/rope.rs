@@ -1,9 +1,11 @@
 //! Rotary position embeddings as the configs say them: the base, and the
 //! scalings `linear`, `llama3` (Llama 3.1-3.3) and `yarn`, read from either
 //! layout transformers writes (4.x: `rope_theta` + `rope_scaling`; 5.x:
-//! `rope_parameters`), and the cos/sin tables in the Hugging Face
-//! `rotate_half` convention. Frequencies follow transformers'
-//! `modeling_rope_utils` (computed here in f64).
+//! `rope_parameters`), partial rotary embeddings (`partial_rotary_factor`:
+//! only the first dimensions of each head rotate) where a family has them,
+//! and the cos/sin tables in the Hugging Face `rotate_half` convention.
+//! Frequencies follow transformers' `modeling_rope_utils` (computed here in
+//! f64).
 
 use std::f64::consts::PI;
 
@@ -44,24 +46,45 @@ pub enum RopeScaling {
     },
 }
 
-/// A target's RoPE: base and scaling.
+/// A target's RoPE: base, scaling, and the share of each head that rotates.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeConfig {
     pub theta: f64,
     pub scaling: RopeScaling,
+    /// `partial_rotary_factor`: the first `head_dim * factor` dimensions of
+    /// a head rotate, the rest pass through (1: all of them).
+    pub partial_rotary_factor: f64,
+}
+
+/// What a family's RoPE may carry beyond base and scaling.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RopeOptions {
+    /// `partial_rotary_factor` below 1 is allowed, with this default when
+    /// the config names none (None: refused, as in the dense families).
+    pub partial: Option<f64>,
+    /// Multimodal RoPE sections (`mrope_section`, `mrope_interleaved`, rope
+    /// type `mrope`). A text token has the same temporal, height and width
+    /// position, so every section turns by the text position: for text the
+    /// sections are plain RoPE, which is what is computed.
+    pub mrope: bool,
 }
 
 impl RopeConfig {
     /// Plain RoPE with base `theta`.
     pub fn plain(theta: f64) -> Self {
-        Self { theta, scaling: RopeScaling::None }
+        Self { theta, scaling: RopeScaling::None, partial_rotary_factor: 1.0 }
+    }
+
+    /// Dimensions of a head of `head_dim` that rotate (even).
+    pub fn rotary_dim(&self, head_dim: i64) -> i64 {
+        ((head_dim as f64 * self.partial_rotary_factor) as i64) / 2 * 2
     }
 
     /// Reads the RoPE fields of `cfg` in either layout. Types other than
-    /// default, linear, llama3 and yarn, partial rotary embeddings,
-    /// per-layer-type RoPE and keys a type does not use are errors that
-    /// name the field.
-    pub fn read(cfg: &mut HfConfig, max_position_embeddings: i64) -> Result<Self, ModelError> {
+    /// default, linear, llama3 and yarn, partial rotary embeddings and
+    /// multimodal sections unless `options` allows them, per-layer-type
+    /// RoPE and keys a type does not use are errors that name the field.
+    pub fn read(cfg: &mut HfConfig, max_position_embeddings: i64, options: RopeOptions) -> Result<Self, ModelError> {
         let scaling: Option<Map<String, Value>> = cfg.opt("rope_scaling")?;
         let parameters: Option<Map<String, Value>> = cfg.opt("rope_parameters")?;
         let top_theta: Option<f64> = cfg.opt("rope_theta")?;
@@ -87,18 +110,38 @@ impl RopeConfig {
         };
         let rope_type = p.remove("rope_type").or_else(|| p.remove("type"));
         p.remove("type");
-        let rope_type = match rope_type {
+        let mut rope_type = match rope_type {
             None | Some(Value::Null) => "default".to_string(),
             Some(Value::String(s)) => s,
             Some(v) => return Err(cfg.error(field, format!("rope_type {v} is not a string"))),
         };
+        if options.mrope {
+            // Older multimodal configs name the sections' type "mrope".
+            if rope_type == "mrope" {
+                rope_type = "default".into();
+            }
+            match p.remove("mrope_section") {
+                None | Some(Value::Null) => {}
+                Some(v) if serde_json::from_value::<Vec<u32>>(v.clone()).is_ok() => {}
+                Some(v) => return Err(cfg.error(field, format!("mrope_section {v} is not a list of sizes"))),
+            }
+            match p.remove("mrope_interleaved") {
+                None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+                Some(v) => return Err(cfg.error(field, format!("mrope_interleaved {v} is not a boolean"))),
+            }
+        }
         let theta = num(&mut p, "rope_theta")?.or(top_theta).unwrap_or(DEFAULT_THETA);
-        let partial = num(&mut p, "partial_rotary_factor")?.or(top_partial);
-        if let Some(f) = partial
-            && f != 1.0
-        {
+        let partial_rotary_factor =
+            num(&mut p, "partial_rotary_factor")?.or(top_partial).or(options.partial).unwrap_or(1.0);
+        if partial_rotary_factor != 1.0 && options.partial.is_none() {
+            return Err(cfg.error(
+                field,
+                format!("partial_rotary_factor {partial_rotary_factor} (partial rotary embeddings) is not supported"),
+            ));
+        }
+        if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
             return Err(
-                cfg.error(field, format!("partial_rotary_factor {f} (partial rotary embeddings) is not supported"))
+                cfg.error(field, format!("partial_rotary_factor must be in (0, 1], got {partial_rotary_factor}"))
             );
         }
         if theta.is_nan() || theta <= 0.0 {
@@ -171,14 +214,16 @@ impl RopeConfig {
             {
                 Err(cfg.error(field, format!("factor must be positive, got {factor}")))
             }
-            _ => Ok(Self { theta, scaling }),
+            _ => Ok(Self { theta, scaling, partial_rotary_factor }),
         }
     }
 
-    /// Inverse frequencies of the `head_dim / 2` rotated pairs.
+    /// Inverse frequencies of the rotated pairs of a head of `head_dim`
+    /// (`rotary_dim / 2` of them).
     pub fn inv_freq(&self, head_dim: i64) -> Vec<f64> {
-        let d = head_dim as f64;
-        let base: Vec<f64> = (0..head_dim / 2).map(|i| 1.0 / self.theta.powf(2.0 * i as f64 / d)).collect();
+        let rotary = self.rotary_dim(head_dim);
+        let d = rotary as f64;
+        let base: Vec<f64> = (0..rotary / 2).map(|i| 1.0 / self.theta.powf(2.0 * i as f64 / d)).collect();
         match self.scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
@@ -234,6 +279,15 @@ impl RopeConfig {
 
     /// One line for printouts.
     pub fn describe(&self) -> String {
+        let base = self.describe_scaling();
+        if self.partial_rotary_factor == 1.0 {
+            base
+        } else {
+            format!("{base}, partial (factor {})", self.partial_rotary_factor)
+        }
+    }
+
+    fn describe_scaling(&self) -> String {
         match &self.scaling {
             RopeScaling::None => format!("theta {}", self.theta),
             RopeScaling::Linear { factor } => format!("theta {}, linear x{factor}", self.theta),
@@ -310,7 +364,7 @@ impl Rope {
         Self { inv_freq: Tensor::from_slice(&inv).to_device(device), scaling: config.attention_scaling() }
     }
 
-    /// `(cos, sin)` of shape `positions.shape + [head_dim]`, in `kind`.
+    /// `(cos, sin)` of shape `positions.shape + [rotary_dim]`, in `kind`.
     pub fn cos_sin(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
         let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
@@ -323,9 +377,16 @@ impl Rope {
 }
 
 /// Applies rotary embeddings: `x * cos + rotate_half(x) * sin`. `cos`/`sin`
-/// must broadcast against `x` (e.g. x `[.., S, heads, d]`, cos `[.., S, 1, d]`).
+/// must broadcast against `x` (e.g. x `[.., S, heads, d]`, cos `[.., S, 1, r]`);
+/// when they cover fewer dimensions than a head (`r < d`, partial rotary
+/// embeddings), the first `r` rotate and the rest pass through.
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let d = *x.size().last().expect("rope input has a head dimension");
+    let r = *cos.size().last().expect("rope tables have a last dimension");
+    if r < d {
+        let rotated = apply_rope(&x.narrow(-1, 0, r), cos, sin);
+        return Tensor::cat(&[&rotated, &x.narrow(-1, r, d - r)], -1);
+    }
     let x1 = x.narrow(-1, 0, d / 2);
     let x2 = x.narrow(-1, d / 2, d / 2);
     let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
@@ -340,7 +401,7 @@ mod tests {
 
     fn read(text: &str) -> Result<RopeConfig, ModelError> {
         let mut c = HfConfig::parse(Path::new("/m/config.json"), text)?;
-        RopeConfig::read(&mut c, 2048)
+        RopeConfig::read(&mut c, 2048, RopeOptions::default())
     }
 
     #[test]
@@ -409,6 +470,30 @@ mod tests {
         let scaled = r.inv_freq(128);
         assert_eq!(scaled[0], plain[0], "fast dimensions extrapolate");
         assert!((scaled[63] - plain[63] / 4.0).abs() < 1e-18, "slow dimensions interpolate");
+    }
+
+    #[test]
+    fn partial_rotary_embeddings_rotate_the_first_dimensions_only() {
+        let text = r#"{"rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": true}}"#;
+        let mut c = HfConfig::parse(Path::new("/m/config.json"), text).expect("json");
+        let r = RopeConfig::read(&mut c, 2048, RopeOptions { partial: Some(0.25), mrope: true }).expect("qwen3.5");
+        assert_eq!(r.rotary_dim(256), 64);
+        let inv = r.inv_freq(256);
+        assert_eq!(inv.len(), 32);
+        // transformers: 1 / base^(arange(0, dim, 2) / dim) with dim = 64.
+        assert!((inv[1] - 1.0 / 1e7f64.powf(2.0 / 64.0)).abs() < 1e-15);
+        let rope = Rope::from_config(&r, 256, Device::Cpu);
+        let (cos, sin) = rope.cos_sin(&Tensor::from_slice(&[3i64]), Kind::Double);
+        assert_eq!(cos.size(), vec![1, 64]);
+        let x = Tensor::randn([1, 256], (Kind::Double, Device::Cpu));
+        let y = apply_rope(&x, &cos, &sin);
+        assert!(y.narrow(-1, 64, 192).equal(&x.narrow(-1, 64, 192)), "the rest passes through");
+        assert!(y.narrow(-1, 0, 64).allclose(&apply_rope(&x.narrow(-1, 0, 64), &cos, &sin), 0.0, 0.0, false));
+        // Families without partial RoPE or multimodal sections refuse them.
+        let mut c = HfConfig::parse(Path::new("/m/config.json"), text).expect("json");
+        let err = RopeConfig::read(&mut c, 2048, RopeOptions { partial: Some(0.25), mrope: false }).expect_err("mrope");
+        assert!(err.to_string().contains("mrope_"), "{err}");
     }
 
     #[test]

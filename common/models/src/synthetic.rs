@@ -32,6 +32,12 @@ pub fn synthetic_target_config(num_layers: i64) -> TargetConfig {
         max_position_embeddings: 4096,
         moe: None,
         fp8: None,
+        layer_types: TargetConfig::all_attention(num_layers),
+        linear_attention: None,
+        attn_output_gate: false,
+        norm_offset: false,
+        tensor_names: Default::default(),
+        mtp_layers: 0,
     }
 }
 
@@ -77,6 +83,7 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
                 norm_topk_prob: true,
                 sparse_step: 1,
                 dense_layers: vec![1],
+                shared_expert_intermediate_size: None,
             }),
             ..tiny
         }),
@@ -111,6 +118,7 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
                     high_freq_factor: 4.0,
                     original_max_position_embeddings: 8192.0,
                 },
+                partial_rotary_factor: 1.0,
             },
             vocab_size: 128_256,
             tie_word_embeddings: false,
@@ -139,6 +147,7 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
                 norm_topk_prob: true,
                 sparse_step: 1,
                 dense_layers: vec![],
+                shared_expert_intermediate_size: None,
             }),
             ..tiny
         }),

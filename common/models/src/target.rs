@@ -12,7 +12,7 @@ use crate::distill::TopK;
 use crate::layers::RmsNorm;
 use crate::rope::Rope;
 use crate::target_config::TargetConfig;
-use crate::weights::{RandomInit, Weights};
+use crate::weights::{RandomInit, SkippedTensors, Weights};
 use crate::{KvCache, ModelError, zoo};
 
 /// How much of the target to load.
@@ -63,12 +63,21 @@ fn keep_outside_layers(name: &str, scope: LoadScope) -> bool {
     scope == LoadScope::Full || name.starts_with("model.embed_tokens.")
 }
 
+/// What [`TargetModel::inspect`] finds.
+pub struct Inspection {
+    pub config: TargetConfig,
+    /// Bytes the model takes on its device in the requested kind.
+    pub bytes: u64,
+    /// Parts of the checkpoint that are not the target, found and not read.
+    pub skipped: Vec<SkippedTensors>,
+}
+
 /// The target's input embedding and LM head (`[vocab, H]` each), without
 /// its layers: what a drafter needs from its target.
 pub fn load_embeddings(dir: &Path, device: Device, kind: Kind) -> Result<(TargetConfig, Tensor, Tensor), ModelError> {
     let c = TargetConfig::from_dir(dir)?;
     let keep = |n: &str| n.starts_with("model.embed_tokens.") || n.starts_with("lm_head.");
-    let mut w = Weights::load_quantized(dir, device, kind, keep, c.fp8.as_ref())?;
+    let mut w = Weights::load_quantized(dir, &c.tensor_names, device, kind, keep, c.fp8.as_ref())?;
     let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
     let head = lm_head(&mut w, &c, &embed)?;
     Ok((c, embed, head))
@@ -96,25 +105,25 @@ impl TargetModel {
             Some(i) => i < n_layers,
             None => keep_outside_layers(name, scope),
         };
-        let mut headers = Weights::headers(dir, kind, &keep, c.fp8.as_ref())?;
+        let mut headers = Weights::headers(dir, &c.tensor_names, kind, &keep, c.fp8.as_ref())?;
         Self::from_weights(c.clone(), &mut headers, scope, Device::Cpu, kind, dir)?;
-        let mut w = Weights::load_quantized(dir, device, kind, keep, c.fp8.as_ref())?;
+        let mut w = Weights::load_quantized(dir, &c.tensor_names, device, kind, keep, c.fp8.as_ref())?;
         Self::from_weights(c, &mut w, scope, device, kind, dir)
     }
 
     /// What loading `dir` for `scope` would read, without reading it: the
-    /// config, and the bytes the model takes in `kind` (checked as
-    /// [`TargetModel::load`] checks them).
-    pub fn inspect(dir: &Path, kind: Kind, scope: LoadScope) -> Result<(TargetConfig, u64), ModelError> {
+    /// config, the bytes the model takes in `kind` (checked as
+    /// [`TargetModel::load`] checks them) and what it would skip.
+    pub fn inspect(dir: &Path, kind: Kind, scope: LoadScope) -> Result<Inspection, ModelError> {
         let c = TargetConfig::from_dir(dir)?;
         let n_layers = layers_for(&c, scope, dir)?;
         let keep = |name: &str| match layer_index(name) {
             Some(i) => i < n_layers,
             None => keep_outside_layers(name, scope),
         };
-        let mut headers = Weights::headers(dir, kind, &keep, c.fp8.as_ref())?;
+        let mut headers = Weights::headers(dir, &c.tensor_names, kind, &keep, c.fp8.as_ref())?;
         let model = Self::from_weights(c.clone(), &mut headers, scope, Device::Cpu, kind, dir)?;
-        Ok((c, model.planned_bytes))
+        Ok(Inspection { config: c, bytes: model.planned_bytes, skipped: headers.skipped().to_vec() })
     }
 
     /// A target of shape `c` with random weights, built on the device (no
@@ -150,7 +159,7 @@ impl TargetModel {
         let embed_tokens = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
         let layers = (0..n_layers).map(|i| arch.load_layer(w, &c, i)).collect::<Result<Vec<_>, _>>()?;
         let (norm_f, lm_head) = if scope == LoadScope::Full {
-            let n = zoo::norm(w, "model.norm", c.hidden_size, c.rms_norm_eps)?;
+            let n = zoo::norm(w, &c, "model.norm", c.hidden_size)?;
             (Some(n), Some(lm_head(w, &c, &embed_tokens)?))
         } else {
             (None, None)
@@ -161,6 +170,18 @@ impl TargetModel {
         }
         let planned_bytes = w.taken_bytes();
         let rope = Rope::from_config(&c.rope, c.head_dim, device);
+        if !w.is_headers() {
+            for s in w.skipped().iter().filter(|s| s.tensors > 0) {
+                tracing::info!(
+                    "{}: skipped the {} ({} tensors under {}*, {} bytes): not part of the target",
+                    dir.display(),
+                    s.part.what,
+                    s.tensors,
+                    s.part.prefix,
+                    s.bytes
+                );
+            }
+        }
         Ok(Self { config: c, device, kind, embed_tokens, layers, norm: norm_f, lm_head, rope, planned_bytes })
     }
 
@@ -291,10 +312,11 @@ impl TargetModel {
         let k_idx = Tensor::arange(past + t, (Kind::Int64, self.device)).unsqueeze(0);
         let causal = k_idx.le_tensor(&q_idx); // [t, L+t]
         let mask = causal.unsqueeze(0).logical_and(&key_valid.unsqueeze(1)).unsqueeze(1); // [B,1,t,L+t]
+        let new_valid = key_valid.narrow(1, past, t);
         let mut x = self.embed_tokens.embedding_for(ids);
         let mut captured = Vec::with_capacity(capture.len());
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_cached(&x, &cos, &sin, &mask, cache, i);
+            x = layer.forward_cached(&x, &cos, &sin, &mask, &new_valid, cache, i);
             if capture.contains(&(i as i64)) {
                 captured.push(x.shallow_clone());
             }

@@ -4,9 +4,11 @@
 use std::path::Path;
 
 use crate::ModelError;
+use crate::gated_deltanet::{DeltaNetShape, ProjectionLayout};
 use crate::hf_config::HfConfig;
 use crate::quant::Fp8Config;
 use crate::rope::RopeConfig;
+use crate::weights::TensorNames;
 use crate::zoo;
 
 /// Architectures this crate can run as a target (one file each in `zoo/`).
@@ -22,6 +24,38 @@ pub enum Family {
     Qwen3,
     /// Qwen3 MoE: Qwen3 attention, sparse mixture-of-experts MLPs.
     Qwen3Moe,
+    /// Qwen3-Next: Gated DeltaNet and gated attention layers, MoE with a
+    /// shared expert.
+    Qwen3Next,
+    /// Qwen3.5 / 3.6 dense: Qwen3-Next's hybrid layers, dense MLPs.
+    Qwen35,
+    /// Qwen3.5 / 3.6 MoE: Qwen3-Next's hybrid layers, every MLP sparse.
+    Qwen35Moe,
+}
+
+/// What mixes a layer's tokens (transformers' `layer_types` entries).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerKind {
+    /// `full_attention`: causal softmax attention.
+    FullAttention,
+    /// `linear_attention`: a Gated DeltaNet layer.
+    LinearAttention,
+}
+
+impl LayerKind {
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            LayerKind::FullAttention => "full_attention",
+            LayerKind::LinearAttention => "linear_attention",
+        }
+    }
+}
+
+/// The Gated DeltaNet layers of a hybrid target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearAttentionConfig {
+    pub shape: DeltaNetShape,
+    pub layout: ProjectionLayout,
 }
 
 /// The mixture-of-experts settings of a sparse target.
@@ -38,6 +72,9 @@ pub struct MoeConfig {
     pub sparse_step: i64,
     /// ... unless listed here (dense MLP of `intermediate_size`).
     pub dense_layers: Vec<i64>,
+    /// Width of the shared expert every token also passes through, scaled
+    /// by its sigmoid gate (Qwen3-Next, Qwen3.5 MoE); None: no shared expert.
+    pub shared_expert_intermediate_size: Option<i64>,
 }
 
 impl MoeConfig {
@@ -74,6 +111,18 @@ pub struct TargetConfig {
     pub moe: Option<MoeConfig>,
     /// How the checkpoint's weights are quantized (None: stored as floats).
     pub fp8: Option<Fp8Config>,
+    /// Each layer's token mixer (all full attention outside hybrid families).
+    pub layer_types: Vec<LayerKind>,
+    /// The linear-attention layers' settings (hybrid families).
+    pub linear_attention: Option<LinearAttentionConfig>,
+    /// Gated attention: `q_proj` also gives a per-head output gate.
+    pub attn_output_gate: bool,
+    /// Zero-centred RMSNorm scales (`x_hat * (1 + w)`, computed in f32).
+    pub norm_offset: bool,
+    /// How the checkpoint names the tensors and which parts are not read.
+    pub tensor_names: TensorNames,
+    /// Multi-token-prediction layers the checkpoint has (never loaded).
+    pub mtp_layers: i64,
 }
 
 impl TargetConfig {
@@ -109,31 +158,68 @@ impl TargetConfig {
         self.moe.as_ref().is_some_and(|m| m.is_sparse(i))
     }
 
+    /// Layer `i`'s token mixer.
+    pub fn layer_kind(&self, i: i64) -> LayerKind {
+        self.layer_types.get(i as usize).copied().unwrap_or(LayerKind::FullAttention)
+    }
+
+    /// Whether the model has linear-attention layers.
+    pub fn is_hybrid(&self) -> bool {
+        self.linear_attention.is_some()
+    }
+
+    /// The full-attention layers all families share, `n` of them.
+    pub fn all_attention(n: i64) -> Vec<LayerKind> {
+        vec![LayerKind::FullAttention; n as usize]
+    }
+
+    /// Rows of `q_proj`: the queries, and the gates of gated attention.
+    pub fn q_proj_rows(&self) -> i64 {
+        self.num_heads * self.head_dim * if self.attn_output_gate { 2 } else { 1 }
+    }
+
     /// Multiply-adds per token of decoder layer `i`'s projections
-    /// (attention projections, router and the experts a token visits, or
-    /// the dense MLP): active parameters, what MFU is counted on.
+    /// (attention or linear-attention projections, router and the experts
+    /// a token visits, or the dense MLP): active parameters, what MFU is
+    /// counted on. The depthwise convolution and the delta rule of
+    /// linear-attention layers are not counted.
     pub fn layer_linear_macs(&self, i: i64) -> f64 {
         let (h, hd) = (self.hidden_size as f64, self.head_dim as f64);
         let (qd, kvd) = (self.num_heads as f64 * hd, self.num_kv_heads as f64 * hd);
-        let attention = h * qd * 2.0 + h * kvd * 2.0;
+        let mixer = match (self.layer_kind(i), &self.linear_attention) {
+            (LayerKind::LinearAttention, Some(l)) => {
+                h * l.shape.projection_dim() as f64 + l.shape.value_dim() as f64 * h
+            }
+            _ => h * self.q_proj_rows() as f64 + h * kvd * 2.0 + qd * h,
+        };
         let mlp = match &self.moe {
             Some(m) if m.is_sparse(i) => {
-                h * m.num_experts as f64 + m.top_k as f64 * 3.0 * h * m.expert_intermediate_size as f64
+                let shared = m.shared_expert_intermediate_size.map_or(0.0, |s| 3.0 * h * s as f64 + h);
+                h * m.num_experts as f64 + m.top_k as f64 * 3.0 * h * m.expert_intermediate_size as f64 + shared
             }
             _ => 3.0 * h * self.intermediate_size as f64,
         };
-        attention + mlp
+        mixer + mlp
     }
 
     /// Parameters of layer `i` (all experts counted).
     pub fn layer_parameters(&self, i: i64) -> i64 {
         let (h, hd) = (self.hidden_size, self.head_dim);
         let (qd, kvd) = (self.num_heads * hd, self.num_kv_heads * hd);
-        let mut n = h * qd * 2 + h * kvd * 2 + 2 * h;
-        n += if self.qkv_bias { qd + 2 * kvd } else { 0 } + if self.o_bias { h } else { 0 };
-        n += if self.qk_norm { 2 * hd } else { 0 };
+        let mut n = 2 * h;
+        n += match (self.layer_kind(i), &self.linear_attention) {
+            (LayerKind::LinearAttention, Some(l)) => l.shape.parameters(h),
+            _ => {
+                let mut a = h * self.q_proj_rows() + h * kvd * 2 + qd * h;
+                a += if self.qkv_bias { self.q_proj_rows() + 2 * kvd } else { 0 } + if self.o_bias { h } else { 0 };
+                a + if self.qk_norm { 2 * hd } else { 0 }
+            }
+        };
         n += match &self.moe {
-            Some(m) if m.is_sparse(i) => m.num_experts * (h + 3 * h * m.expert_intermediate_size),
+            Some(m) if m.is_sparse(i) => {
+                let shared = m.shared_expert_intermediate_size.map_or(0, |s| 3 * h * s + h);
+                m.num_experts * (h + 3 * h * m.expert_intermediate_size) + shared
+            }
             _ => 3 * h * self.intermediate_size + if self.mlp_bias { 2 * self.intermediate_size + h } else { 0 },
         };
         n
@@ -165,6 +251,7 @@ mod tests {
             norm_topk_prob: true,
             sparse_step: 2,
             dense_layers: vec![3],
+            shared_expert_intermediate_size: None,
         };
         let sparse: Vec<i64> = (0..6).filter(|&i| m.is_sparse(i)).collect();
         assert_eq!(sparse, vec![1, 5]);

@@ -22,6 +22,59 @@ pub struct Weights {
     dir: PathBuf,
     /// Bytes of the tensors taken so far, in the kind they are held in.
     taken: u64,
+    names: TensorNames,
+    skipped: Vec<SkippedTensors>,
+}
+
+/// How a checkpoint's tensor names relate to the names the model loads by
+/// (`model.layers.N.*`, `model.embed_tokens.weight`, `lm_head.weight`),
+/// and which of its parts are never read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TensorNames {
+    /// Where a multimodal checkpoint keeps the language model's `model.*`
+    /// tensors (`model.language_model.`); None: under `model.`.
+    pub language_model: Option<String>,
+    /// Parts of the checkpoint that are never read.
+    pub skipped: Vec<SkippedPart>,
+}
+
+/// Tensors of a checkpoint that are not part of the target (a vision
+/// tower, multi-token-prediction layers): every name under `prefix`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SkippedPart {
+    pub prefix: String,
+    pub what: String,
+}
+
+/// What a load found and did not read, per skipped part.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SkippedTensors {
+    pub part: SkippedPart,
+    pub tensors: usize,
+    pub bytes: u64,
+}
+
+impl TensorNames {
+    /// The model's name for a checkpoint tensor; None for a skipped one.
+    fn to_model(&self, stored: &str) -> Option<String> {
+        if self.skipped.iter().any(|s| stored.starts_with(&s.prefix)) {
+            return None;
+        }
+        match &self.language_model {
+            Some(p) => {
+                Some(stored.strip_prefix(p.as_str()).map_or_else(|| stored.to_string(), |rest| format!("model.{rest}")))
+            }
+            None => Some(stored.to_string()),
+        }
+    }
+
+    /// The checkpoint's name for a tensor the model asks for.
+    pub fn to_checkpoint(&self, name: &str) -> String {
+        match (&self.language_model, name.strip_prefix("model.")) {
+            (Some(p), Some(rest)) => format!("{p}{rest}"),
+            _ => name.to_string(),
+        }
+    }
 }
 
 enum Source {
@@ -52,6 +105,8 @@ pub enum RandomInit {
 #[derive(Clone, Debug)]
 struct Entry {
     file: PathBuf,
+    /// Its name in the checkpoint.
+    stored: String,
     kind: Kind,
     shape: Vec<i64>,
 }
@@ -115,24 +170,35 @@ fn parse<'a>(file: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>, ModelError
     })
 }
 
-/// The headers of every kept tensor of `dir`, checked: known dtypes, and
-/// every float8 weight paired with a scale of the shape `fp8` implies.
+/// The headers of every kept tensor of `dir` by the model's names (`keep`
+/// sees those), checked: known dtypes, and every float8 weight paired with
+/// a scale of the shape `fp8` implies. Skipped parts are counted, not read.
 fn scan(
     dir: &Path,
+    names: &TensorNames,
     keep: &dyn Fn(&str) -> bool,
     fp8: Option<&Fp8Config>,
-) -> Result<HashMap<String, Entry>, ModelError> {
+) -> Result<(HashMap<String, Entry>, Vec<SkippedTensors>), ModelError> {
     let mut entries = HashMap::new();
+    let mut skipped: Vec<SkippedTensors> =
+        names.skipped.iter().map(|p| SkippedTensors { part: p.clone(), tensors: 0, bytes: 0 }).collect();
     for file in shard_files(dir)? {
         let mmap = map_file(&file)?;
         let st = parse(&file, &mmap)?;
-        for (name, view) in st.iter() {
-            if !keep(name) {
+        for (stored, view) in st.iter() {
+            let Some(name) = names.to_model(stored) else {
+                if let Some(s) = skipped.iter_mut().find(|s| stored.starts_with(&s.part.prefix)) {
+                    s.tensors += 1;
+                    s.bytes += view.data().len() as u64;
+                }
+                continue;
+            };
+            if !keep(&name) {
                 continue;
             }
-            let kind = kind_of(view.dtype(), &file, name)?;
+            let kind = kind_of(view.dtype(), &file, stored)?;
             let shape = view.shape().iter().map(|&d| d as i64).collect();
-            entries.insert(name.to_string(), Entry { file: file.clone(), kind, shape });
+            entries.insert(name, Entry { file: file.clone(), stored: stored.to_string(), kind, shape });
         }
     }
     let mut quantized: Vec<&String> =
@@ -144,14 +210,18 @@ fn scan(
             return Err(ModelError::Weights {
                 path: e.file.clone(),
                 message: format!(
-                    "tensor {name} is float8 but {} has no fp8 quantization_config",
+                    "tensor {} is float8 but {} has no fp8 quantization_config",
+                    e.stored,
                     dir.join("config.json").display()
                 ),
             });
         };
         let scale_name = format!("{name}{SCALE_SUFFIX}");
         let Some(scale) = entries.get(&scale_name) else {
-            return Err(ModelError::MissingTensor { dir: dir.to_path_buf(), name: scale_name });
+            return Err(ModelError::MissingTensor {
+                dir: dir.to_path_buf(),
+                name: format!("{}{SCALE_SUFFIX}", e.stored),
+            });
         };
         let want = crate::quant::scale_shape(&e.shape, fp8.block);
         let per_tensor = fp8.block.is_none() && scale.shape.iter().product::<i64>() == 1;
@@ -159,8 +229,8 @@ fn scan(
             return Err(ModelError::Weights {
                 path: scale.file.clone(),
                 message: format!(
-                    "{scale_name} has shape {:?}, expected {want:?} for a {:?} weight in blocks of {:?}",
-                    scale.shape, e.shape, fp8.block
+                    "{} has shape {:?}, expected {want:?} for a {:?} weight in blocks of {:?}",
+                    scale.stored, scale.shape, e.shape, fp8.block
                 ),
             });
         }
@@ -168,43 +238,45 @@ fn scan(
     let stray = entries.iter().find(|(n, _)| {
         n.strip_suffix(SCALE_SUFFIX).is_some_and(|w| entries.get(w).is_none_or(|e| e.kind != Kind::Float8e4m3fn))
     });
-    if let Some((name, e)) = stray {
+    if let Some((_, e)) = stray {
         return Err(ModelError::Weights {
             path: e.file.clone(),
-            message: format!("{name} scales a weight that is not float8 (or not present)"),
+            message: format!("{} scales a weight that is not float8 (or not present)", e.stored),
         });
     }
-    Ok(entries)
+    Ok((entries, skipped))
 }
 
 impl Weights {
     /// Loads every tensor whose name passes `keep` from the directory's
     /// safetensors files, converting floating tensors to `kind` on `device`.
     pub fn load(dir: &Path, device: Device, kind: Kind, keep: impl Fn(&str) -> bool) -> Result<Self, ModelError> {
-        Self::load_quantized(dir, device, kind, keep, None)
+        Self::load_quantized(dir, &TensorNames::default(), device, kind, keep, None)
     }
 
-    /// Like [`Weights::load`] for a checkpoint that may hold FP8 weights
-    /// (`fp8`: its `quantization_config`): each float8 `X.weight` is
-    /// dequantized with its `X.weight_scale_inv` (wherever the shards put
-    /// it) on `device` into `kind`.
+    /// Like [`Weights::load`] for a checkpoint named as `names` says that
+    /// may hold FP8 weights (`fp8`: its `quantization_config`): each
+    /// float8 `X.weight` is dequantized with its `X.weight_scale_inv`
+    /// (wherever the shards put it) on `device` into `kind`.
     pub fn load_quantized(
         dir: &Path,
+        names: &TensorNames,
         device: Device,
         kind: Kind,
         keep: impl Fn(&str) -> bool,
         fp8: Option<&Fp8Config>,
     ) -> Result<Self, ModelError> {
-        let entries = scan(dir, &keep, fp8)?;
+        let (entries, skipped) = scan(dir, names, &keep, fp8)?;
         let files: BTreeSet<&PathBuf> = entries.values().map(|e| &e.file).collect();
         let mut raw = HashMap::with_capacity(entries.len());
         for file in files {
             let mmap = map_file(file)?;
             let st = parse(file, &mmap)?;
             for (name, e) in entries.iter().filter(|(_, e)| &e.file == file) {
-                let view = st
-                    .tensor(name)
-                    .map_err(|err| ModelError::Weights { path: file.clone(), message: format!("{name}: {err:?}") })?;
+                let view = st.tensor(&e.stored).map_err(|err| ModelError::Weights {
+                    path: file.clone(),
+                    message: format!("{}: {err:?}", e.stored),
+                })?;
                 let t = Tensor::f_from_data_size(view.data(), &e.shape, e.kind)?.to_device(device);
                 // Scales stay f32 and FP8 weights raw until they meet.
                 let keep_raw = e.kind == Kind::Float8e4m3fn || name.ends_with(SCALE_SUFFIX);
@@ -223,8 +295,7 @@ impl Weights {
                 raw.insert(name, crate::quant::dequantize(&weight, &scale, q.block, kind));
             }
         }
-        let tensors = raw;
-        Ok(Self { source: Source::Loaded(tensors), dir: dir.to_path_buf(), taken: 0 })
+        Ok(Self { source: Source::Loaded(raw), dir: dir.to_path_buf(), taken: 0, names: names.clone(), skipped })
     }
 
     /// The kept tensors' headers only, checked as [`Weights::load_quantized`]
@@ -233,36 +304,53 @@ impl Weights {
     /// sizing it.
     pub fn headers(
         dir: &Path,
+        names: &TensorNames,
         kind: Kind,
         keep: &dyn Fn(&str) -> bool,
         fp8: Option<&Fp8Config>,
     ) -> Result<Self, ModelError> {
-        let mut entries = scan(dir, keep, fp8)?;
+        let (mut entries, skipped) = scan(dir, names, keep, fp8)?;
         entries.retain(|n, _| !n.ends_with(SCALE_SUFFIX));
-        Ok(Self { source: Source::Headers { entries, kind }, dir: dir.to_path_buf(), taken: 0 })
+        let source = Source::Headers { entries, kind };
+        Ok(Self { source, dir: dir.to_path_buf(), taken: 0, names: names.clone(), skipped })
+    }
+
+    fn of(source: Source, dir: PathBuf) -> Self {
+        Self { source, dir, taken: 0, names: TensorNames::default(), skipped: Vec::new() }
     }
 
     /// Tensors already in memory (named as in a checkpoint).
     pub fn from_tensors(tensors: Vec<(String, Tensor)>, label: &Path) -> Self {
-        Self { source: Source::Loaded(tensors.into_iter().collect()), dir: label.to_path_buf(), taken: 0 }
+        Self::of(Source::Loaded(tensors.into_iter().collect()), label.to_path_buf())
     }
 
     /// Random tensors of whatever shapes are taken, made on `device` in
     /// `kind` (seed libtorch first for a reproducible draw).
     pub fn random(device: Device, kind: Kind, init: RandomInit) -> Self {
-        Self { source: Source::Random { device, kind, init, made: None }, dir: "<random weights>".into(), taken: 0 }
+        Self::of(Source::Random { device, kind, init, made: None }, "<random weights>".into())
     }
 
     /// Like [`Weights::random`], keeping every tensor made for
     /// [`Weights::into_tensors`] (to write a random model to disk).
     pub fn random_recorded(device: Device, kind: Kind, init: RandomInit) -> Self {
-        let source = Source::Random { device, kind, init, made: Some(Vec::new()) };
-        Self { source, dir: "<random weights>".into(), taken: 0 }
+        Self::of(Source::Random { device, kind, init, made: Some(Vec::new()) }, "<random weights>".into())
+    }
+
+    /// The parts of the checkpoint that were found and not read.
+    pub fn skipped(&self) -> &[SkippedTensors] {
+        &self.skipped
     }
 
     /// Whether this is the header-only dry run.
     pub fn is_headers(&self) -> bool {
         matches!(self.source, Source::Headers { .. })
+    }
+
+    /// `f(t)` for a tensor taken from these weights, except in the
+    /// header-only dry run, whose stand-ins hold no values to transform
+    /// (a norm's offset folded in, a reshape, a reordering).
+    pub fn transform(&self, t: Tensor, f: impl FnOnce(Tensor) -> Tensor) -> Tensor {
+        if self.is_headers() { t } else { f(t) }
     }
 
     /// Bytes of every tensor taken so far (held in the load's kind).
@@ -272,7 +360,7 @@ impl Weights {
 
     /// Removes and returns a tensor, checking its shape.
     pub fn take(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, ModelError> {
-        let missing = || ModelError::MissingTensor { dir: self.dir.clone(), name: name.to_string() };
+        let missing = || ModelError::MissingTensor { dir: self.dir.clone(), name: self.names.to_checkpoint(name) };
         let (t, found, kind) = match &mut self.source {
             Source::Loaded(tensors) => {
                 let t = tensors.remove(name).ok_or_else(missing)?;
@@ -295,7 +383,7 @@ impl Weights {
         if found != shape {
             return Err(ModelError::Weights {
                 path: self.dir.clone(),
-                message: format!("tensor {name} has shape {found:?}, expected {shape:?}"),
+                message: format!("tensor {} has shape {found:?}, expected {shape:?}", self.names.to_checkpoint(name)),
             });
         }
         self.taken += shape.iter().product::<i64>() as u64 * kind.elt_size_in_bytes() as u64;

@@ -32,6 +32,11 @@ const FIXTURES: &[&str] = &[
     "tiny-qwen3-moe-step2",
     "tiny-qwen3-fp8",
     "tiny-qwen3-moe-fp8",
+    "tiny-qwen3-next",
+    "tiny-qwen3.5",
+    "tiny-qwen3.5-vl",
+    "tiny-qwen3.5-moe",
+    "tiny-qwen3.5-moe-vl",
 ];
 
 fn fixtures() -> PathBuf {
@@ -120,6 +125,130 @@ fn every_family_matches_transformers_through_capture_and_decoding() {
     assert_eq!(checked.len(), FIXTURES.len());
 }
 
+/// The hybrid fixtures (Gated DeltaNet layers keep a convolution window
+/// and a recurrent state in the cache).
+const HYBRIDS: &[&str] =
+    &["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-vl", "tiny-qwen3.5-moe", "tiny-qwen3.5-moe-vl"];
+
+/// Runs `ids` through the cache in pieces of the given sizes; returns the
+/// logits of every position.
+fn decode_in_pieces(t: &TargetModel, ids: &[i64], pieces: &[usize]) -> Tensor {
+    let mut cache = t.new_cache(1);
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    for &n in pieces {
+        let chunk = Tensor::from_slice(&ids[at..at + n]).view([1, n as i64]);
+        let pos = (Tensor::arange(n as i64, (Kind::Int64, Device::Cpu)) + at as i64).unsqueeze(0);
+        let valid = Tensor::ones([1, (at + n) as i64], (Kind::Bool, Device::Cpu));
+        let (h, _) = t.forward_cached(&chunk, &pos, &valid, &mut cache, &[]);
+        out.push(t.logits(&h).squeeze_dim(0));
+        at += n;
+    }
+    Tensor::cat(&out, 0)
+}
+
+#[test]
+fn hybrid_decoding_step_by_step_and_through_rejected_blocks_equals_the_full_forward() {
+    for name in HYBRIDS {
+        let dir = fixtures().join(name);
+        let r = reference(&dir);
+        let t = TargetModel::load(&dir, Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
+        // A prefill, single tokens (the recurrence), then short blocks (chunks).
+        let pieces = [70usize, 1, 1, 1, 16, 1, 30, 30];
+        let got = decode_in_pieces(&t, &r.ids, &pieces);
+        let err = max_rel_err(&got, &r.logits);
+        assert!(err < TOLERANCE, "{name}: decoded in pieces: {err}");
+
+        // Speculative decoding's pattern: a block of 16 is verified and only
+        // a prefix kept; the cache goes back to it and decoding continues.
+        let mut cache = t.new_cache(1);
+        let run = |cache: &mut dflash_models::KvCache, from: usize, ids: &[i64]| {
+            let n = ids.len() as i64;
+            let pos = (Tensor::arange(n, (Kind::Int64, Device::Cpu)) + from as i64).unsqueeze(0);
+            let valid = Tensor::ones([1, from as i64 + n], (Kind::Bool, Device::Cpu));
+            let (h, _) = t.forward_cached(&Tensor::from_slice(ids).view([1, n]), &pos, &valid, cache, &[]);
+            t.logits(&h).squeeze_dim(0)
+        };
+        let _ = run(&mut cache, 0, &r.ids[..60]);
+        // A block whose last 11 tokens are wrong guesses.
+        let mut guess = r.ids[60..65].to_vec();
+        guess.extend([3i64; 11]);
+        let _ = run(&mut cache, 60, &guess);
+        cache.truncate(65);
+        let next = run(&mut cache, 65, &r.ids[65..90]);
+        let err = max_rel_err(&next, &r.logits.narrow(0, 65, 25));
+        assert!(err < TOLERANCE, "{name}: after going back inside a verified block: {err}");
+    }
+}
+
+#[test]
+fn hybrid_batched_decoding_with_left_padding_equals_each_prompt_alone() {
+    for name in HYBRIDS {
+        let dir = fixtures().join(name);
+        let r = reference(&dir);
+        let t = TargetModel::load(&dir, Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
+        // Two prompts, the shorter left-padded, then two decode steps.
+        let (long, short) = (90i64, 41i64);
+        let mut ids = r.ids[..long as usize].to_vec();
+        let pad = long - short;
+        ids.extend(std::iter::repeat_n(0, pad as usize));
+        ids.extend_from_slice(&r.ids[..short as usize]);
+        let ids = Tensor::from_slice(&ids).view([2, long]);
+        let valid = Tensor::cat(
+            &[
+                Tensor::ones([1, long], (Kind::Bool, Device::Cpu)),
+                Tensor::cat(
+                    &[
+                        Tensor::zeros([1, pad], (Kind::Bool, Device::Cpu)),
+                        Tensor::ones([1, short], (Kind::Bool, Device::Cpu)),
+                    ],
+                    1,
+                ),
+            ],
+            0,
+        );
+        let pos = (valid.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0);
+        let mut cache = t.new_cache(2);
+        let (h, _) = t.forward_cached(&ids, &pos, &valid, &mut cache, &[]);
+        let first = t.logits(&h.select(1, long - 1));
+        let next = Tensor::from_slice(&[r.ids[long as usize], r.ids[short as usize]]).view([2, 1]);
+        let next_pos = Tensor::from_slice(&[long, short]).view([2, 1]);
+        let valid = Tensor::cat(&[valid, Tensor::ones([2, 1], (Kind::Bool, Device::Cpu))], 1);
+        let (h2, _) = t.forward_cached(&next, &next_pos, &valid, &mut cache, &[]);
+        let second = t.logits(&h2.select(1, 0));
+        for (row, n) in [(0i64, long), (1, short)] {
+            let err = max_rel_err(&first.get(row), &r.logits.get(n - 1));
+            assert!(err < TOLERANCE, "{name}: row {row} prefill: {err}");
+            let err = max_rel_err(&second.get(row), &r.logits.get(n));
+            assert!(err < TOLERANCE, "{name}: row {row} after one step: {err}");
+        }
+    }
+}
+
+#[test]
+fn published_multimodal_checkpoints_load_their_language_model_and_skip_the_rest() {
+    for (name, mtp) in [("tiny-qwen3.5-vl", 1), ("tiny-qwen3.5-moe-vl", 1), ("tiny-qwen3-next", 0)] {
+        let dir = fixtures().join(name);
+        let i = TargetModel::inspect(&dir, Kind::Float, LoadScope::Full).unwrap();
+        assert_eq!(i.config.mtp_layers, mtp, "{name}");
+        let found = |prefix: &str| i.skipped.iter().find(|s| s.part.prefix == prefix).map_or(0, |s| s.tensors);
+        assert!(found("mtp.") > 0, "{name}: the MTP tensors are found and skipped");
+        if name.ends_with("-vl") {
+            assert!(found("model.visual.") > 10, "{name}: the vision tower is found and skipped");
+            assert_eq!(i.config.tensor_names.language_model.as_deref(), Some("model.language_model."));
+        }
+        // What is held is exactly the text model's parameters.
+        assert_eq!(i.bytes, 4 * i.config.parameter_count() as u64, "{name}");
+    }
+    // The multimodal and text-only layouts of one model read to one shape.
+    let text = TargetConfig::from_dir(&fixtures().join("tiny-qwen3.5-moe")).unwrap();
+    let vl = TargetConfig::from_dir(&fixtures().join("tiny-qwen3.5-moe-vl")).unwrap();
+    assert_eq!(
+        (text.hidden_size, text.layer_types.clone(), text.moe.clone()),
+        (vl.hidden_size, vl.layer_types.clone(), vl.moe.clone())
+    );
+}
+
 #[test]
 fn both_config_layouts_read_to_the_same_model() {
     let tf5 = TargetConfig::from_dir(&fixtures().join("tiny-llama3")).unwrap();
@@ -137,9 +266,12 @@ fn both_config_layouts_read_to_the_same_model() {
 
 #[test]
 fn parameter_counts_and_sizes_match_the_checkpoints() {
-    for name in ["tiny-llama3", "tiny-qwen3-moe", "tiny-qwen3-moe-step2", "tiny-qwen2"] {
+    for name in
+        ["tiny-llama3", "tiny-qwen3-moe", "tiny-qwen3-moe-step2", "tiny-qwen2", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
+    {
         let dir = fixtures().join(name);
-        let (c, bytes) = TargetModel::inspect(&dir, Kind::Float, LoadScope::Full).unwrap();
+        let dflash_models::Inspection { config: c, bytes, .. } =
+            TargetModel::inspect(&dir, Kind::Float, LoadScope::Full).unwrap();
         let stored: i64 = dflash_models::weights::Weights::load(&dir, Device::Cpu, Kind::Float, |_| true)
             .unwrap()
             .into_tensors()

@@ -1,6 +1,7 @@
 //! `dflash-target inspect`: what a model directory resolves to, checked
-//! before a long run -- architecture, shape, RoPE, experts, quantization,
-//! parameters, the memory it needs, the default captured layers -- and,
+//! before a long run -- architecture, shape, each layer's kind, RoPE,
+//! experts, quantization, parameters, the memory it needs, the parts of the
+//! checkpoint that are not read, the default captured layers -- and,
 //! with `--ids`, the logits of every position and the residual stream after
 //! chosen layers (Hugging Face `hidden_states[id + 1]`) for those tokens,
 //! in f32, as JSON a test or a user compares with transformers.
@@ -8,7 +9,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use dflash_models::{LoadScope, TargetConfig, TargetModel};
+use dflash_models::{Inspection, LayerKind, LoadScope, TargetConfig, TargetModel};
 use tch::{Device, Kind, Tensor};
 
 use dflash_config::ComputeDtype;
@@ -77,20 +78,38 @@ pub fn run(a: &InspectArgs) -> anyhow::Result<()> {
         i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
     };
     let kind = kind_of(DType::compute(a.dtype, device.is_cuda()));
-    let (c, full_bytes) = TargetModel::inspect(&a.model, kind, LoadScope::Full)?;
+    let Inspection { config: c, bytes: full_bytes, skipped } = TargetModel::inspect(&a.model, kind, LoadScope::Full)?;
     let mut capture_ids = dflash_config::default_target_layer_ids(c.num_layers as u32, a.drafter_layers);
     capture_ids.sort_unstable();
     capture_ids.dedup();
     let last = *capture_ids.iter().max().context("no captured layers")? as i64;
-    let (_, capture_bytes) = TargetModel::inspect(&a.model, kind, LoadScope::CaptureUpTo { last_layer: last })?;
+    let capture_bytes = TargetModel::inspect(&a.model, kind, LoadScope::CaptureUpTo { last_layer: last })?.bytes;
     print!("{}", describe(&a.model, &c));
+    for s in &skipped {
+        let found = if s.tensors == 0 {
+            "none in this checkpoint".to_string()
+        } else {
+            format!("{} tensors, {} (not read)", s.tensors, bytes(s.bytes))
+        };
+        println!("  {:<18} {} ({}*): {found}", "skipped:", s.part.what, s.part.prefix);
+    }
     println!(
         "  {:<18} {} for the whole model, {} to capture up to layer {last} ({kind:?})",
         "memory:",
         bytes(full_bytes),
         bytes(capture_bytes)
     );
-    println!("  {:<18} {capture_ids:?} (for {} drafter layers)", "captured layers:", a.drafter_layers);
+    let kinds: Vec<&str> = capture_ids.iter().map(|&i| kind_name(c.layer_kind(i as i64))).collect();
+    if c.is_hybrid() {
+        println!(
+            "  {:<18} {capture_ids:?} ({}; for {} drafter layers)",
+            "captured layers:",
+            kinds.join(", "),
+            a.drafter_layers
+        );
+    } else {
+        println!("  {:<18} {capture_ids:?} (for {} drafter layers)", "captured layers:", a.drafter_layers);
+    }
     if a.ids.is_empty() {
         if a.json.is_some() {
             anyhow::bail!("--json needs --ids: the token ids to run");
@@ -144,21 +163,72 @@ fn zoo_name(c: &TargetConfig) -> &'static str {
     dflash_models::zoo::architecture(c.family).hf_architecture()
 }
 
+fn kind_name(k: LayerKind) -> &'static str {
+    match k {
+        LayerKind::FullAttention => "full attention",
+        LayerKind::LinearAttention => "linear attention",
+    }
+}
+
+/// Layer kinds as runs: `0-2 linear attention, 3 full attention, ...`.
+fn layer_runs(c: &TargetConfig) -> String {
+    let mut runs: Vec<(i64, i64, LayerKind)> = Vec::new();
+    for i in 0..c.num_layers {
+        let k = c.layer_kind(i);
+        match runs.last_mut() {
+            Some((_, end, last)) if *last == k => *end = i,
+            _ => runs.push((i, i, k)),
+        }
+    }
+    let run = |(a, b, k): &(i64, i64, LayerKind)| {
+        if a == b { format!("{a} {}", kind_name(*k)) } else { format!("{a}-{b} {}", kind_name(*k)) }
+    };
+    if runs.len() <= 6 {
+        return runs.iter().map(run).collect::<Vec<_>>().join(", ");
+    }
+    // A repeating pattern: say it once.
+    let linear = (0..c.num_layers).filter(|&i| c.layer_kind(i) == LayerKind::LinearAttention).count();
+    let full: Vec<i64> = (0..c.num_layers).filter(|&i| c.layer_kind(i) == LayerKind::FullAttention).collect();
+    format!("{linear} linear attention, {} full attention (layers {full:?})", full.len())
+}
+
 /// The resolved config, one setting per line.
 pub fn describe(dir: &std::path::Path, c: &TargetConfig) -> String {
     let mut s = format!("{}\n", dir.display());
     let mut line = |k: &str, v: String| s.push_str(&format!("  {k:<18} {v}\n"));
-    line("architecture:", format!("{} ({:?})", zoo_name(c), c.family));
+    line(
+        "architecture:",
+        format!(
+            "{} ({:?}){}",
+            zoo_name(c),
+            c.family,
+            if c.tensor_names.language_model.is_some() { ", multimodal checkpoint: language model only" } else { "" }
+        ),
+    );
     line("layers:", c.num_layers.to_string());
+    if c.is_hybrid() {
+        line("layer kinds:", layer_runs(c));
+    }
     line("hidden size:", c.hidden_size.to_string());
+    if let Some(l) = &c.linear_attention {
+        let sh = l.shape;
+        line(
+            "linear attention:",
+            format!(
+                "Gated DeltaNet, {} key heads of {}, {} value heads of {}, convolution {}, chunked delta rule",
+                sh.num_key_heads, sh.key_head_dim, sh.num_value_heads, sh.value_head_dim, sh.conv_kernel
+            ),
+        );
+    }
     line(
         "attention:",
         format!(
-            "{} heads, {} kv heads, head_dim {}{}{}",
+            "{} heads, {} kv heads, head_dim {}{}{}{}",
             c.num_heads,
             c.num_kv_heads,
             c.head_dim,
             if c.qk_norm { ", QK norm" } else { "" },
+            if c.attn_output_gate { ", output gate" } else { "" },
             match (c.qkv_bias, c.o_bias) {
                 (true, true) => ", biases on q/k/v/o",
                 (true, false) => ", biases on q/k/v",
@@ -173,19 +243,28 @@ pub fn describe(dir: &std::path::Path, c: &TargetConfig) -> String {
             line(
                 "experts:",
                 format!(
-                    "{} per sparse layer, top {}{}, expert width {}; {sparse} sparse layers, {} dense (width {})",
+                    "{} per sparse layer, top {}{}, expert width {}{}; {sparse} sparse layers, {} dense{}",
                     m.num_experts,
                     m.top_k,
                     if m.norm_topk_prob { " (renormalised)" } else { "" },
                     m.expert_intermediate_size,
+                    m.shared_expert_intermediate_size
+                        .map_or(String::new(), |w| format!(", a gated shared expert of width {w}")),
                     c.num_layers - sparse as i64,
-                    c.intermediate_size
+                    if sparse as i64 == c.num_layers {
+                        String::new()
+                    } else {
+                        format!(" (width {})", c.intermediate_size)
+                    }
                 ),
             );
         }
         None => {
             line("mlp:", format!("SwiGLU, width {}{}", c.intermediate_size, if c.mlp_bias { ", biases" } else { "" }))
         }
+    }
+    if c.norm_offset {
+        line("norms:", "RMSNorm, zero-centred scales (1 + w, in f32)".into());
     }
     line("vocabulary:", format!("{}{}", c.vocab_size, if c.tie_word_embeddings { ", LM head tied" } else { "" }));
     line("weights:", c.fp8.as_ref().map_or("floating point".to_string(), |q| q.describe()));

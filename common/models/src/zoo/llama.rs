@@ -26,8 +26,16 @@ impl Architecture for Llama {
     }
 
     fn read_config(&self, cfg: &mut HfConfig) -> Result<TargetConfig, ModelError> {
-        let mut c =
-            read_common(cfg, Defaults { family: Family::Llama, head_dim: None, max_position_embeddings: 2048 })?;
+        let mut c = read_common(
+            cfg,
+            Defaults {
+                family: Family::Llama,
+                head_dim: None,
+                max_position_embeddings: 2048,
+                rope: Default::default(),
+                intermediate_size: None,
+            },
+        )?;
         let bias = cfg.or("attention_bias", false)?;
         (c.qkv_bias, c.o_bias) = (bias, bias);
         c.mlp_bias = cfg.or("mlp_bias", false)?;

@@ -27,8 +27,16 @@ impl Architecture for Mistral {
     }
 
     fn read_config(&self, cfg: &mut HfConfig) -> Result<TargetConfig, ModelError> {
-        let c =
-            read_common(cfg, Defaults { family: Family::Mistral, head_dim: None, max_position_embeddings: 4096 * 32 })?;
+        let c = read_common(
+            cfg,
+            Defaults {
+                family: Family::Mistral,
+                head_dim: None,
+                max_position_embeddings: 4096 * 32,
+                rope: Default::default(),
+                intermediate_size: None,
+            },
+        )?;
         let present = cfg.present("sliding_window");
         if let Some(window) = cfg.opt::<i64>("sliding_window")? {
             return Err(cfg.error("sliding_window", format!("sliding-window attention ({window}) is not supported")));

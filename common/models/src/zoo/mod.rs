@@ -7,22 +7,26 @@
 //! one line in [`ARCHITECTURES`] and a fixture made by
 //! `tests/fixtures/make_fixtures.py`.
 
+mod hybrid;
 mod llama;
 mod mistral;
 mod qwen2;
 mod qwen3;
+mod qwen3_5;
+mod qwen3_5_moe;
 mod qwen3_moe;
+mod qwen3_next;
 
 use serde_json::{Value, json};
 
 use crate::ModelError;
-use crate::decoder::{DecoderLayer, FeedForward};
+use crate::decoder::{DecoderLayer, FeedForward, Mixer};
 use crate::hf_config::HfConfig;
 use crate::layers::{Attention, Linear, Mlp, RmsNorm};
 use crate::quant::Fp8Config;
-use crate::rope::RopeConfig;
+use crate::rope::{RopeConfig, RopeOptions};
 use crate::target_config::{Family, TargetConfig};
-use crate::weights::Weights;
+use crate::weights::{TensorNames, Weights};
 
 /// One target architecture.
 pub trait Architecture: Sync {
@@ -48,39 +52,55 @@ pub trait Architecture: Sync {
     /// A config.json for `c` in the 4.x layout, which every transformers
     /// version and this crate read.
     fn to_hf_json(&self, c: &TargetConfig) -> Value {
-        let (theta, scaling) = c.rope.to_hf_fields();
-        let mut v = json!({
-            "architectures": [self.hf_architecture()],
-            "model_type": self.model_type(),
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": c.num_layers,
-            "num_attention_heads": c.num_heads,
-            "num_key_value_heads": c.num_kv_heads,
-            "head_dim": c.head_dim,
-            "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": theta,
-            "rope_scaling": scaling,
-            "vocab_size": c.vocab_size,
-            "tie_word_embeddings": c.tie_word_embeddings,
-            "max_position_embeddings": c.max_position_embeddings,
-            "hidden_act": "silu",
-            "torch_dtype": "float32",
-        });
-        if let (Value::Object(all), Value::Object(own)) = (&mut v, self.hf_fields(c)) {
-            all.extend(own);
-        }
-        if let Some(q) = &c.fp8 {
-            v["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": q.block});
-        }
-        v
+        base_hf_json(self, c)
     }
 }
 
+/// The config.json fields every family writes, and the family's own.
+pub(crate) fn base_hf_json<A: Architecture + ?Sized>(arch: &A, c: &TargetConfig) -> Value {
+    let (theta, scaling) = c.rope.to_hf_fields();
+    let mut v = json!({
+        "architectures": [arch.hf_architecture()],
+        "model_type": arch.model_type(),
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "max_position_embeddings": c.max_position_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    });
+    if c.rope.partial_rotary_factor != 1.0 {
+        v["partial_rotary_factor"] = json!(c.rope.partial_rotary_factor);
+    }
+    if let (Value::Object(all), Value::Object(own)) = (&mut v, arch.hf_fields(c)) {
+        all.extend(own);
+    }
+    if let Some(q) = &c.fp8 {
+        v["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": q.block});
+    }
+    v
+}
+
 /// Every architecture this crate runs.
-pub static ARCHITECTURES: &[&dyn Architecture] =
-    &[&llama::Llama, &mistral::Mistral, &qwen2::Qwen2, &qwen3::Qwen3, &qwen3_moe::Qwen3Moe];
+pub static ARCHITECTURES: &[&dyn Architecture] = &[
+    &llama::Llama,
+    &mistral::Mistral,
+    &qwen2::Qwen2,
+    &qwen3::Qwen3,
+    &qwen3_moe::Qwen3Moe,
+    &qwen3_next::Qwen3Next,
+    &qwen3_5::Qwen35,
+    &qwen3_5_moe::Qwen35Moe,
+];
 
 /// The architecture a config's `architectures[0]` (or `model_type`) names.
 pub fn resolve(name: &str) -> Option<&'static dyn Architecture> {
@@ -97,7 +117,7 @@ pub fn architecture(family: Family) -> &'static dyn Architecture {
 
 /// The `architectures` names accepted, for messages.
 pub fn supported_names() -> Vec<&'static str> {
-    ARCHITECTURES.iter().map(|a| a.hf_architecture()).collect()
+    ARCHITECTURES.iter().flat_map(|a| std::iter::once(a.hf_architecture()).chain(a.aliases().iter().copied())).collect()
 }
 
 /// What differs between families in the fields every one of them has.
@@ -106,6 +126,11 @@ pub(crate) struct Defaults {
     /// `head_dim` when the config has none (None: hidden / heads).
     pub head_dim: Option<i64>,
     pub max_position_embeddings: i64,
+    /// What the family's RoPE may carry.
+    pub rope: RopeOptions,
+    /// `intermediate_size` when the config has none (None: required);
+    /// families whose every MLP is sparse have no dense width.
+    pub intermediate_size: Option<i64>,
 }
 
 /// Reads the fields all families share (transformers' defaults where a
@@ -132,12 +157,20 @@ pub(crate) fn read_common(cfg: &mut HfConfig, d: Defaults) -> Result<TargetConfi
         return Err(cfg.error("hidden_act", format!("\"{act}\" is not supported (only silu)")));
     }
     let max_position_embeddings = cfg.or("max_position_embeddings", d.max_position_embeddings)?;
-    let rope = RopeConfig::read(cfg, max_position_embeddings)?;
+    let rope = RopeConfig::read(cfg, max_position_embeddings, d.rope)?;
+    let rotary = rope.rotary_dim(head_dim);
+    if rotary == 0 {
+        return Err(cfg.error("partial_rotary_factor", format!("leaves none of head_dim {head_dim} to rotate")));
+    }
+    let num_layers = cfg.positive("num_hidden_layers")?;
     Ok(TargetConfig {
         family: d.family,
         hidden_size,
-        intermediate_size: cfg.positive("intermediate_size")?,
-        num_layers: cfg.positive("num_hidden_layers")?,
+        intermediate_size: match d.intermediate_size {
+            Some(default) if !cfg.has("intermediate_size") => default,
+            _ => cfg.positive("intermediate_size")?,
+        },
+        num_layers,
         num_heads,
         num_kv_heads,
         head_dim,
@@ -152,6 +185,12 @@ pub(crate) fn read_common(cfg: &mut HfConfig, d: Defaults) -> Result<TargetConfi
         max_position_embeddings,
         moe: None,
         fp8: Fp8Config::read(cfg)?,
+        layer_types: TargetConfig::all_attention(num_layers),
+        linear_attention: None,
+        attn_output_gate: false,
+        norm_offset: false,
+        tensor_names: TensorNames::default(),
+        mtp_layers: 0,
     })
 }
 
@@ -192,8 +231,18 @@ fn linear(w: &mut Weights, name: &str, out: i64, inp: i64, bias: bool) -> Result
     Ok(Linear { weight, bias })
 }
 
-pub(crate) fn norm(w: &mut Weights, name: &str, dim: i64, eps: f64) -> Result<RmsNorm, ModelError> {
+pub(crate) fn plain_norm(w: &mut Weights, name: &str, dim: i64, eps: f64) -> Result<RmsNorm, ModelError> {
     Ok(RmsNorm { weight: w.take(&format!("{name}.weight"), &[dim])?, eps })
+}
+
+/// `{name}.weight` as the family stores norm scales: plain, or zero-centred
+/// (`1 + w`, kept in f32 so the norm scales in f32 as transformers does).
+pub(crate) fn norm(w: &mut Weights, c: &TargetConfig, name: &str, dim: i64) -> Result<RmsNorm, ModelError> {
+    let mut n = plain_norm(w, name, dim, c.rms_norm_eps)?;
+    if c.norm_offset {
+        n.weight = w.transform(n.weight, |t| t.to_kind(tch::Kind::Float) + 1.0);
+    }
+    Ok(n)
 }
 
 /// `{p}.self_attn.*` with the biases and QK norms `c` names.
@@ -201,10 +250,10 @@ pub(crate) fn attention(w: &mut Weights, p: &str, c: &TargetConfig) -> Result<At
     let (h, hd) = (c.hidden_size, c.head_dim);
     let a = format!("{p}.self_attn");
     let qk_norm = |w: &mut Weights, which: &str| -> Result<Option<RmsNorm>, ModelError> {
-        if c.qk_norm { norm(w, &format!("{a}.{which}"), hd, c.rms_norm_eps).map(Some) } else { Ok(None) }
+        if c.qk_norm { norm(w, c, &format!("{a}.{which}"), hd).map(Some) } else { Ok(None) }
     };
     Ok(Attention {
-        q_proj: linear(w, &format!("{a}.q_proj"), c.num_heads * hd, h, c.qkv_bias)?,
+        q_proj: linear(w, &format!("{a}.q_proj"), c.q_proj_rows(), h, c.qkv_bias)?,
         k_proj: linear(w, &format!("{a}.k_proj"), c.num_kv_heads * hd, h, c.qkv_bias)?,
         v_proj: linear(w, &format!("{a}.v_proj"), c.num_kv_heads * hd, h, c.qkv_bias)?,
         o_proj: linear(w, &format!("{a}.o_proj"), h, c.num_heads * hd, c.o_bias)?,
@@ -213,6 +262,7 @@ pub(crate) fn attention(w: &mut Weights, p: &str, c: &TargetConfig) -> Result<At
         num_heads: c.num_heads,
         num_kv_heads: c.num_kv_heads,
         head_dim: hd,
+        output_gate: c.attn_output_gate,
     })
 }
 
@@ -225,7 +275,8 @@ pub(crate) fn mlp(w: &mut Weights, name: &str, h: i64, inter: i64, bias: bool) -
     })
 }
 
-/// A decoder layer around a given feed-forward block.
+/// A decoder layer around a given feed-forward block; its mixer is
+/// attention, or Gated DeltaNet where `c.layer_types` says so.
 pub(crate) fn layer_with(
     w: &mut Weights,
     c: &TargetConfig,
@@ -233,11 +284,53 @@ pub(crate) fn layer_with(
     mlp: impl FnOnce(&mut Weights, &str) -> Result<FeedForward, ModelError>,
 ) -> Result<DecoderLayer, ModelError> {
     let p = format!("model.layers.{i}");
+    let mixer = match (c.layer_kind(i), &c.linear_attention) {
+        (crate::target_config::LayerKind::LinearAttention, Some(l)) => Mixer::Linear(
+            crate::gated_deltanet::GatedDeltaNet::load(w, &p, c.hidden_size, l.shape, l.layout, c.rms_norm_eps)?,
+        ),
+        _ => Mixer::Attention(attention(w, &p, c)?),
+    };
     Ok(DecoderLayer {
-        input_layernorm: norm(w, &format!("{p}.input_layernorm"), c.hidden_size, c.rms_norm_eps)?,
-        self_attn: attention(w, &p, c)?,
-        post_attention_layernorm: norm(w, &format!("{p}.post_attention_layernorm"), c.hidden_size, c.rms_norm_eps)?,
+        input_layernorm: norm(w, c, &format!("{p}.input_layernorm"), c.hidden_size)?,
+        mixer,
+        post_attention_layernorm: norm(w, c, &format!("{p}.post_attention_layernorm"), c.hidden_size)?,
         mlp: mlp(w, &p)?,
+    })
+}
+
+/// The routed experts of `{p}.mlp` (`gate` router, `experts`): one tensor
+/// per expert as checkpoints publish them, or the fused layout
+/// transformers 5 keeps in memory (`experts.gate_up_proj`, `experts.down_proj`).
+pub(crate) fn routed_experts(
+    w: &mut Weights,
+    p: &str,
+    m: &crate::target_config::MoeConfig,
+    h: i64,
+) -> Result<crate::moe::SparseMoe, ModelError> {
+    let (e, inter) = (m.num_experts, m.expert_intermediate_size);
+    let router = w.take(&format!("{p}.mlp.gate.weight"), &[e, h])?;
+    let fused = format!("{p}.mlp.experts.gate_up_proj");
+    Ok(match w.take_optional(&fused, &[e, 2 * inter, h])? {
+        Some(gate_up) => crate::moe::SparseMoe {
+            router,
+            gate_up,
+            down: w.take(&format!("{p}.mlp.experts.down_proj"), &[e, h, inter])?,
+            top_k: m.top_k,
+            norm_topk_prob: m.norm_topk_prob,
+            shared: None,
+        },
+        None => {
+            let mut experts = Vec::with_capacity(e as usize);
+            for j in 0..e {
+                let x = format!("{p}.mlp.experts.{j}");
+                experts.push((
+                    w.take(&format!("{x}.gate_proj.weight"), &[inter, h])?,
+                    w.take(&format!("{x}.up_proj.weight"), &[inter, h])?,
+                    w.take(&format!("{x}.down_proj.weight"), &[h, inter])?,
+                ));
+            }
+            crate::moe::SparseMoe::from_experts(router, experts, m.top_k, m.norm_topk_prob)
+        }
     })
 }
 
@@ -313,6 +406,88 @@ mod tests {
             .expect("Mistral v0.2+: no window");
     }
 
+    const HYBRID: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8"#;
+
+    #[test]
+    fn hybrid_configs_read_as_transformers_reads_them() {
+        let c = read(&format!(r#"{{"architectures": ["Qwen3_5ForCausalLM"], {HYBRID}}}"#)).expect("qwen3.5");
+        use crate::target_config::LayerKind::{FullAttention as F, LinearAttention as L};
+        assert_eq!(c.layer_types, vec![L, L, L, F], "every 4th layer full by default");
+        assert_eq!(c.rope.partial_rotary_factor, 0.25, "the hybrids' default partial RoPE");
+        assert!(c.attn_output_gate && c.norm_offset && c.qk_norm);
+        let c = read(&format!(
+            r#"{{"architectures": ["Qwen3_5ForCausalLM"], "full_attention_interval": 2, "layer_types": null, {HYBRID}}}"#
+        ))
+        .expect("interval");
+        assert_eq!(c.layer_types, vec![L, F, L, F]);
+        let c = read(&format!(
+            r#"{{"architectures": ["Qwen3NextForCausalLM"], "layer_types": ["mamba", "attention", "mamba", "mamba"], {HYBRID}}}"#
+        ))
+        .expect("legacy names");
+        assert_eq!(c.layer_types, vec![L, F, L, L]);
+        assert_eq!(c.moe.as_ref().map(|m| (m.num_experts, m.top_k)), Some((512, 10)), "transformers' defaults");
+        // The published multimodal layout.
+        let vl = read(&format!(
+            r#"{{"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+                "tie_word_embeddings": false, "image_token_id": 5, "vision_config": {{"depth": 27}},
+                "text_config": {{"model_type": "qwen3_5_moe_text", "num_experts": 8, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "mtp_num_hidden_layers": 1,
+                "attn_output_gate": true, "output_gate_type": "swish", "mamba_ssm_dtype": "float32",
+                "rope_parameters": {{"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10], "mrope_interleaved": true}}, {HYBRID}}}}}"#
+        ))
+        .expect("multimodal");
+        assert_eq!(vl.tensor_names.language_model.as_deref(), Some("model.language_model."));
+        assert_eq!(vl.mtp_layers, 1);
+        assert!(vl.moe.as_ref().is_some_and(|m| m.norm_topk_prob && m.shared_expert_intermediate_size == Some(16)));
+    }
+
+    #[test]
+    fn hybrid_settings_that_are_not_implemented_are_refused_by_field() {
+        for (extra, arch, field) in [
+            (
+                r#""layer_types": ["linear_attention", "sliding_attention", "full_attention", "full_attention"]"#,
+                "Qwen3_5ForCausalLM",
+                "layer_types",
+            ),
+            (r#""layer_types": ["linear_attention", "full_attention"]"#, "Qwen3_5ForCausalLM", "layer_types"),
+            (r#""attn_output_gate": false"#, "Qwen3_5ForCausalLM", "attn_output_gate"),
+            (r#""mamba_ssm_dtype": "bfloat16""#, "Qwen3_5ForCausalLM", "mamba_ssm_dtype"),
+            (r#""output_gate_type": "sigmoid""#, "Qwen3_5ForCausalLM", "output_gate_type"),
+            (r#""linear_num_value_heads": 3"#, "Qwen3NextForCausalLM", "linear_num_value_heads"),
+            (
+                r#""rope_parameters": {"rope_type": "dynamic", "factor": 2.0}"#,
+                "Qwen3NextForCausalLM",
+                "rope_parameters",
+            ),
+            (r#""mrope_section": [1, 1]"#, "Qwen3NextForCausalLM", "mrope_section"),
+            (r#""norm_topk_prob": false"#, "Qwen3_5MoeForCausalLM", "norm_topk_prob"),
+            (r#""mlp_only_layers": [1]"#, "Qwen3_5MoeForCausalLM", "mlp_only_layers"),
+        ] {
+            let text = format!(
+                r#"{{"architectures": ["{arch}"], {extra}, {}}}"#,
+                HYBRID.replace(r#""linear_num_value_heads": 4,"#, "")
+            );
+            let text = if extra.contains("linear_num_value_heads") {
+                text
+            } else {
+                text.replace(r#""linear_key_head_dim""#, r#""linear_num_value_heads": 4, "linear_key_head_dim""#)
+            };
+            let err = read(&text).expect_err(&text).to_string();
+            assert!(err.contains(field) && err.contains("/m/config.json"), "{text}: {err}");
+        }
+        // A field nobody reads inside text_config is named with its path.
+        let err = read(&format!(
+            r#"{{"architectures": ["Qwen3_5ForConditionalGeneration"], "vision_config": {{}},
+                "text_config": {{"attn_logit_softcapping": 30, {HYBRID}}}}}"#
+        ))
+        .expect_err("unread field")
+        .to_string();
+        assert!(err.contains("text_config.attn_logit_softcapping"), "{err}");
+    }
+
     #[test]
     fn written_configs_read_back_to_the_same_config() {
         for text in [
@@ -325,6 +500,9 @@ mod tests {
             format!(
                 r#"{{"architectures": ["Qwen2ForCausalLM"], "quantization_config": {{"quant_method": "fp8", "weight_block_size": [16, 16]}}, {BASE}}}"#
             ),
+            format!(r#"{{"architectures": ["Qwen3NextForCausalLM"], "mlp_only_layers": [2], {HYBRID}}}"#),
+            format!(r#"{{"architectures": ["Qwen3_5ForCausalLM"], "partial_rotary_factor": 0.5, {HYBRID}}}"#),
+            format!(r#"{{"architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 8, {HYBRID}}}"#),
         ] {
             let c = read(&text).expect(&text);
             let again = read(&c.to_hf_json().to_string()).expect("written config");

@@ -26,8 +26,16 @@ impl Architecture for Qwen2 {
     }
 
     fn read_config(&self, cfg: &mut HfConfig) -> Result<TargetConfig, ModelError> {
-        let mut c =
-            read_common(cfg, Defaults { family: Family::Qwen2, head_dim: None, max_position_embeddings: 32_768 })?;
+        let mut c = read_common(
+            cfg,
+            Defaults {
+                family: Family::Qwen2,
+                head_dim: None,
+                max_position_embeddings: 32_768,
+                rope: Default::default(),
+                intermediate_size: None,
+            },
+        )?;
         c.qkv_bias = true;
         cfg.ignore(&["attention_bias"]);
         refuse_qwen_sliding_window(cfg, c.num_layers)?;

@@ -26,8 +26,16 @@ impl Architecture for Qwen3 {
     }
 
     fn read_config(&self, cfg: &mut HfConfig) -> Result<TargetConfig, ModelError> {
-        let mut c =
-            read_common(cfg, Defaults { family: Family::Qwen3, head_dim: Some(128), max_position_embeddings: 32_768 })?;
+        let mut c = read_common(
+            cfg,
+            Defaults {
+                family: Family::Qwen3,
+                head_dim: Some(128),
+                max_position_embeddings: 32_768,
+                rope: Default::default(),
+                intermediate_size: None,
+            },
+        )?;
         let bias = cfg.or("attention_bias", false)?;
         (c.qkv_bias, c.o_bias, c.qk_norm) = (bias, bias, true);
         refuse_qwen_sliding_window(cfg, c.num_layers)?;

@@ -10,11 +10,10 @@
 
 use serde_json::{Value, json};
 
-use super::{Architecture, Defaults, dense_layer, layer_with, read_common};
+use super::{Architecture, Defaults, dense_layer, layer_with, read_common, routed_experts};
 use crate::ModelError;
 use crate::decoder::{DecoderLayer, FeedForward};
 use crate::hf_config::HfConfig;
-use crate::moe::SparseMoe;
 use crate::target_config::{Family, MoeConfig, TargetConfig};
 use crate::weights::Weights;
 
@@ -34,8 +33,16 @@ impl Architecture for Qwen3Moe {
     }
 
     fn read_config(&self, cfg: &mut HfConfig) -> Result<TargetConfig, ModelError> {
-        let mut c =
-            read_common(cfg, Defaults { family: Family::Qwen3Moe, head_dim: None, max_position_embeddings: 32_768 })?;
+        let mut c = read_common(
+            cfg,
+            Defaults {
+                family: Family::Qwen3Moe,
+                head_dim: None,
+                max_position_embeddings: 32_768,
+                rope: Default::default(),
+                intermediate_size: None,
+            },
+        )?;
         let bias = cfg.or("attention_bias", false)?;
         (c.qkv_bias, c.o_bias, c.qk_norm) = (bias, bias, true);
         // Qwen3 MoE slides every layer when the window is on; the published
@@ -70,39 +77,14 @@ impl Architecture for Qwen3Moe {
             norm_topk_prob: cfg.or("norm_topk_prob", false)?,
             sparse_step,
             dense_layers,
+            shared_expert_intermediate_size: None,
         });
         Ok(c)
     }
 
     fn load_layer(&self, w: &mut Weights, c: &TargetConfig, i: i64) -> Result<DecoderLayer, ModelError> {
         let Some(m) = c.moe.as_ref().filter(|m| m.is_sparse(i)) else { return dense_layer(w, c, i) };
-        layer_with(w, c, i, |w, p| {
-            let (e, h, inter) = (m.num_experts, c.hidden_size, m.expert_intermediate_size);
-            let router = w.take(&format!("{p}.mlp.gate.weight"), &[e, h])?;
-            let fused = format!("{p}.mlp.experts.gate_up_proj");
-            let block = match w.take_optional(&fused, &[e, 2 * inter, h])? {
-                Some(gate_up) => SparseMoe {
-                    router,
-                    gate_up,
-                    down: w.take(&format!("{p}.mlp.experts.down_proj"), &[e, h, inter])?,
-                    top_k: m.top_k,
-                    norm_topk_prob: m.norm_topk_prob,
-                },
-                None => {
-                    let mut experts = Vec::with_capacity(e as usize);
-                    for j in 0..e {
-                        let x = format!("{p}.mlp.experts.{j}");
-                        experts.push((
-                            w.take(&format!("{x}.gate_proj.weight"), &[inter, h])?,
-                            w.take(&format!("{x}.up_proj.weight"), &[inter, h])?,
-                            w.take(&format!("{x}.down_proj.weight"), &[h, inter])?,
-                        ));
-                    }
-                    SparseMoe::from_experts(router, experts, m.top_k, m.norm_topk_prob)
-                }
-            };
-            Ok(FeedForward::Sparse(block))
-        })
+        layer_with(w, c, i, |w, p| Ok(FeedForward::Sparse(routed_experts(w, p, m, c.hidden_size)?)))
     }
 
     fn hf_fields(&self, c: &TargetConfig) -> Value {

@@ -1,0 +1,336 @@
+//! The gated delta rule of Gated DeltaNet layers (Qwen3-Next, Qwen3.5), as
+//! transformers defines it: per head a state `S` `[dk, dv]` that, token by
+//! token, decays by `exp(g)`, is corrected towards `v` along `k` with
+//! learning rate `beta`, and is read by `q`:
+//!
+//! ```text
+//! S = exp(g_t) S;  S += k_t ((v_t - S^T k_t) beta_t)^T;  o_t = S^T q_t
+//! ```
+//!
+//! Two ways to compute it, equal up to rounding:
+//! - [`chunked`]: the WY/UT form over chunks of 64 tokens. Within a chunk
+//!   every product is a batched matmul over all chunks of all sequences
+//!   at once (the triangular system of the chunk solved in one call); only
+//!   the hand-over of the state from one chunk to the next is sequential,
+//!   and it runs over every sequence of a packed batch together. Each
+//!   sequence of a packed batch has chunks of its own, so no state crosses
+//!   a sequence boundary. This is the capture path and the decoding prefill.
+//! - [`step`]: one token of the recurrence, for decoding.
+//!
+//! Inputs are f32 (the precision transformers and flash-linear-attention
+//! keep the rule in), `q` and `k` L2-normalised and `q` already scaled.
+
+use tch::{Device, Kind, Tensor};
+
+/// Tokens per chunk (what transformers and flash-linear-attention use).
+pub const CHUNK: i64 = 64;
+
+/// The per-token inputs of one layer, heads matched (`q`, `k` repeated to
+/// the value heads): `q`, `k` `[T, H, dk]`, `v` `[T, H, dv]`, `g` (log
+/// decay, <= 0) and `beta` `[T, H]`, all f32.
+pub struct RuleInputs<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub g: &'a Tensor,
+    pub beta: &'a Tensor,
+}
+
+/// What [`chunked`] returns.
+pub struct RuleOutput {
+    /// `[T, H, dv]` f32, in the input's token order.
+    pub out: Tensor,
+    /// Each sequence's state after its last token `[N, H, dk, dv]`.
+    pub final_state: Tensor,
+    /// With `record`: each sequence's state after each of its tokens,
+    /// `[T, H, dk, dv]` in token order (for decoding, which must be able to
+    /// go back to any position of a verified block).
+    pub states: Option<Tensor>,
+}
+
+/// Where each sequence's chunks sit in the chunked layout. Chunks are
+/// stored step-major (every sequence's first chunk, then every second
+/// chunk, ...) with the sequences ordered by chunk count, longest first,
+/// so that the chunks of scan step `j` are one contiguous run whose
+/// sequences are the first `active[j]`.
+struct ChunkPlan {
+    /// Sequence indices, longest (in chunks) first.
+    order: Vec<usize>,
+    /// Per scan step: how many sequences (a prefix of `order`) have a chunk.
+    active: Vec<i64>,
+    /// For every slot of the chunked layout, its token (T = padding).
+    gather: Tensor,
+    /// For every token, its slot.
+    scatter: Tensor,
+    chunks: i64,
+}
+
+fn plan(lens: &[i64], device: Device) -> ChunkPlan {
+    let n_chunks: Vec<i64> = lens.iter().map(|&l| (l + CHUNK - 1) / CHUNK).collect();
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by_key(|&s| std::cmp::Reverse(n_chunks[s]));
+    let starts: Vec<i64> = lens.iter().scan(0, |acc, &l| Some(std::mem::replace(acc, *acc + l))).collect();
+    let total: i64 = lens.iter().sum();
+    let steps = n_chunks.iter().copied().max().unwrap_or(0);
+    let mut active = Vec::with_capacity(steps as usize);
+    let mut gather = Vec::new();
+    let mut scatter = vec![0i64; total as usize];
+    for j in 0..steps {
+        let mut n = 0;
+        for &s in order.iter().take_while(|&&s| n_chunks[s] > j) {
+            for i in 0..CHUNK {
+                let pos = j * CHUNK + i;
+                if pos < lens[s] {
+                    let t = starts[s] + pos;
+                    scatter[t as usize] = gather.len() as i64;
+                    gather.push(t);
+                } else {
+                    gather.push(total);
+                }
+            }
+            n += 1;
+        }
+        active.push(n);
+    }
+    let chunks = gather.len() as i64 / CHUNK;
+    ChunkPlan {
+        order,
+        active,
+        gather: Tensor::from_slice(&gather).to_device(device),
+        scatter: Tensor::from_slice(&scatter).to_device(device),
+        chunks,
+    }
+}
+
+/// `[T, H, d]` into the chunked layout `[chunks, H, CHUNK, d]`, padding with zeros.
+fn to_chunks(x: &Tensor, p: &ChunkPlan) -> Tensor {
+    let mut shape = x.size();
+    shape[0] = 1;
+    let padded = Tensor::cat(&[x, &Tensor::zeros(shape.as_slice(), (x.kind(), x.device()))], 0);
+    let h = x.size()[1];
+    let rest: Vec<i64> = x.size()[2..].to_vec();
+    let gathered = padded.index_select(0, &p.gather);
+    let mut s = vec![p.chunks, CHUNK, h];
+    s.extend(&rest);
+    let g = gathered.view(s.as_slice());
+    // [chunks, CHUNK, H, ..] -> [chunks, H, CHUNK, ..]
+    g.transpose(1, 2)
+}
+
+/// The inverse of [`to_chunks`] for `[chunks, H, CHUNK, ..]`: `[T, H, ..]`.
+fn from_chunks(x: &Tensor, p: &ChunkPlan) -> Tensor {
+    let x = x.transpose(1, 2); // [chunks, CHUNK, H, ..]
+    let mut s = vec![p.chunks * CHUNK];
+    s.extend(&x.size()[2..]);
+    x.reshape(s.as_slice()).index_select(0, &p.scatter)
+}
+
+/// The gated delta rule over packed sequences of lengths `lens`, each from
+/// its row of `initial` `[N, H, dk, dv]` (zeros when None).
+pub fn chunked(x: &RuleInputs, lens: &[i64], initial: Option<&Tensor>, record: bool) -> RuleOutput {
+    let _guard = tch::no_grad_guard();
+    let dev = x.q.device();
+    let (h, dk, dv) = (x.k.size()[1], x.k.size()[2], x.v.size()[2]);
+    let p = plan(lens, dev);
+    let f = (Kind::Float, dev);
+    let q = to_chunks(x.q, &p);
+    let k = to_chunks(x.k, &p);
+    let v = to_chunks(x.v, &p);
+    let beta = to_chunks(&x.beta.unsqueeze(-1), &p); // [C, H, L, 1]
+    let g = to_chunks(&x.g.unsqueeze(-1), &p).squeeze_dim(-1); // [C, H, L]
+
+    // Within a chunk, the decay from position j to position i (j <= i).
+    let g_cum = g.cumsum(-1, Kind::Float);
+    let later = Tensor::ones([CHUNK, CHUNK], (Kind::Bool, dev)).triu(1);
+    let pairwise = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(&later, f64::NEG_INFINITY).exp();
+    let k_beta = &k * &beta;
+    // The UT transform: (I + strictly_lower(beta K K^T * decay))^-1 turns
+    // the chunk's sequential corrections into two triangular solves.
+    let system = k_beta.matmul(&k.transpose(-1, -2)) * &pairwise;
+    let rhs = Tensor::cat(&[&v * &beta, &k_beta * g_cum.exp().unsqueeze(-1)], -1);
+    let solved = system.linalg_solve_triangular(&rhs, false, true, true);
+    let new_values = solved.narrow(-1, 0, dv);
+    let k_cumdecay = solved.narrow(-1, dv, dk);
+    let intra = q.matmul(&k.transpose(-1, -2)) * &pairwise;
+    let q_decayed = &q * g_cum.exp().unsqueeze(-1);
+    let last = g_cum.narrow(-1, CHUNK - 1, 1); // [C, H, 1]
+    let k_decayed = &k * (&last - &g_cum).exp().unsqueeze(-1);
+    let chunk_decay = last.exp().unsqueeze(-1); // [C, H, 1, 1]
+
+    // The hand-over between chunks: sequences longest first, so step j's
+    // sequences are a prefix of the state.
+    let n = lens.len() as i64;
+    let order = Tensor::from_slice(&p.order.iter().map(|&s| s as i64).collect::<Vec<_>>()).to_device(dev);
+    let state = match initial {
+        Some(s) => s.to_kind(Kind::Float).index_select(0, &order),
+        None => Tensor::zeros([n, h, dk, dv], f),
+    };
+    let mut outs = Vec::with_capacity(p.active.len());
+    let mut recorded = Vec::new();
+    let mut offset = 0;
+    for &a in &p.active {
+        let s0 = state.narrow(0, 0, a);
+        let rows = |t: &Tensor| t.narrow(0, offset, a);
+        let v_new = rows(&new_values) - rows(&k_cumdecay).matmul(&s0);
+        outs.push(rows(&q_decayed).matmul(&s0) + rows(&intra).matmul(&v_new));
+        if record {
+            // The state after position i of the chunk:
+            // exp(g_cum_i) S0 + sum_{j<=i} decay(j->i) k_j v_new_j^T.
+            let weighted = rows(&pairwise).unsqueeze(-1) * rows(&k).unsqueeze(-3); // [a, H, L(i), L(j), dk]
+            let within = weighted.transpose(-1, -2).matmul(&v_new.unsqueeze(2)); // [a, H, L, dk, dv]
+            let from_start = rows(&g_cum).exp().unsqueeze(-1).unsqueeze(-1) * s0.unsqueeze(2);
+            recorded.push(from_start + within);
+        }
+        let s1 = &s0 * rows(&chunk_decay) + rows(&k_decayed).transpose(-1, -2).matmul(&v_new);
+        state.narrow(0, 0, a).copy_(&s1);
+        offset += a;
+    }
+    let out = if outs.is_empty() { Tensor::zeros([0, h, dv], f) } else { from_chunks(&Tensor::cat(&outs, 0), &p) };
+    let states = record.then(|| {
+        if recorded.is_empty() {
+            return Tensor::zeros([0, h, dk, dv], f);
+        }
+        // [chunks, H, L, dk, dv] -> tokens
+        let all = Tensor::cat(&recorded, 0).transpose(1, 2).reshape([p.chunks * CHUNK, h, dk, dv]);
+        all.index_select(0, &p.scatter)
+    });
+    let mut unsort = vec![0i64; lens.len()];
+    for (i, &s) in p.order.iter().enumerate() {
+        unsort[s] = i as i64;
+    }
+    let final_state = state.index_select(0, &Tensor::from_slice(&unsort).to_device(dev));
+    RuleOutput { out, final_state, states }
+}
+
+/// One token of the recurrence for a batch: `q`, `k` `[B, H, dk]`, `v`
+/// `[B, H, dv]`, `g`, `beta` `[B, H]`, `state` `[B, H, dk, dv]`. Returns
+/// the output `[B, H, dv]` and the new state.
+pub fn step(x: &RuleInputs, state: &Tensor) -> (Tensor, Tensor) {
+    let _guard = tch::no_grad_guard();
+    let s = state * x.g.exp().unsqueeze(-1).unsqueeze(-1);
+    let remembered = x.k.unsqueeze(-2).matmul(&s).squeeze_dim(-2); // S^T k: [B, H, dv]
+    let delta = (x.v - remembered) * x.beta.unsqueeze(-1);
+    let s = s + x.k.unsqueeze(-1) * delta.unsqueeze(-2);
+    let out = x.q.unsqueeze(-2).matmul(&s).squeeze_dim(-2);
+    (out, s)
+}
+
+/// `x * rsqrt(sum(x^2) + 1e-6)` over the last dimension, as transformers
+/// and flash-linear-attention normalise q and k.
+pub fn l2_normalize(x: &Tensor) -> Tensor {
+    x * (x.square().sum_dim_intlist(-1, true, x.kind()) + 1e-6).rsqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The definition, token by token and sequence by sequence, in f64.
+    fn reference(x: &RuleInputs, lens: &[i64], initial: Option<&Tensor>) -> (Tensor, Tensor) {
+        let d = |t: &Tensor| t.to_kind(Kind::Double);
+        let (q, k, v, g, b) = (d(x.q), d(x.k), d(x.v), d(x.g), d(x.beta));
+        let (h, dk, dv) = (k.size()[1], k.size()[2], v.size()[2]);
+        let mut outs = Vec::new();
+        let mut finals = Vec::new();
+        let mut start = 0;
+        for (si, &l) in lens.iter().enumerate() {
+            let mut s = match initial {
+                Some(i) => d(&i.get(si as i64)),
+                None => Tensor::zeros([h, dk, dv], (Kind::Double, Device::Cpu)),
+            };
+            for t in start..start + l {
+                let one = |x: &Tensor| x.get(t).unsqueeze(0);
+                let (o, s1) = step(
+                    &RuleInputs { q: &one(&q), k: &one(&k), v: &one(&v), g: &one(&g), beta: &one(&b) },
+                    &s.unsqueeze(0),
+                );
+                s = s1.squeeze_dim(0);
+                outs.push(o.squeeze_dim(0));
+            }
+            finals.push(s);
+            start += l;
+        }
+        (Tensor::stack(&outs, 0), Tensor::stack(&finals, 0))
+    }
+
+    fn inputs(t: i64, h: i64, dk: i64, dv: i64) -> [Tensor; 5] {
+        let f = (Kind::Float, Device::Cpu);
+        let q = l2_normalize(&Tensor::randn([t, h, dk], f)) * (dk as f64).powf(-0.5);
+        let k = l2_normalize(&Tensor::randn([t, h, dk], f));
+        let v = Tensor::randn([t, h, dv], f);
+        // Decays as the layer makes them: -A * softplus(a + dt_bias).
+        let g = -(Tensor::rand([t, h], f) * 4.0 + 0.01) * (Tensor::randn([t, h], f) + 1.0).softplus();
+        let beta = Tensor::randn([t, h], f).sigmoid();
+        [q, k, v, g, beta]
+    }
+
+    fn rel(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_kind(Kind::Double);
+        ((a - b).abs().max() / b.abs().max()).double_value(&[])
+    }
+
+    #[test]
+    fn chunked_equals_the_recurrence_on_packed_sequences_of_any_length() {
+        tch::manual_seed(11);
+        // Lengths inside one chunk, at a chunk's edge, across several, and
+        // sequences that share no chunk: each must see only itself.
+        let lens = [5i64, 64, 130, 1, 200, 63];
+        let total: i64 = lens.iter().sum();
+        let [q, k, v, g, beta] = inputs(total, 3, 8, 6);
+        let x = RuleInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+        let got = chunked(&x, &lens, None, true);
+        let (want, want_final) = reference(&x, &lens, None);
+        assert!(rel(&got.out, &want) < 1e-5, "outputs: {}", rel(&got.out, &want));
+        assert!(rel(&got.final_state, &want_final) < 1e-5, "final states");
+        // The recorded state after each sequence's last token is its final state.
+        let states = got.states.expect("recorded");
+        let mut end = 0;
+        for (i, &l) in lens.iter().enumerate() {
+            end += l;
+            assert!(rel(&states.get(end - 1), &want_final.get(i as i64)) < 1e-5, "recorded state of sequence {i}");
+        }
+    }
+
+    #[test]
+    fn a_sequence_packed_with_others_gives_what_it_gives_alone() {
+        tch::manual_seed(12);
+        let lens = [70i64, 9, 150];
+        let total: i64 = lens.iter().sum();
+        let [q, k, v, g, beta] = inputs(total, 2, 4, 4);
+        let x = RuleInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+        let packed = chunked(&x, &lens, None, false).out;
+        let sl = |t: &Tensor| t.narrow(0, 70, 9);
+        let alone = chunked(
+            &RuleInputs { q: &sl(&q), k: &sl(&k), v: &sl(&v), g: &sl(&g), beta: &sl(&beta) },
+            &[9],
+            None,
+            false,
+        )
+        .out;
+        assert!(rel(&packed.narrow(0, 70, 9), &alone.to_kind(Kind::Double)) < 1e-6);
+    }
+
+    #[test]
+    fn an_initial_state_carries_on_where_the_prefix_left_off() {
+        tch::manual_seed(13);
+        let [q, k, v, g, beta] = inputs(100, 2, 4, 5);
+        let x = RuleInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+        let whole = chunked(&x, &[100], None, false);
+        let head = |t: &Tensor| t.narrow(0, 0, 37);
+        let tail = |t: &Tensor| t.narrow(0, 37, 63);
+        let first = chunked(
+            &RuleInputs { q: &head(&q), k: &head(&k), v: &head(&v), g: &head(&g), beta: &head(&beta) },
+            &[37],
+            None,
+            false,
+        );
+        let rest = chunked(
+            &RuleInputs { q: &tail(&q), k: &tail(&k), v: &tail(&v), g: &tail(&g), beta: &tail(&beta) },
+            &[63],
+            Some(&first.final_state),
+            false,
+        );
+        assert!(rel(&rest.out, &whole.out.narrow(0, 37, 63).to_kind(Kind::Double)) < 1e-5);
+        assert!(rel(&rest.final_state, &whole.final_state.to_kind(Kind::Double)) < 1e-5);
+    }
+}
