@@ -125,80 +125,137 @@ fn from_chunks(x: &Tensor, p: &ChunkPlan) -> Tensor {
     x.reshape(s.as_slice()).index_select(0, &p.scatter)
 }
 
-/// The gated delta rule over packed sequences of lengths `lens`, each from
-/// its row of `initial` `[N, H, dk, dv]` (zeros when None).
+/// `a @ b` over the last two dimensions with an f32 result: half-precision
+/// operands stay half on GPUs (tensor cores, f32 accumulation), f32 stays f32.
+fn mm(a: &Tensor, b: &Tensor) -> Tensor {
+    if a.kind() == Kind::Float || !a.device().is_cuda() {
+        return a.to_kind(Kind::Float).matmul(&b.to_kind(Kind::Float));
+    }
+    let (sa, sb) = (a.size(), b.size());
+    let lead = &sa[..sa.len() - 2];
+    let (m, k, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
+    let batch: i64 = lead.iter().product();
+    let out = a.reshape([batch, m, k]).bmm_dtype(&b.to_kind(a.kind()).reshape([batch, k, n]), Kind::Float);
+    out.view([lead.to_vec(), vec![m, n]].concat().as_slice())
+}
+
+/// The gated delta rule over packed sequences of lengths `lens` (each at
+/// least one token), each from its row of `initial` `[N, H, dk, dv]`
+/// (zeros when None). `q`, `k`, `v` may be half precision (the model's
+/// kind): their products then run in it with f32 accumulation, as
+/// flash-linear-attention computes them; decays, the triangular systems
+/// and the states stay f32.
+///
+/// Per chunk c (positions i, j; G the decay summed within the chunk):
+/// `U = L^-1 (beta v)`, `W = L^-1 (beta exp(G) k)` with `L = I +
+/// strictly_lower(beta_i k_i.k_j exp(G_i - G_j))` (the UT transform of the
+/// chunk's sequential corrections). The state entering chunk c+1 is
+/// `S' = M S + B` with `M = exp(G_last) I - K_d^T W`, `B = K_d^T U`,
+/// `K_d = exp(G_last - G) k`: every M and B is one batched product, so the
+/// sequential hand-over is one matmul per chunk step for all sequences.
+/// Then, all chunks at once: `v_new = U - W S`, `o = exp(G) q S +
+/// (q k^T * decay) v_new`.
 pub fn chunked(x: &RuleInputs, lens: &[i64], initial: Option<&Tensor>, record: bool) -> RuleOutput {
+    chunked_marked(x, lens, initial, record, &mut |_| {})
+}
+
+/// [`chunked`], calling `mark(stage)` after each stage (profiling).
+pub fn chunked_marked(
+    x: &RuleInputs,
+    lens: &[i64],
+    initial: Option<&Tensor>,
+    record: bool,
+    mark: &mut dyn FnMut(&'static str),
+) -> RuleOutput {
     let _guard = tch::no_grad_guard();
+    assert!(lens.iter().all(|&l| l > 0), "every sequence has a token");
     let dev = x.q.device();
+    let kind = x.v.kind();
     let (h, dk, dv) = (x.k.size()[1], x.k.size()[2], x.v.size()[2]);
     let p = plan(lens, dev);
     let f = (Kind::Float, dev);
-    let q = to_chunks(x.q, &p);
-    let k = to_chunks(x.k, &p);
+    let q = to_chunks(&x.q.to_kind(kind), &p);
+    let k = to_chunks(&x.k.to_kind(kind), &p);
     let v = to_chunks(x.v, &p);
-    let beta = to_chunks(&x.beta.unsqueeze(-1), &p); // [C, H, L, 1]
-    let g = to_chunks(&x.g.unsqueeze(-1), &p).squeeze_dim(-1); // [C, H, L]
+    let beta = to_chunks(&x.beta.to_kind(Kind::Float).unsqueeze(-1), &p); // [C, H, L, 1]
+    let g = to_chunks(&x.g.to_kind(Kind::Float).unsqueeze(-1), &p).squeeze_dim(-1); // [C, H, L]
+    mark("rule: into chunks");
 
     // Within a chunk, the decay from position j to position i (j <= i).
     let g_cum = g.cumsum(-1, Kind::Float);
     let later = Tensor::ones([CHUNK, CHUNK], (Kind::Bool, dev)).triu(1);
     let pairwise = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(&later, f64::NEG_INFINITY).exp();
-    let k_beta = &k * &beta;
-    // The UT transform: (I + strictly_lower(beta K K^T * decay))^-1 turns
-    // the chunk's sequential corrections into two triangular solves.
-    let system = k_beta.matmul(&k.transpose(-1, -2)) * &pairwise;
-    let rhs = Tensor::cat(&[&v * &beta, &k_beta * g_cum.exp().unsqueeze(-1)], -1);
+    let kt = k.transpose(-1, -2);
+    let system = mm(&k, &kt) * &beta * &pairwise;
+    let decay_in = g_cum.exp().unsqueeze(-1); // [C, H, L, 1]
+    let k32 = k.to_kind(Kind::Float);
+    let rhs = Tensor::cat(&[v.to_kind(Kind::Float) * &beta, &k32 * &beta * &decay_in], -1);
+    mark("rule: UT systems");
     let solved = system.linalg_solve_triangular(&rhs, false, true, true);
-    let new_values = solved.narrow(-1, 0, dv);
-    let k_cumdecay = solved.narrow(-1, dv, dk);
-    let intra = q.matmul(&k.transpose(-1, -2)) * &pairwise;
-    let q_decayed = &q * g_cum.exp().unsqueeze(-1);
+    drop((system, rhs));
+    mark("rule: triangular solve");
+    let u = solved.narrow(-1, 0, dv);
+    let w = solved.narrow(-1, dv, dk).to_kind(kind);
     let last = g_cum.narrow(-1, CHUNK - 1, 1); // [C, H, 1]
-    let k_decayed = &k * (&last - &g_cum).exp().unsqueeze(-1);
+    let k_out = (k32 * (&last - &g_cum).exp().unsqueeze(-1)).to_kind(kind).transpose(-1, -2); // K_d^T
     let chunk_decay = last.exp().unsqueeze(-1); // [C, H, 1, 1]
+    let eye = Tensor::eye(dk, f);
+    let transition = &eye * &chunk_decay - mm(&k_out, &w); // M: [C, H, dk, dk]
+    let input = mm(&k_out, &u); // B: [C, H, dk, dv]
+    drop(k_out);
+    mark("rule: transitions");
 
-    // The hand-over between chunks: sequences longest first, so step j's
-    // sequences are a prefix of the state.
+    // The hand-over: the state entering each chunk. Step j's chunks are
+    // rows offset_j.. of the chunked layout, its sequences a prefix of
+    // the longest-first order, so step j+1's states are one product.
     let n = lens.len() as i64;
-    let order = Tensor::from_slice(&p.order.iter().map(|&s| s as i64).collect::<Vec<_>>()).to_device(dev);
-    let state = match initial {
-        Some(s) => s.to_kind(Kind::Float).index_select(0, &order),
-        None => Tensor::zeros([n, h, dk, dv], f),
-    };
-    let mut outs = Vec::with_capacity(p.active.len());
-    let mut recorded = Vec::new();
-    let mut offset = 0;
-    for &a in &p.active {
-        let s0 = state.narrow(0, 0, a);
-        let rows = |t: &Tensor| t.narrow(0, offset, a);
-        let v_new = rows(&new_values) - rows(&k_cumdecay).matmul(&s0);
-        outs.push(rows(&q_decayed).matmul(&s0) + rows(&intra).matmul(&v_new));
-        if record {
-            // The state after position i of the chunk:
-            // exp(g_cum_i) S0 + sum_{j<=i} decay(j->i) k_j v_new_j^T.
-            let weighted = rows(&pairwise).unsqueeze(-1) * rows(&k).unsqueeze(-3); // [a, H, L(i), L(j), dk]
-            let within = weighted.transpose(-1, -2).matmul(&v_new.unsqueeze(2)); // [a, H, L, dk, dv]
-            let from_start = rows(&g_cum).exp().unsqueeze(-1).unsqueeze(-1) * s0.unsqueeze(2);
-            recorded.push(from_start + within);
-        }
-        let s1 = &s0 * rows(&chunk_decay) + rows(&k_decayed).transpose(-1, -2).matmul(&v_new);
-        state.narrow(0, 0, a).copy_(&s1);
-        offset += a;
+    let order: Vec<i64> = p.order.iter().map(|&s| s as i64).collect();
+    let order_t = Tensor::from_slice(&order).to_device(dev);
+    let entering = Tensor::zeros([p.chunks, h, dk, dv], f);
+    if let Some(s0) = initial {
+        entering.narrow(0, 0, n).copy_(&s0.to_kind(Kind::Float).index_select(0, &order_t));
     }
-    let out = if outs.is_empty() { Tensor::zeros([0, h, dv], f) } else { from_chunks(&Tensor::cat(&outs, 0), &p) };
+    let offsets: Vec<i64> = p.active.iter().scan(0, |acc, &a| Some(std::mem::replace(acc, *acc + a))).collect();
+    let flat = |t: &Tensor, start: i64, rows: i64, c: i64| t.narrow(0, start, rows).view([rows * h, dk, c]);
+    for j in 1..p.active.len() {
+        let (from, to, a) = (offsets[j - 1], offsets[j], p.active[j]);
+        let next = flat(&entering, to, a, dv);
+        flat(&input, from, a, dv).baddbmm_out(&next, &flat(&transition, from, a, dk), &flat(&entering, from, a, dv));
+    }
+    // Each sequence's state after its last chunk.
+    let last_rows: Vec<i64> = (0..n as usize)
+        .map(|rank| {
+            let s = p.order[rank];
+            let steps = (lens[s] + CHUNK - 1) / CHUNK;
+            offsets[steps as usize - 1] + rank as i64
+        })
+        .collect();
+    let last_rows = Tensor::from_slice(&last_rows).to_device(dev);
+    let pick = |t: &Tensor| t.index_select(0, &last_rows);
+    let sorted_final = pick(&input) + pick(&transition).matmul(&pick(&entering));
+    drop((transition, input));
+    mark("rule: state scan");
+
+    let states_in = entering.to_kind(kind);
+    let v_new = u - mm(&w, &states_in);
+    let intra = mm(&q, &kt) * &pairwise;
+    let q_in = (q.to_kind(Kind::Float) * &decay_in).to_kind(kind);
+    let out_chunks = mm(&q_in, &states_in) + mm(&intra.to_kind(kind), &v_new.to_kind(kind));
+    let out = from_chunks(&out_chunks, &p);
+    mark("rule: outputs");
     let states = record.then(|| {
-        if recorded.is_empty() {
-            return Tensor::zeros([0, h, dk, dv], f);
-        }
-        // [chunks, H, L, dk, dv] -> tokens
-        let all = Tensor::cat(&recorded, 0).transpose(1, 2).reshape([p.chunks * CHUNK, h, dk, dv]);
-        all.index_select(0, &p.scatter)
+        // The state after position i of a chunk:
+        // exp(G_i) S + sum_{j<=i} decay(j->i) k_j v_new_j^T.
+        let weighted = pairwise.unsqueeze(-1) * k.to_kind(Kind::Float).unsqueeze(-3); // [C, H, L(i), L(j), dk]
+        let within = weighted.transpose(-1, -2).matmul(&v_new.unsqueeze(2)); // [C, H, L, dk, dv]
+        let all = decay_in.unsqueeze(-1) * entering.unsqueeze(2) + within;
+        all.transpose(1, 2).reshape([p.chunks * CHUNK, h, dk, dv]).index_select(0, &p.scatter)
     });
     let mut unsort = vec![0i64; lens.len()];
     for (i, &s) in p.order.iter().enumerate() {
         unsort[s] = i as i64;
     }
-    let final_state = state.index_select(0, &Tensor::from_slice(&unsort).to_device(dev));
+    let final_state = sorted_final.index_select(0, &Tensor::from_slice(&unsort).to_device(dev));
     RuleOutput { out, final_state, states }
 }
 
@@ -207,11 +264,13 @@ pub fn chunked(x: &RuleInputs, lens: &[i64], initial: Option<&Tensor>, record: b
 /// the output `[B, H, dv]` and the new state.
 pub fn step(x: &RuleInputs, state: &Tensor) -> (Tensor, Tensor) {
     let _guard = tch::no_grad_guard();
-    let s = state * x.g.exp().unsqueeze(-1).unsqueeze(-1);
-    let remembered = x.k.unsqueeze(-2).matmul(&s).squeeze_dim(-2); // S^T k: [B, H, dv]
-    let delta = (x.v - remembered) * x.beta.unsqueeze(-1);
-    let s = s + x.k.unsqueeze(-1) * delta.unsqueeze(-2);
-    let out = x.q.unsqueeze(-2).matmul(&s).squeeze_dim(-2);
+    let wide = state.kind();
+    let (q, k, v) = (x.q.to_kind(wide), x.k.to_kind(wide), x.v.to_kind(wide));
+    let s = state * x.g.to_kind(wide).exp().unsqueeze(-1).unsqueeze(-1);
+    let remembered = k.unsqueeze(-2).matmul(&s).squeeze_dim(-2); // S^T k: [B, H, dv]
+    let delta = (v - remembered) * x.beta.to_kind(wide).unsqueeze(-1);
+    let s = s + k.unsqueeze(-1) * delta.unsqueeze(-2);
+    let out = q.unsqueeze(-2).matmul(&s).squeeze_dim(-2);
     (out, s)
 }
 

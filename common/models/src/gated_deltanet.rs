@@ -171,13 +171,11 @@ impl GatedDeltaNet {
         let proj = self.in_proj.forward(x);
         mark("linear attn: in_proj");
         let mixed = proj.narrow(-1, 0, self.shape.conv_dim());
-        let positions =
-            Tensor::cat(&lens.iter().map(|&l| Tensor::arange(l, (Kind::Int64, x.device()))).collect::<Vec<_>>(), 0);
-        let conv = self.conv_packed(&mixed, &positions);
+        let conv = self.conv_packed(&mixed, lens);
         mark("linear attn: conv");
         let rule = self.rule_inputs(&conv, &proj);
-        let out = delta_rule::chunked(&rule.inputs(), lens, None, false).out;
-        mark("linear attn: delta rule");
+        mark("linear attn: q/k norm, gates");
+        let out = delta_rule::chunked_marked(&rule.inputs(), lens, None, false, mark).out;
         let y = self.out_proj.forward(&self.gated_norm(&out, &proj, x.kind()));
         mark("linear attn: gated norm + out_proj");
         y
@@ -229,25 +227,52 @@ impl GatedDeltaNet {
         (y, RecurrentState { conv: window.narrow(1, t, k1), state, recorded })
     }
 
-    /// The causal convolution and SiLU over packed sequences: `mixed`
-    /// `[T, C]`, `positions` each token's index in its sequence. Output f32.
-    fn conv_packed(&self, mixed: &Tensor, positions: &Tensor) -> Tensor {
+    /// The causal convolution and SiLU over packed sequences `mixed`
+    /// `[T, C]` of lengths `lens`, in the model's kind: one depthwise
+    /// convolution over the whole packed stream, then the first `K-1`
+    /// positions of each sequence after the first recomputed from their
+    /// own sequence alone (the stream's convolution reached back into the
+    /// sequence before).
+    fn conv_packed(&self, mixed: &Tensor, lens: &[i64]) -> Tensor {
         let k = self.shape.conv_kernel;
-        let x = mixed.to_kind(Kind::Float);
-        let w = self.conv.to_kind(Kind::Float);
-        let (t, c) = (x.size()[0], x.size()[1]);
-        let padded = Tensor::cat(&[&Tensor::zeros([k - 1, c], (Kind::Float, x.device())), &x], 0);
-        let mut acc = &x * w.select(1, k - 1);
-        for back in 1..k {
-            // Token i sees token i - back only inside its own sequence.
-            let seen = positions.ge(back).unsqueeze(1).to_kind(Kind::Float);
-            acc += padded.narrow(0, k - 1 - back, t) * w.select(1, k - 1 - back) * seen;
+        let (t, c) = (mixed.size()[0], mixed.size()[1]);
+        let weight = self.conv.to_kind(mixed.kind()).unsqueeze(1); // [C, 1, K]
+        let stream = mixed.transpose(0, 1).unsqueeze(0); // [1, C, T]
+        let conv = stream.conv1d(&weight, None::<Tensor>, [1], [k - 1], [1], c).narrow(2, 0, t);
+        let mut conv = conv.squeeze_dim(0).transpose(0, 1).contiguous(); // [T, C]
+        // Rows to redo: position p < K-1 of every sequence but the first,
+        // from the taps j <= p (its own tokens).
+        let (mut rows, mut sources, mut seen) = (Vec::new(), Vec::new(), Vec::new());
+        let mut start = 0;
+        for (s, &len) in lens.iter().enumerate() {
+            if s > 0 {
+                for pos in 0..(k - 1).min(len) {
+                    rows.push(start + pos);
+                    for back in 0..k {
+                        sources.push((start + pos - back).max(0));
+                        seen.push(if back <= pos { 1.0f32 } else { 0.0 });
+                    }
+                }
+            }
+            start += len;
         }
-        acc.silu()
+        if !rows.is_empty() {
+            let dev = mixed.device();
+            let r = rows.len() as i64;
+            let src = Tensor::from_slice(&sources).to_device(dev);
+            let seen = Tensor::from_slice(&seen).to_device(dev).view([r, k, 1]);
+            let window = mixed.index_select(0, &src).view([r, k, c]).to_kind(Kind::Float) * seen;
+            // Tap `back` weighs the input `back` tokens before: w[:, K-1-back].
+            let taps = self.conv.to_kind(Kind::Float).flip([1]).transpose(0, 1); // [K, C]
+            let redone = (window * taps.unsqueeze(0)).sum_dim_intlist(1, false, Kind::Float);
+            let _ = conv.index_copy_(0, &Tensor::from_slice(&rows).to_device(dev), &redone.to_kind(conv.kind()));
+        }
+        conv.silu()
     }
 
     /// The causal convolution and SiLU of the last `t` positions of
-    /// `window` `[B, K-1+t, C]` (history, then the new inputs). Output f32.
+    /// `window` `[B, K-1+t, C]` (history, then the new inputs), in the
+    /// window's kind.
     fn conv_window(&self, window: &Tensor, t: i64) -> Tensor {
         let k = self.shape.conv_kernel;
         let x = window.to_kind(Kind::Float);
@@ -256,20 +281,22 @@ impl GatedDeltaNet {
         for back in 1..k {
             acc += x.narrow(1, k - 1 - back, t) * w.select(1, k - 1 - back);
         }
-        acc.silu()
+        acc.to_kind(window.kind()).silu()
     }
 
-    /// q, k, v, decay and beta from the convolved channels `[N, C]` (f32)
-    /// and the projections `[N, P]`.
+    /// q, k, v, decay and beta from the convolved channels `[N, C]` and
+    /// the projections `[N, P]`.
     fn rule_inputs(&self, conv: &Tensor, proj: &Tensor) -> Rule {
         let s = self.shape;
         let n = conv.size()[0];
         let (kd, vd, nv) = (s.key_dim(), s.value_dim(), s.num_value_heads);
         let per_key = nv / s.num_key_heads;
         let heads = |x: Tensor, h: i64, d: i64| x.reshape([n, h, d]);
-        let mut q = delta_rule::l2_normalize(&heads(conv.narrow(1, 0, kd), s.num_key_heads, s.key_head_dim));
-        q *= (s.key_head_dim as f64).powf(-0.5);
-        let mut k = delta_rule::l2_normalize(&heads(conv.narrow(1, kd, kd), s.num_key_heads, s.key_head_dim));
+        // q and k normalised in f32, then in the model's kind like v.
+        let unit =
+            |x: Tensor| delta_rule::l2_normalize(&heads(x.to_kind(Kind::Float), s.num_key_heads, s.key_head_dim));
+        let mut q = (unit(conv.narrow(1, 0, kd)) * (s.key_head_dim as f64).powf(-0.5)).to_kind(conv.kind());
+        let mut k = unit(conv.narrow(1, kd, kd)).to_kind(conv.kind());
         if per_key > 1 {
             q = q.repeat_interleave_self_int(per_key, 1, None::<i64>);
             k = k.repeat_interleave_self_int(per_key, 1, None::<i64>);
@@ -283,14 +310,13 @@ impl GatedDeltaNet {
     }
 
     /// The per-head RMSNorm of the rule's output `[N, nv, dv]` (f32), gated
-    /// by `silu(z)`, as `[N, nv * dv]` in `kind`: transformers normalises
-    /// in f32, scales in the model's dtype and gates in f32.
+    /// by `silu(z)`, as `[N, nv * dv]` in `kind`: normalised in f32, scaled
+    /// and gated in the model's kind (in f32 exactly transformers' order).
     fn gated_norm(&self, out: &Tensor, proj: &Tensor, kind: Kind) -> Tensor {
         let s = self.shape;
         let n = out.size()[0];
         let z = proj.narrow(1, s.conv_dim(), s.value_dim()).reshape([n, s.num_value_heads, s.value_head_dim]);
-        let normed = out.to_kind(kind).to_kind(Kind::Float).rms_norm([s.value_head_dim], None::<Tensor>, self.norm_eps);
-        let scaled = normed.to_kind(kind) * &self.norm_weight;
-        (scaled.to_kind(Kind::Float) * z.to_kind(Kind::Float).silu()).to_kind(kind).reshape([n, s.value_dim()])
+        let normed = out.rms_norm([s.value_head_dim], None::<Tensor>, self.norm_eps).to_kind(kind);
+        (normed * &self.norm_weight * z.silu()).reshape([n, s.value_dim()])
     }
 }

@@ -407,7 +407,7 @@ fn bad_models_are_refused_naming_the_file_and_the_tensor_or_field() {
 
 #[test]
 fn bf16_weights_load_and_agree_with_f32() {
-    for name in ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-fp8"] {
+    for name in ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-fp8", "tiny-qwen3-next", "tiny-qwen3.5-moe"] {
         let dir = fixtures().join(name);
         let t32 = TargetModel::load(&dir, Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
         let t16 =
