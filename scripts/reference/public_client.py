@@ -37,6 +37,28 @@ model_class = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash
 drafter = model_class.from_pretrained(drafter_dir, dtype=torch.float32).to(device).eval()
 trained = next(r for r in ev["reports"] if r["label"] == "trained")
 block = drafter.block_size
+
+# A hybrid target (linear-attention layers): going back after a rejected
+# block must also restore the recurrent state, which transformers' cache
+# does only when it records the per-token states (`recurrent_states_to_keep`,
+# transformers >= 5.25); the package (0.1.0) asks for none, and then its
+# target keeps the rejected tokens in the state. Its caches are made to
+# record a block's worth.
+if "linear_attention" in (getattr(target.config, "layer_types", None) or []):
+    import inspect
+
+    from transformers import DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    if "recurrent_states_to_keep" not in inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters:
+        sys.exit("a hybrid target needs transformers >= 5.25, whose cache can restore recurrent states")
+
+    def recording_cache(config):
+        cache = DynamicCache(config=config)
+        cache.activate_past_recording(recurrent_states_to_keep=block)
+        return cache
+
+    dflash.model._make_cache = recording_cache
 result = {
     "architecture": architecture,
     "block_size": block,

@@ -11,18 +11,25 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 venv=${DFLASH_REF_VENV:-$root/.cache/ref-venv}
 wheels=${DFLASH_WHEEL_CACHE:-$root/.cache/wheels}
 mkdir -p "$(dirname "$venv")"
+# transformers 5.25 is the first whose linear-attention cache restores the
+# recurrent state when decoding goes back (the hybrid public-client test).
+transformers_version=${DFLASH_REF_TRANSFORMERS:-5.25.0}
 exec 9>"$venv.lock"
 flock 9
+# A venv cached for another transformers is made again.
+if [ -f "$venv/.complete" ] && [ "$(cat "$venv/.complete")" != "transformers==$transformers_version" ]; then
+  rm -f "$venv/.complete"
+fi
 if [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"
   echo "installing the reference venv into $venv (torch, transformers, dflash, specforge) ..." >&2
   python3 -m venv "$venv"
   pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" >&2; }
   torch_whl=$(ls "$wheels"/torch-2.11.0-*.whl 2>/dev/null | head -n 1 || true)
-  pip install "${torch_whl:-torch==2.11.0}" "transformers==5.15.0" "safetensors" "numpy"
+  pip install "${torch_whl:-torch==2.11.0}" "transformers==$transformers_version" "safetensors" "numpy"
   pip install --no-deps "dflash==0.1.0" "specforge==0.2.0"
   "$venv/bin/python" -c "import torch, transformers, dflash; from dflash.model import DFlashDraftModel" >&2
-  touch "$venv/.complete"
+  echo "transformers==$transformers_version" > "$venv/.complete"
 fi
 # Added after the first release of this venv: installed into existing ones too.
 if ! "$venv/bin/python" -c "import pyarrow" 2>/dev/null; then

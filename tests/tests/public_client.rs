@@ -18,7 +18,17 @@ const LOGITS_TOLERANCE: f64 = 1e-4;
 
 #[test]
 fn the_dflash_package_loads_our_export_and_decodes_exactly_as_our_eval() {
-    decodes_as_the_package("[drafter]\nnum_layers = 2\n", None);
+    decodes_as_the_package(Workspace::synthetic(240, 6), "[drafter]\nnum_layers = 2\n", None);
+}
+
+/// A hybrid MoE target (Qwen3.5 MoE layers: Gated DeltaNet and gated
+/// attention, routed and shared experts): `dflash up` captures it and
+/// trains on it, our eval decodes with its recurrent cache, and the
+/// package, with transformers' own Qwen3.5 MoE as the target, decodes the
+/// export to the same tokens with the same acceptance at every step.
+#[test]
+fn a_drafter_of_a_hybrid_moe_target_decodes_exactly_as_the_package_reads_it() {
+    decodes_as_the_package(Workspace::synthetic_shape(240, "tiny-hybrid"), "[drafter]\nnum_layers = 2\n", None);
 }
 
 /// A drafter with a sliding-attention layer (window 8: shorter than every
@@ -27,7 +37,7 @@ fn the_dflash_package_loads_our_export_and_decodes_exactly_as_our_eval() {
 fn a_sliding_window_drafter_decodes_exactly_as_the_package_reads_it() {
     let drafter =
         "[drafter]\nnum_layers = 2\nlayer_types = [\"sliding_attention\", \"full_attention\"]\nsliding_window = 8\n";
-    decodes_as_the_package(drafter, Some(8));
+    decodes_as_the_package(Workspace::synthetic(240, 6), drafter, Some(8));
 }
 
 /// DFlash2 (the published shape but for a smaller selector rank): the
@@ -40,7 +50,7 @@ fn a_sliding_window_drafter_decodes_exactly_as_the_package_reads_it() {
 fn a_dflash2_drafter_decodes_exactly_as_the_package_reads_it() {
     let drafter = "[drafter]\nnum_layers = 2\nvariant = \"dflash2\"\nselector_rank = 32\n\
                    [training]\nlr = 0.05\nwarmup_ratio = 0.0\n";
-    decodes_as_the_package(drafter, None);
+    decodes_as_the_package(Workspace::synthetic(240, 6), drafter, None);
 }
 
 /// DFlash2 with a sliding-attention layer: the package must read both the
@@ -52,12 +62,13 @@ fn a_sliding_window_dflash2_drafter_decodes_exactly_as_the_package_reads_it() {
     let drafter = "[drafter]\nnum_layers = 2\nvariant = \"dflash2\"\nselector_rank = 32\n\
                    layer_types = [\"sliding_attention\", \"full_attention\"]\nsliding_window = 8\n\
                    [training]\nlr = 0.1\nwarmup_ratio = 0.0\n";
-    decodes_as_the_package(drafter, Some(8));
+    decodes_as_the_package(Workspace::synthetic(240, 6), drafter, Some(8));
 }
 
-/// Trains a drafter with `extra` config, exports it, and checks the package
-/// against our eval; `window`: the sliding window the export must name.
-fn decodes_as_the_package(extra: &str, window: Option<i64>) {
+/// Trains a drafter on the workspace's target with `extra` config, exports
+/// it, and checks the package against our eval; `window`: the sliding
+/// window the export must name.
+fn decodes_as_the_package(ws: Workspace, extra: &str, window: Option<i64>) {
     let dflash2 = extra.contains("dflash2");
     // The venv is installed (once per machine) before anything is trained.
     reference_python();
@@ -67,7 +78,6 @@ fn decodes_as_the_package(extra: &str, window: Option<i64>) {
     // untied target's varied outputs leave a five-step drafter proposing one
     // token everywhere (acceptance 1 at every step), which compares less.
     // The logits comparison below does not depend on the outputs.
-    let ws = Workspace::synthetic(240, 6);
     // What is compared is the export, not what training taught it: five
     // steps. (On a random target a drafter soon proposes its few most
     // frequent tokens; the logits comparison below is the exact one.)

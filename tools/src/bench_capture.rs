@@ -21,7 +21,8 @@ use dflash_target::work::WorkItem;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Target shape: qwen3-8b, llama3.1-8b, qwen3-30b-a3b, smollm2-135m, tiny, tiny-moe.
+    /// Target shape: qwen3-8b, llama3.1-8b, qwen3-30b-a3b, qwen3.5-27b,
+    /// qwen3.5-35b-a3b, qwen3-next-80b-a3b, smollm2-135m, tiny, tiny-moe, tiny-hybrid.
     #[arg(long, default_value = "tiny")]
     pub shape: String,
     /// "cpu" or a GPU index.
@@ -93,12 +94,18 @@ struct ModeResult {
 /// FLOPs of capturing `lens` sequences through the first `layers` layers:
 /// the linear layers a token passes through (for MoE layers the router and
 /// the experts it is routed to: active parameters) plus causal attention
-/// (only the visible half).
+/// (only the visible half) in full-attention layers. The convolution and
+/// delta rule of linear-attention layers are not counted.
 pub fn capture_flops(c: &TargetConfig, layers: i64, lens: &[usize]) -> f64 {
     let qd = (c.num_heads * c.head_dim) as f64;
     let tokens: f64 = lens.iter().map(|&l| l as f64).sum();
     let attn: f64 = lens.iter().map(|&l| 4.0 * qd * (l as f64) * (l as f64 + 1.0) / 2.0).sum();
-    (0..layers).map(|i| 2.0 * c.layer_linear_macs(i) * tokens + attn).sum()
+    (0..layers)
+        .map(|i| {
+            let full = c.layer_kind(i) == dflash_models::LayerKind::FullAttention;
+            2.0 * c.layer_linear_macs(i) * tokens + if full { attn } else { 0.0 }
+        })
+        .sum()
 }
 
 fn make_batches(n: usize, a: &BenchArgs, vocab: i64, seed: u64) -> Vec<WorkItem> {

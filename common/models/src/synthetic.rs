@@ -6,9 +6,11 @@ use std::path::Path;
 
 use tch::{Device, Kind};
 
+use crate::gated_deltanet::{DeltaNetShape, ProjectionLayout};
 use crate::rope::{RopeConfig, RopeScaling};
-use crate::target_config::{Family, MoeConfig, TargetConfig};
+use crate::target_config::{Family, LayerKind, LinearAttentionConfig, MoeConfig, TargetConfig};
 use crate::weights::{RandomInit, write_safetensors};
+use crate::weights::{SkippedPart, TensorNames};
 use crate::{ModelError, TargetModel};
 
 /// The shape of the synthetic target (vocabulary of the synthetic tokenizer).
@@ -44,6 +46,41 @@ pub fn synthetic_target_config(num_layers: i64) -> TargetConfig {
 /// A Qwen3-style dense config (QK norm, no biases).
 fn qwen3(base: TargetConfig) -> TargetConfig {
     TargetConfig { family: Family::Qwen3, qk_norm: true, ..base }
+}
+
+/// A hybrid config (Qwen3-Next / Qwen3.5 layers) of `base`'s shape: every
+/// fourth layer gated full attention, the others Gated DeltaNet of `linear`.
+fn hybrid(base: TargetConfig, family: Family, linear: DeltaNetShape, moe: Option<MoeConfig>) -> TargetConfig {
+    let layout = if family == Family::Qwen3Next { ProjectionLayout::GroupedByKeyHead } else { ProjectionLayout::Split };
+    let layer_types = (0..base.num_layers)
+        .map(|i| if (i + 1) % 4 == 0 { LayerKind::FullAttention } else { LayerKind::LinearAttention })
+        .collect();
+    TargetConfig {
+        family,
+        qk_norm: true,
+        attn_output_gate: true,
+        norm_offset: true,
+        layer_types,
+        linear_attention: Some(LinearAttentionConfig { shape: linear, layout }),
+        intermediate_size: if family == Family::Qwen35Moe { 0 } else { base.intermediate_size },
+        moe,
+        tensor_names: TensorNames {
+            language_model: None,
+            skipped: vec![SkippedPart { prefix: "mtp.".into(), what: "multi-token prediction".into() }],
+        },
+        ..base
+    }
+}
+
+/// The published Qwen3.5 / Qwen3-Next Gated DeltaNet shape with `value_heads`.
+fn qwen_deltanet(value_heads: i64) -> DeltaNetShape {
+    DeltaNetShape {
+        num_key_heads: 16,
+        num_value_heads: value_heads,
+        key_head_dim: 128,
+        value_head_dim: 128,
+        conv_kernel: 4,
+    }
 }
 
 /// Model shapes for benchmarks and synthetic targets, by name.
@@ -151,6 +188,113 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
             }),
             ..tiny
         }),
+        // A tiny Qwen3.5 MoE (hybrid layers, shared expert) on the synthetic
+        // tokenizer: the CPU runs and tests of hybrid targets.
+        "tiny-hybrid" => Some(hybrid(
+            TargetConfig {
+                num_layers: 6,
+                hidden_size: 64,
+                head_dim: 16,
+                rms_norm_eps: 1e-6,
+                rope: RopeConfig { partial_rotary_factor: 0.5, ..RopeConfig::plain(10_000_000.0) },
+                // Tied, as the small Qwen3.5 models are (and so that greedy
+                // outputs repeat: a few training steps then teach a drafter).
+                tie_word_embeddings: true,
+                ..tiny.clone()
+            },
+            Family::Qwen35Moe,
+            DeltaNetShape {
+                num_key_heads: 2,
+                num_value_heads: 4,
+                key_head_dim: 16,
+                value_head_dim: 16,
+                conv_kernel: 4,
+            },
+            Some(MoeConfig {
+                num_experts: 8,
+                top_k: 2,
+                expert_intermediate_size: 32,
+                norm_topk_prob: true,
+                sparse_step: 1,
+                dense_layers: vec![],
+                shared_expert_intermediate_size: Some(32),
+            }),
+        )),
+        // Qwen3.5-27B's and Qwen3.6-27B's text_config.
+        "qwen3.5-27b" => Some(hybrid(
+            TargetConfig {
+                hidden_size: 5120,
+                intermediate_size: 17408,
+                num_layers: 64,
+                num_heads: 24,
+                num_kv_heads: 4,
+                head_dim: 256,
+                rms_norm_eps: 1e-6,
+                rope: RopeConfig { partial_rotary_factor: 0.25, ..RopeConfig::plain(10_000_000.0) },
+                vocab_size: 248_320,
+                tie_word_embeddings: false,
+                max_position_embeddings: 262_144,
+                ..tiny.clone()
+            },
+            Family::Qwen35,
+            qwen_deltanet(48),
+            None,
+        )),
+        // Qwen3.5-35B-A3B's and Qwen3.6-35B-A3B's text_config.
+        "qwen3.5-35b-a3b" => Some(hybrid(
+            TargetConfig {
+                hidden_size: 2048,
+                num_layers: 40,
+                num_heads: 16,
+                num_kv_heads: 2,
+                head_dim: 256,
+                rms_norm_eps: 1e-6,
+                rope: RopeConfig { partial_rotary_factor: 0.25, ..RopeConfig::plain(10_000_000.0) },
+                vocab_size: 248_320,
+                tie_word_embeddings: false,
+                max_position_embeddings: 262_144,
+                ..tiny.clone()
+            },
+            Family::Qwen35Moe,
+            qwen_deltanet(32),
+            Some(MoeConfig {
+                num_experts: 256,
+                top_k: 8,
+                expert_intermediate_size: 512,
+                norm_topk_prob: true,
+                sparse_step: 1,
+                dense_layers: vec![],
+                shared_expert_intermediate_size: Some(512),
+            }),
+        )),
+        // Qwen3-Next-80B-A3B's config.json.
+        "qwen3-next-80b-a3b" => Some(hybrid(
+            TargetConfig {
+                hidden_size: 2048,
+                intermediate_size: 5120,
+                num_layers: 48,
+                num_heads: 16,
+                num_kv_heads: 2,
+                head_dim: 256,
+                rms_norm_eps: 1e-6,
+                rope: RopeConfig { partial_rotary_factor: 0.25, ..RopeConfig::plain(10_000_000.0) },
+                vocab_size: 151_936,
+                tie_word_embeddings: false,
+                max_position_embeddings: 262_144,
+                ..tiny.clone()
+            },
+            Family::Qwen3Next,
+            qwen_deltanet(32),
+            Some(MoeConfig {
+                num_experts: 512,
+                top_k: 10,
+                expert_intermediate_size: 512,
+                norm_topk_prob: true,
+                sparse_step: 1,
+                dense_layers: vec![],
+                shared_expert_intermediate_size: Some(512),
+            }),
+        )),
         "smollm2-135m" => Some(TargetConfig {
             hidden_size: 576,
             intermediate_size: 1536,
@@ -170,8 +314,20 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
 }
 
 /// Names of [`shape_preset`]'s shapes, for messages.
-pub const SHAPE_PRESETS: &[&str] =
-    &["tiny", "tiny-qwen3", "tiny-qwen2", "tiny-moe", "qwen3-8b", "llama3.1-8b", "qwen3-30b-a3b", "smollm2-135m"];
+pub const SHAPE_PRESETS: &[&str] = &[
+    "tiny",
+    "tiny-qwen3",
+    "tiny-qwen2",
+    "tiny-moe",
+    "tiny-hybrid",
+    "qwen3-8b",
+    "llama3.1-8b",
+    "qwen3-30b-a3b",
+    "qwen3.5-27b",
+    "qwen3.5-35b-a3b",
+    "qwen3-next-80b-a3b",
+    "smollm2-135m",
+];
 
 /// Writes config.json, model.safetensors (random weights in `kind`,
 /// generated on `device`) and the synthetic tokenizer files to `dir`.
@@ -245,5 +401,22 @@ mod tests {
             let c = shape_preset(name).expect("preset");
             assert_eq!(c.parameter_count(), published, "{name}");
         }
+    }
+
+    #[test]
+    fn hybrid_presets_read_back_through_their_written_configs() {
+        for name in ["tiny-hybrid", "qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"] {
+            let c = shape_preset(name).expect("preset");
+            let hf =
+                crate::hf_config::HfConfig::parse(std::path::Path::new("/p/config.json"), &c.to_hf_json().to_string())
+                    .expect("json");
+            let again = TargetConfig::from_hf(hf).expect(name);
+            assert_eq!(again.layer_types, c.layer_types, "{name}");
+            assert_eq!((again.linear_attention, again.moe.clone()), (c.linear_attention, c.moe.clone()), "{name}");
+            assert_eq!(again.parameter_count(), c.parameter_count(), "{name}");
+        }
+        // Qwen3.5-27B: 64 layers, 16 of them full attention.
+        let c = shape_preset("qwen3.5-27b").expect("preset");
+        assert_eq!(c.layer_types.iter().filter(|&&k| k == LayerKind::FullAttention).count(), 16);
     }
 }
