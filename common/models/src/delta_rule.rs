@@ -220,7 +220,11 @@ pub fn chunked_marked(
     for j in 1..p.active.len() {
         let (from, to, a) = (offsets[j - 1], offsets[j], p.active[j]);
         let next = flat(&entering, to, a, dv);
-        flat(&input, from, a, dv).baddbmm_out(&next, &flat(&transition, from, a, dk), &flat(&entering, from, a, dv));
+        let _ = flat(&input, from, a, dv).baddbmm_out(
+            &next,
+            &flat(&transition, from, a, dk),
+            &flat(&entering, from, a, dv),
+        );
     }
     // Each sequence's state after its last chunk.
     let last_rows: Vec<i64> = (0..n as usize)
