@@ -5,12 +5,16 @@ states on, no LM head), side by side with ours.
 
     python3 scripts/reference/hf_capture.py --bench capture.json --json hf.json
 
-Prints tokens/s and MFU (FLOPs counted as bench-capture counts them: the
-linear layers a token passes through -- for MoE layers the router and the
-experts it is routed to -- plus the visible half of causal attention,
-over the layers each implementation runs).
+Prints tokens/s and MFU (FLOPs counted as bench-capture counts them, from
+the per-layer counts its JSON carries: the linear layers a token passes
+through -- for MoE layers the router and the experts it is routed to -- plus
+the visible half of causal attention in full-attention layers, over the
+layers each implementation runs). Hybrid targets run transformers' torch
+path, or flash-linear-attention's kernels when `fla` is importable (the
+JSON says which).
 """
 import argparse
+import importlib.util
 import json
 import time
 
@@ -30,10 +34,13 @@ def layer_macs(c, i):
     return attn + 3 * h * c["intermediate_size"]
 
 
-def flops(c, layers, lens):
+def flops(c, layers, lens, bench=None):
     qd = c["num_attention_heads"] * c["head_dim"]
     tokens = sum(lens)
     attn = sum(4 * qd * l * (l + 1) / 2 for l in lens)
+    if bench and "layer_linear_macs" in bench:
+        macs, full = bench["layer_linear_macs"], set(bench["full_attention_layers"])
+        return sum(2 * macs[i] * tokens + (attn if i in full else 0) for i in range(layers))
     return sum(2 * layer_macs(c, i) * tokens + attn for i in range(layers))
 
 
@@ -42,6 +49,7 @@ def main():
     ap.add_argument("--bench", required=True, help="bench-capture --json output")
     ap.add_argument("--json")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--batches", type=int, default=0, help="time only the first N batches (0: all)")
     a = ap.parse_args()
     bench = json.load(open(a.bench))
     c = dict(bench["target_config"])
@@ -55,6 +63,8 @@ def main():
         model = AutoModel.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.eval()
     batches = bench["timed_seq_lengths"]
+    if a.batches:
+        batches = batches[: a.batches]
     vocab = c["vocab_size"]
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -78,7 +88,7 @@ def main():
     peak = bench["matmul_peak_flops"]
     all_lens = [l for lens in batches for l in lens]
     n_layers = c["num_hidden_layers"]
-    hf_mfu = flops(c, n_layers, all_lens) / total / peak
+    hf_mfu = flops(c, n_layers, all_lens, bench) / total / peak
     ours = {r["mode"]: r for r in bench["results"]}
     best = ours.get("async") or ours.get("off")
     ours_layers = max(bench["captured_layers"]) + 1
@@ -87,6 +97,7 @@ def main():
         "torch": torch.__version__,
         "shape": bench["shape"],
         "experts_implementation": getattr(model.config, "_experts_implementation", None),
+        "fla": importlib.util.find_spec("fla") is not None,
         "hf_layers": n_layers,
         "hf_tokens_per_s": tokens / total,
         "hf_mfu": hf_mfu,
@@ -99,7 +110,7 @@ def main():
     }
     print(
         f"{bench['shape']}: transformers {transformers.__version__} {out['hf_tokens_per_s']:.0f} tokens/s "
-        f"({100 * hf_mfu:.1f}% MFU, {n_layers} layers, experts {out['experts_implementation']}); "
+        f"({100 * hf_mfu:.1f}% MFU, {n_layers} layers, experts {out['experts_implementation']}, fla {out['fla']}); "
         f"dflash {best['mode']} {best['tokens_per_s']:.0f} tokens/s ({100 * best['mfu']:.1f}% MFU, {ours_layers} layers): "
         f"{out['speedup']:.2f}x"
     )

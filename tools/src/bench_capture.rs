@@ -462,6 +462,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             // What a reference implementation needs to run the same model
             // shape on the same batches (scripts/reference/hf_capture.py).
             "target_config": config.to_hf_json(),
+            // How the FLOPs are counted, per layer, for the reference to count alike.
+            "layer_linear_macs": (0..config.num_layers).map(|i| config.layer_linear_macs(i)).collect::<Vec<_>>(),
+            "full_attention_layers": (0..config.num_layers)
+                .filter(|&i| config.layer_kind(i) == dflash_models::LayerKind::FullAttention)
+                .collect::<Vec<_>>(),
             "timed_seq_lengths": make_batches(a.warmup + a.batches, a, config.vocab_size, 7)[a.warmup..]
                 .iter()
                 .map(|w| w.seq_lengths.clone())

@@ -7,7 +7,7 @@
 use tch::Tensor;
 
 use crate::KvCache;
-use crate::gated_deltanet::GatedDeltaNet;
+use crate::gated_deltanet::{GatedDeltaNet, PackedLayout};
 use crate::layers::{Attention, Mlp, RmsNorm, repeat_kv};
 use crate::moe::SparseMoe;
 
@@ -47,21 +47,24 @@ pub struct DecoderLayer {
 
 impl DecoderLayer {
     /// Packed sequences `x` `[T, H]` of lengths `lens`, each attending
-    /// causally to itself. `mark(stage)` is called after each stage
-    /// (profiling; a no-op otherwise).
+    /// causally to itself (`linear`: their layout for linear-attention
+    /// layers, made once per batch). `mark(stage)` is called after each
+    /// stage (profiling; a no-op otherwise).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_packed(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
         lens: &[i64],
+        linear: Option<&PackedLayout>,
         mark: &mut dyn FnMut(&'static str),
     ) -> Tensor {
         let h = self.input_layernorm.forward(x);
         mark("input norm");
         let mixed = match &self.mixer {
             Mixer::Attention(a) => attention_packed(a, &h, cos, sin, lens, mark),
-            Mixer::Linear(l) => l.forward_packed(&h, lens, mark),
+            Mixer::Linear(l) => l.forward_packed(&h, linear.expect("a hybrid batch has its packed layout"), mark),
         };
         let x = x + mixed;
         mark("mixer residual");

@@ -52,53 +52,93 @@ pub struct RuleOutput {
 /// stored step-major (every sequence's first chunk, then every second
 /// chunk, ...) with the sequences ordered by chunk count, longest first,
 /// so that the chunks of scan step `j` are one contiguous run whose
-/// sequences are the first `active[j]`.
-struct ChunkPlan {
-    /// Sequence indices, longest (in chunks) first.
-    order: Vec<usize>,
-    /// Per scan step: how many sequences (a prefix of `order`) have a chunk.
+/// sequences are the first `active[j]`. Built once per packed batch and
+/// shared by its layers: its index tensors reach the device in one copy
+/// (a copy from host memory waits for the device), not one per layer.
+pub struct ChunkPlan {
+    lens: Vec<i64>,
+    /// Per scan step: how many sequences (a prefix of the order) have a
+    /// chunk, and where the step's chunks start.
     active: Vec<i64>,
+    offsets: Vec<i64>,
     /// For every slot of the chunked layout, its token (T = padding).
     gather: Tensor,
     /// For every token, its slot.
     scatter: Tensor,
+    /// Sequence indices, longest first; and each sequence's rank in it.
+    order: Tensor,
+    unsort: Tensor,
+    /// Per sequence in the order, the row of its last chunk.
+    last_rows: Tensor,
     chunks: i64,
 }
 
-fn plan(lens: &[i64], device: Device) -> ChunkPlan {
-    let n_chunks: Vec<i64> = lens.iter().map(|&l| (l + CHUNK - 1) / CHUNK).collect();
-    let mut order: Vec<usize> = (0..lens.len()).collect();
-    order.sort_by_key(|&s| std::cmp::Reverse(n_chunks[s]));
-    let starts: Vec<i64> = lens.iter().scan(0, |acc, &l| Some(std::mem::replace(acc, *acc + l))).collect();
-    let total: i64 = lens.iter().sum();
-    let steps = n_chunks.iter().copied().max().unwrap_or(0);
-    let mut active = Vec::with_capacity(steps as usize);
-    let mut gather = Vec::new();
-    let mut scatter = vec![0i64; total as usize];
-    for j in 0..steps {
-        let mut n = 0;
-        for &s in order.iter().take_while(|&&s| n_chunks[s] > j) {
-            for i in 0..CHUNK {
-                let pos = j * CHUNK + i;
-                if pos < lens[s] {
-                    let t = starts[s] + pos;
-                    scatter[t as usize] = gather.len() as i64;
-                    gather.push(t);
-                } else {
-                    gather.push(total);
+impl ChunkPlan {
+    /// The plan of packed sequences of lengths `lens` (each at least one token).
+    pub fn new(lens: &[i64], device: Device) -> Self {
+        assert!(lens.iter().all(|&l| l > 0), "every sequence has a token");
+        let n_chunks: Vec<i64> = lens.iter().map(|&l| (l + CHUNK - 1) / CHUNK).collect();
+        let mut order: Vec<usize> = (0..lens.len()).collect();
+        order.sort_by_key(|&s| std::cmp::Reverse(n_chunks[s]));
+        let starts: Vec<i64> = lens.iter().scan(0, |acc, &l| Some(std::mem::replace(acc, *acc + l))).collect();
+        let total: i64 = lens.iter().sum();
+        let steps = n_chunks.iter().copied().max().unwrap_or(0);
+        let mut active = Vec::with_capacity(steps as usize);
+        let mut gather = Vec::new();
+        let mut scatter = vec![0i64; total as usize];
+        for j in 0..steps {
+            let mut n = 0;
+            for &s in order.iter().take_while(|&&s| n_chunks[s] > j) {
+                for i in 0..CHUNK {
+                    let pos = j * CHUNK + i;
+                    if pos < lens[s] {
+                        let t = starts[s] + pos;
+                        scatter[t as usize] = gather.len() as i64;
+                        gather.push(t);
+                    } else {
+                        gather.push(total);
+                    }
                 }
+                n += 1;
             }
-            n += 1;
+            active.push(n);
         }
-        active.push(n);
+        let offsets: Vec<i64> = active.iter().scan(0, |acc, &a| Some(std::mem::replace(acc, *acc + a))).collect();
+        let last_rows: Vec<i64> =
+            order.iter().enumerate().map(|(rank, &s)| offsets[n_chunks[s] as usize - 1] + rank as i64).collect();
+        let mut unsort = vec![0i64; lens.len()];
+        for (rank, &s) in order.iter().enumerate() {
+            unsort[s] = rank as i64;
+        }
+        let order: Vec<i64> = order.iter().map(|&s| s as i64).collect();
+        // One copy to the device, cut into its parts there.
+        let parts = [&gather, &scatter, &order, &unsort, &last_rows];
+        let all =
+            Tensor::from_slice(&parts.iter().flat_map(|p| p.iter().copied()).collect::<Vec<_>>()).to_device(device);
+        let mut at = 0;
+        let mut cut = |len: usize| {
+            let t = all.narrow(0, at, len as i64);
+            at += len as i64;
+            t
+        };
+        let (g, sc, o, u, l) =
+            (cut(gather.len()), cut(scatter.len()), cut(order.len()), cut(unsort.len()), cut(last_rows.len()));
+        ChunkPlan {
+            lens: lens.to_vec(),
+            active,
+            offsets,
+            gather: g,
+            scatter: sc,
+            order: o,
+            unsort: u,
+            last_rows: l,
+            chunks: gather.len() as i64 / CHUNK,
+        }
     }
-    let chunks = gather.len() as i64 / CHUNK;
-    ChunkPlan {
-        order,
-        active,
-        gather: Tensor::from_slice(&gather).to_device(device),
-        scatter: Tensor::from_slice(&scatter).to_device(device),
-        chunks,
+
+    /// The sequences' lengths.
+    pub fn lens(&self) -> &[i64] {
+        &self.lens
     }
 }
 
@@ -156,29 +196,28 @@ fn mm(a: &Tensor, b: &Tensor) -> Tensor {
 /// Then, all chunks at once: `v_new = U - W S`, `o = exp(G) q S +
 /// (q k^T * decay) v_new`.
 pub fn chunked(x: &RuleInputs, lens: &[i64], initial: Option<&Tensor>, record: bool) -> RuleOutput {
-    chunked_marked(x, lens, initial, record, &mut |_| {})
+    chunked_with(x, &ChunkPlan::new(lens, x.q.device()), initial, record, &mut |_| {})
 }
 
-/// [`chunked`], calling `mark(stage)` after each stage (profiling).
-pub fn chunked_marked(
+/// [`chunked`] over a plan made beforehand, calling `mark(stage)` after
+/// each stage (profiling).
+pub fn chunked_with(
     x: &RuleInputs,
-    lens: &[i64],
+    p: &ChunkPlan,
     initial: Option<&Tensor>,
     record: bool,
     mark: &mut dyn FnMut(&'static str),
 ) -> RuleOutput {
     let _guard = tch::no_grad_guard();
-    assert!(lens.iter().all(|&l| l > 0), "every sequence has a token");
     let dev = x.q.device();
     let kind = x.v.kind();
     let (h, dk, dv) = (x.k.size()[1], x.k.size()[2], x.v.size()[2]);
-    let p = plan(lens, dev);
     let f = (Kind::Float, dev);
-    let q = to_chunks(&x.q.to_kind(kind), &p);
-    let k = to_chunks(&x.k.to_kind(kind), &p);
-    let v = to_chunks(x.v, &p);
-    let beta = to_chunks(&x.beta.to_kind(Kind::Float).unsqueeze(-1), &p); // [C, H, L, 1]
-    let g = to_chunks(&x.g.to_kind(Kind::Float).unsqueeze(-1), &p).squeeze_dim(-1); // [C, H, L]
+    let q = to_chunks(&x.q.to_kind(kind), p);
+    let k = to_chunks(&x.k.to_kind(kind), p);
+    let v = to_chunks(x.v, p);
+    let beta = to_chunks(&x.beta.to_kind(Kind::Float).unsqueeze(-1), p); // [C, H, L, 1]
+    let g = to_chunks(&x.g.to_kind(Kind::Float).unsqueeze(-1), p).squeeze_dim(-1); // [C, H, L]
     mark("rule: into chunks");
 
     // Within a chunk, the decay from position j to position i (j <= i).
@@ -208,14 +247,12 @@ pub fn chunked_marked(
     // The hand-over: the state entering each chunk. Step j's chunks are
     // rows offset_j.. of the chunked layout, its sequences a prefix of
     // the longest-first order, so step j+1's states are one product.
-    let n = lens.len() as i64;
-    let order: Vec<i64> = p.order.iter().map(|&s| s as i64).collect();
-    let order_t = Tensor::from_slice(&order).to_device(dev);
+    let n = p.lens.len() as i64;
     let entering = Tensor::zeros([p.chunks, h, dk, dv], f);
     if let Some(s0) = initial {
-        entering.narrow(0, 0, n).copy_(&s0.to_kind(Kind::Float).index_select(0, &order_t));
+        entering.narrow(0, 0, n).copy_(&s0.to_kind(Kind::Float).index_select(0, &p.order));
     }
-    let offsets: Vec<i64> = p.active.iter().scan(0, |acc, &a| Some(std::mem::replace(acc, *acc + a))).collect();
+    let offsets = &p.offsets;
     let flat = |t: &Tensor, start: i64, rows: i64, c: i64| t.narrow(0, start, rows).view([rows * h, dk, c]);
     for j in 1..p.active.len() {
         let (from, to, a) = (offsets[j - 1], offsets[j], p.active[j]);
@@ -227,15 +264,7 @@ pub fn chunked_marked(
         );
     }
     // Each sequence's state after its last chunk.
-    let last_rows: Vec<i64> = (0..n as usize)
-        .map(|rank| {
-            let s = p.order[rank];
-            let steps = (lens[s] + CHUNK - 1) / CHUNK;
-            offsets[steps as usize - 1] + rank as i64
-        })
-        .collect();
-    let last_rows = Tensor::from_slice(&last_rows).to_device(dev);
-    let pick = |t: &Tensor| t.index_select(0, &last_rows);
+    let pick = |t: &Tensor| t.index_select(0, &p.last_rows);
     let sorted_final = pick(&input) + pick(&transition).matmul(&pick(&entering));
     drop((transition, input));
     mark("rule: state scan");
@@ -245,7 +274,7 @@ pub fn chunked_marked(
     let intra = mm(&q, &kt) * &pairwise;
     let q_in = (q.to_kind(Kind::Float) * &decay_in).to_kind(kind);
     let out_chunks = mm(&q_in, &states_in) + mm(&intra.to_kind(kind), &v_new.to_kind(kind));
-    let out = from_chunks(&out_chunks, &p);
+    let out = from_chunks(&out_chunks, p);
     mark("rule: outputs");
     let states = record.then(|| {
         // The state after position i of a chunk:
@@ -255,11 +284,7 @@ pub fn chunked_marked(
         let all = decay_in.unsqueeze(-1) * entering.unsqueeze(2) + within;
         all.transpose(1, 2).reshape([p.chunks * CHUNK, h, dk, dv]).index_select(0, &p.scatter)
     });
-    let mut unsort = vec![0i64; lens.len()];
-    for (i, &s) in p.order.iter().enumerate() {
-        unsort[s] = i as i64;
-    }
-    let final_state = sorted_final.index_select(0, &Tensor::from_slice(&unsort).to_device(dev));
+    let final_state = sorted_final.index_select(0, &p.unsort);
     RuleOutput { out, final_state, states }
 }
 

@@ -17,7 +17,7 @@
 use tch::{Kind, Tensor};
 
 use crate::ModelError;
-use crate::delta_rule::{self, RuleInputs};
+use crate::delta_rule::{self, ChunkPlan, RuleInputs};
 use crate::kv_cache::{Recorded, RecurrentState};
 use crate::layers::Linear;
 use crate::weights::Weights;
@@ -88,6 +88,48 @@ pub struct GatedDeltaNet {
     pub norm_eps: f64,
     pub out_proj: Linear,
     pub shape: DeltaNetShape,
+}
+
+/// How a packed batch's sequences sit, as the linear-attention layers use
+/// it: the delta rule's chunk plan, and the first `K-1` rows of every
+/// sequence but the first, whose convolution is redone from their own
+/// sequence. Made once per batch for all its layers.
+pub struct PackedLayout {
+    pub chunks: ChunkPlan,
+    /// Rows to redo `[R]`, and per row its `K` taps' sources `[R * K]` and
+    /// whether each tap is inside the row's sequence (0/1).
+    fix_rows: Tensor,
+    fix_sources: Tensor,
+    fix_seen: Tensor,
+    kernel: i64,
+}
+
+impl PackedLayout {
+    pub fn new(lens: &[i64], kernel: i64, device: tch::Device) -> Self {
+        let (mut rows, mut sources, mut seen) = (Vec::new(), Vec::new(), Vec::new());
+        let mut start = 0;
+        for (s, &len) in lens.iter().enumerate() {
+            if s > 0 {
+                for pos in 0..(kernel - 1).min(len) {
+                    rows.push(start + pos);
+                    for back in 0..kernel {
+                        sources.push((start + pos - back).max(0));
+                        seen.push(i64::from(back <= pos));
+                    }
+                }
+            }
+            start += len;
+        }
+        let all = Tensor::from_slice(&[rows.as_slice(), &sources, &seen].concat()).to_device(device);
+        let (r, rk) = (rows.len() as i64, sources.len() as i64);
+        Self {
+            chunks: ChunkPlan::new(lens, device),
+            fix_rows: all.narrow(0, 0, r),
+            fix_sources: all.narrow(0, r, rk),
+            fix_seen: all.narrow(0, r + rk, rk).to_kind(Kind::Float).view([r, kernel, 1]),
+            kernel,
+        }
+    }
 }
 
 /// Per-token inputs of the rule, owned.
@@ -164,18 +206,18 @@ impl GatedDeltaNet {
         })
     }
 
-    /// Packed sequences `x` `[T, H]` (normed) of lengths `lens`, each
-    /// starting from an empty window and state. `mark(stage)` after each
-    /// stage (profiling).
-    pub fn forward_packed(&self, x: &Tensor, lens: &[i64], mark: &mut dyn FnMut(&'static str)) -> Tensor {
+    /// Packed sequences `x` `[T, H]` (normed) laid out as `layout` says,
+    /// each starting from an empty window and state. `mark(stage)` after
+    /// each stage (profiling).
+    pub fn forward_packed(&self, x: &Tensor, layout: &PackedLayout, mark: &mut dyn FnMut(&'static str)) -> Tensor {
         let proj = self.in_proj.forward(x);
         mark("linear attn: in_proj");
         let mixed = proj.narrow(-1, 0, self.shape.conv_dim());
-        let conv = self.conv_packed(&mixed, lens);
+        let conv = self.conv_packed(&mixed, layout);
         mark("linear attn: conv");
         let rule = self.rule_inputs(&conv, &proj);
         mark("linear attn: q/k norm, gates");
-        let out = delta_rule::chunked_marked(&rule.inputs(), lens, None, false, mark).out;
+        let out = delta_rule::chunked_with(&rule.inputs(), &layout.chunks, None, false, mark).out;
         let y = self.out_proj.forward(&self.gated_norm(&out, &proj, x.kind()));
         mark("linear attn: gated norm + out_proj");
         y
@@ -228,44 +270,26 @@ impl GatedDeltaNet {
     }
 
     /// The causal convolution and SiLU over packed sequences `mixed`
-    /// `[T, C]` of lengths `lens`, in the model's kind: one depthwise
-    /// convolution over the whole packed stream, then the first `K-1`
-    /// positions of each sequence after the first recomputed from their
-    /// own sequence alone (the stream's convolution reached back into the
-    /// sequence before).
-    fn conv_packed(&self, mixed: &Tensor, lens: &[i64]) -> Tensor {
+    /// `[T, C]`, in the model's kind: one depthwise convolution over the
+    /// whole packed stream, then the first `K-1` positions of each sequence
+    /// after the first recomputed from their own sequence alone (the
+    /// stream's convolution reached back into the sequence before).
+    fn conv_packed(&self, mixed: &Tensor, layout: &PackedLayout) -> Tensor {
         let k = self.shape.conv_kernel;
+        assert_eq!(k, layout.kernel, "the layout was made for this convolution");
         let (t, c) = (mixed.size()[0], mixed.size()[1]);
         let weight = self.conv.to_kind(mixed.kind()).unsqueeze(1); // [C, 1, K]
         let stream = mixed.transpose(0, 1).unsqueeze(0); // [1, C, T]
         let conv = stream.conv1d(&weight, None::<Tensor>, [1], [k - 1], [1], c).narrow(2, 0, t);
         let mut conv = conv.squeeze_dim(0).transpose(0, 1).contiguous(); // [T, C]
-        // Rows to redo: position p < K-1 of every sequence but the first,
-        // from the taps j <= p (its own tokens).
-        let (mut rows, mut sources, mut seen) = (Vec::new(), Vec::new(), Vec::new());
-        let mut start = 0;
-        for (s, &len) in lens.iter().enumerate() {
-            if s > 0 {
-                for pos in 0..(k - 1).min(len) {
-                    rows.push(start + pos);
-                    for back in 0..k {
-                        sources.push((start + pos - back).max(0));
-                        seen.push(if back <= pos { 1.0f32 } else { 0.0 });
-                    }
-                }
-            }
-            start += len;
-        }
-        if !rows.is_empty() {
-            let dev = mixed.device();
-            let r = rows.len() as i64;
-            let src = Tensor::from_slice(&sources).to_device(dev);
-            let seen = Tensor::from_slice(&seen).to_device(dev).view([r, k, 1]);
-            let window = mixed.index_select(0, &src).view([r, k, c]).to_kind(Kind::Float) * seen;
+        let r = layout.fix_rows.size()[0];
+        if r > 0 {
+            let window =
+                mixed.index_select(0, &layout.fix_sources).view([r, k, c]).to_kind(Kind::Float) * &layout.fix_seen;
             // Tap `back` weighs the input `back` tokens before: w[:, K-1-back].
             let taps = self.conv.to_kind(Kind::Float).flip([1]).transpose(0, 1); // [K, C]
             let redone = (window * taps.unsqueeze(0)).sum_dim_intlist(1, false, Kind::Float);
-            let _ = conv.index_copy_(0, &Tensor::from_slice(&rows).to_device(dev), &redone.to_kind(conv.kind()));
+            let _ = conv.index_copy_(0, &layout.fix_rows, &redone.to_kind(conv.kind()));
         }
         conv.silu()
     }

@@ -9,6 +9,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::decoder::DecoderLayer;
 use crate::distill::TopK;
+use crate::gated_deltanet::PackedLayout;
 use crate::layers::RmsNorm;
 use crate::rope::Rope;
 use crate::target_config::TargetConfig;
@@ -243,15 +244,23 @@ impl TargetModel {
         );
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
         let (cos, sin) = (cos.unsqueeze(1), sin.unsqueeze(1));
+        let linear = self.packed_layout(seq_lengths);
         let mut x = self.embed_tokens.embedding_for(input_ids);
         let mut captured = Vec::with_capacity(layer_ids.len());
         for (i, layer) in self.layers.iter().enumerate().take(last as usize + 1) {
-            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, &mut |_| {});
+            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, linear.as_ref(), &mut |_| {});
             if layer_ids.contains(&(i as i64)) {
                 captured.push(x.shallow_clone());
             }
         }
         (x, captured)
+    }
+
+    /// The layout of packed sequences for the linear-attention layers (None
+    /// without them): made once per batch, shared by every layer.
+    fn packed_layout(&self, seq_lengths: &[i64]) -> Option<PackedLayout> {
+        let l = self.config.linear_attention.as_ref()?;
+        Some(PackedLayout::new(seq_lengths, l.shape.conv_kernel, self.device))
     }
 
     /// Where the time of a packed forward goes: runs the captured layers
@@ -270,12 +279,13 @@ impl TargetModel {
         );
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
         let (cos, sin) = (cos.unsqueeze(1), sin.unsqueeze(1));
+        let linear = self.packed_layout(seq_lengths);
         let mut x = self.embed_tokens.embedding_for(input_ids);
         let mut totals: Vec<(&'static str, f64)> = Vec::new();
         sync();
         let mut t = std::time::Instant::now();
         for layer in self.layers.iter().take(last_layer as usize + 1) {
-            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, &mut |stage| {
+            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, linear.as_ref(), &mut |stage| {
                 sync();
                 let dt = t.elapsed().as_secs_f64();
                 match totals.iter_mut().find(|(s, _)| *s == stage) {
