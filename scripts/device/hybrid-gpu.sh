@@ -4,7 +4,8 @@
 # MFU and where a forward's time goes for the Qwen3.5-27B and -35B-A3B
 # shapes, beside transformers' own forward of the same random model and
 # batches with its torch path and with flash-linear-attention 0.6.0
-# (carried as wheels in .whl). Binaries come prebuilt in .device/bin.
+# (carried as wheels in .whl). Binaries come prebuilt in .device/bin, the
+# model tests' binary in .device/bin/deps/families.
 #   scripts/device/hybrid-gpu.sh [shapes...]   (default: qwen3.5-27b qwen3.5-35b-a3b)
 set -u
 cd "$(dirname "$0")/../.."
@@ -25,6 +26,9 @@ for n in tiny-qwen3-next tiny-qwen3.5 tiny-qwen3.5-vl tiny-qwen3.5-moe tiny-qwen
       && echo -n "$dt " && python3 scripts/reference/compare_inspect.py "$d" /tmp/i.json || { echo "$n $dt FAILED"; tail -3 /tmp/i.log; }
   done
 done
+echo "== packed capture on cuda:0 (f32, bf16) vs transformers"
+[ -x .device/bin/deps/families ] && DFLASH_FIXTURES=$PWD/tests/fixtures timeout 120 .device/bin/deps/families --ignored --test-threads 1 2>&1 \
+  | grep -E "^test |test result|panicked|layer" | head -20
 for s in $shapes; do
   echo "== capture $s (dflash)"
   timeout 240 $B/dflash bench-capture --shape "$s" --device 0 --layers 5 --batches 4 --warmup 1 \

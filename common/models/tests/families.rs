@@ -39,8 +39,12 @@ const FIXTURES: &[&str] = &[
     "tiny-qwen3.5-moe-vl",
 ];
 
+/// The fixtures folder (`DFLASH_FIXTURES` where the test binary runs away
+/// from the tree it was built in, e.g. on a GPU host).
 fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+    std::env::var_os("DFLASH_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
 }
 
 /// A fixture's reference: prompt ids, logits `[n, vocab]`, layer outputs.
@@ -508,4 +512,32 @@ fn fused_expert_weights_load_to_the_same_model_as_per_expert_keys() {
     dflash_models::weights::write_safetensors(&dir.path().join("model.safetensors"), &bad).unwrap();
     let err = load_err(dir.path());
     assert!(err.contains("model.layers.0.mlp.experts.down_proj"), "{err}");
+}
+
+/// The packed capture path on a GPU (f32, and bf16 with half-precision
+/// products in the delta rule) against transformers, on packed batches
+/// whose sequences span several chunks.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hybrid_capture_on_cuda_matches_transformers() {
+    dflash_models::cuda::ensure_cuda(&[0]).unwrap();
+    let gpu = Device::Cuda(0);
+    for name in HYBRIDS {
+        let dir = fixtures().join(name);
+        let r = reference(&dir);
+        let n = r.ids.len() as i64;
+        let all: Vec<i64> = (0..r.hidden.len() as i64).collect();
+        let packed = Tensor::from_slice(&[&r.ids[..70], &r.ids[..]].concat()).to_device(gpu);
+        for (kind, tolerance) in [(Kind::Float, 1e-5), (Kind::BFloat16, 5e-2)] {
+            let t = TargetModel::load(&dir, gpu, kind, LoadScope::Full).unwrap();
+            let captured = t.capture_packed(&packed, &[70, n], &all);
+            for (l, want) in r.hidden.iter().enumerate() {
+                let got = captured[l].to_device(Device::Cpu);
+                let err = max_rel_err(&got.narrow(0, 70, n), want);
+                assert!(err < tolerance, "{name} {kind:?} layer {l}: {err}");
+                let err = max_rel_err(&got.narrow(0, 0, 70), &want.narrow(0, 0, 70));
+                assert!(err < tolerance, "{name} {kind:?} layer {l} (prefix): {err}");
+            }
+        }
+    }
 }
