@@ -325,11 +325,7 @@ pub fn convert_llama_gguf(gguf_path: &Path, out: &Path) -> Result<TargetConfig, 
         moe: None,
         fp8: None,
         layer_types: TargetConfig::all_attention(num_layers),
-        linear_attention: None,
-        attn_output_gate: false,
-        norm_offset: false,
-        tensor_names: Default::default(),
-        mtp_layers: 0,
+        ..TargetConfig::default()
     };
     std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e))?;
     let mut named = Vec::with_capacity(g.tensors.len());

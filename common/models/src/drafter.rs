@@ -270,7 +270,7 @@ impl Drafter {
                 ),
             });
         }
-        if t.is_hybrid() || t.attn_output_gate || t.norm_offset {
+        if t.is_hybrid() || t.attn_output_gate || t.norm != crate::target_config::NormStyle::Plain {
             // Its top layers are not the drafter's kind of layer (linear
             // attention, gated queries, zero-centred norm scales).
             return Err(ModelError::Config {

@@ -8,7 +8,7 @@ use tch::{Device, Kind};
 
 use crate::gated_deltanet::{DeltaNetShape, ProjectionLayout};
 use crate::rope::{RopeConfig, RopeScaling};
-use crate::target_config::{Family, LayerKind, LinearAttentionConfig, MoeConfig, TargetConfig};
+use crate::target_config::{Family, LayerKind, LinearAttentionConfig, MoeConfig, NormStyle, TargetConfig};
 use crate::weights::{RandomInit, write_safetensors};
 use crate::weights::{SkippedPart, TensorNames};
 use crate::{ModelError, TargetModel};
@@ -35,11 +35,7 @@ pub fn synthetic_target_config(num_layers: i64) -> TargetConfig {
         moe: None,
         fp8: None,
         layer_types: TargetConfig::all_attention(num_layers),
-        linear_attention: None,
-        attn_output_gate: false,
-        norm_offset: false,
-        tensor_names: Default::default(),
-        mtp_layers: 0,
+        ..TargetConfig::default()
     }
 }
 
@@ -59,7 +55,7 @@ fn hybrid(base: TargetConfig, family: Family, linear: DeltaNetShape, moe: Option
         family,
         qk_norm: true,
         attn_output_gate: true,
-        norm_offset: true,
+        norm: NormStyle::ZeroCentred,
         layer_types,
         linear_attention: Some(LinearAttentionConfig { shape: linear, layout }),
         intermediate_size: if family == Family::Qwen35Moe { 0 } else { base.intermediate_size },
@@ -113,15 +109,7 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
             family: Family::Qwen3Moe,
             qk_norm: true,
             num_layers: 6,
-            moe: Some(MoeConfig {
-                num_experts: 8,
-                top_k: 2,
-                expert_intermediate_size: 32,
-                norm_topk_prob: true,
-                sparse_step: 1,
-                dense_layers: vec![1],
-                shared_expert_intermediate_size: None,
-            }),
+            moe: Some(MoeConfig { dense_layers: vec![1], ..MoeConfig::qwen(8, 2, 32, true) }),
             ..tiny
         }),
         "qwen3-8b" => Some(qwen3(TargetConfig {
@@ -177,15 +165,7 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
             vocab_size: 151_936,
             tie_word_embeddings: false,
             max_position_embeddings: 40_960,
-            moe: Some(MoeConfig {
-                num_experts: 128,
-                top_k: 8,
-                expert_intermediate_size: 768,
-                norm_topk_prob: true,
-                sparse_step: 1,
-                dense_layers: vec![],
-                shared_expert_intermediate_size: None,
-            }),
+            moe: Some(MoeConfig::qwen(128, 8, 768, true)),
             ..tiny
         }),
         // A tiny Qwen3.5 MoE (hybrid layers, shared expert) on the synthetic
@@ -211,13 +191,9 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
                 conv_kernel: 4,
             },
             Some(MoeConfig {
-                num_experts: 8,
-                top_k: 2,
-                expert_intermediate_size: 32,
-                norm_topk_prob: true,
-                sparse_step: 1,
-                dense_layers: vec![],
                 shared_expert_intermediate_size: Some(32),
+                shared_expert_gate: true,
+                ..MoeConfig::qwen(8, 2, 32, true)
             }),
         )),
         // Qwen3.5-27B's and Qwen3.6-27B's text_config.
@@ -258,13 +234,9 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
             Family::Qwen35Moe,
             qwen_deltanet(32),
             Some(MoeConfig {
-                num_experts: 256,
-                top_k: 8,
-                expert_intermediate_size: 512,
-                norm_topk_prob: true,
-                sparse_step: 1,
-                dense_layers: vec![],
                 shared_expert_intermediate_size: Some(512),
+                shared_expert_gate: true,
+                ..MoeConfig::qwen(256, 8, 512, true)
             }),
         )),
         // Qwen3-Next-80B-A3B's config.json.
@@ -286,13 +258,9 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
             Family::Qwen3Next,
             qwen_deltanet(32),
             Some(MoeConfig {
-                num_experts: 512,
-                top_k: 10,
-                expert_intermediate_size: 512,
-                norm_topk_prob: true,
-                sparse_step: 1,
-                dense_layers: vec![],
                 shared_expert_intermediate_size: Some(512),
+                shared_expert_gate: true,
+                ..MoeConfig::qwen(512, 10, 512, true)
             }),
         )),
         "smollm2-135m" => Some(TargetConfig {

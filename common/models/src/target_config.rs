@@ -6,6 +6,7 @@ use std::path::Path;
 use crate::ModelError;
 use crate::gated_deltanet::{DeltaNetShape, ProjectionLayout};
 use crate::hf_config::HfConfig;
+use crate::moe::{ExpertActivation, Routing};
 use crate::quant::Fp8Config;
 use crate::rope::RopeConfig;
 use crate::weights::TensorNames;
@@ -51,6 +52,18 @@ impl LayerKind {
     }
 }
 
+/// How a family's RMSNorm applies its scale.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NormStyle {
+    /// Llama's `w * x_hat.to(dtype)`: the normalised value rounded, then scaled.
+    #[default]
+    Plain,
+    /// `(w * x_hat).to(dtype)` with the scale kept in f32 (gpt-oss).
+    ScaleInF32,
+    /// Zero-centred scales, `x_hat * (1 + w)` in f32 (Qwen3-Next, Qwen3.5).
+    ZeroCentred,
+}
+
 /// The Gated DeltaNet layers of a hybrid target.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinearAttentionConfig {
@@ -72,9 +85,38 @@ pub struct MoeConfig {
     pub sparse_step: i64,
     /// ... unless listed here (dense MLP of `intermediate_size`).
     pub dense_layers: Vec<i64>,
-    /// Width of the shared expert every token also passes through, scaled
-    /// by its sigmoid gate (Qwen3-Next, Qwen3.5 MoE); None: no shared expert.
+    /// Width of the shared expert every token also passes through; None:
+    /// no shared expert.
     pub shared_expert_intermediate_size: Option<i64>,
+    /// The shared expert is scaled by a sigmoid gate (Qwen3-Next, Qwen3.5).
+    pub shared_expert_gate: bool,
+    /// How the router picks and weighs experts.
+    pub routing: Routing,
+    /// The router has a bias (gpt-oss).
+    pub router_bias: bool,
+    /// The experts' projections have biases (gpt-oss).
+    pub expert_bias: bool,
+    pub activation: ExpertActivation,
+}
+
+impl MoeConfig {
+    /// Qwen MoE's settings: softmax routing, SwiGLU experts, no biases.
+    pub fn qwen(num_experts: i64, top_k: i64, expert_intermediate_size: i64, norm_topk_prob: bool) -> Self {
+        Self {
+            num_experts,
+            top_k,
+            expert_intermediate_size,
+            norm_topk_prob,
+            sparse_step: 1,
+            dense_layers: Vec::new(),
+            shared_expert_intermediate_size: None,
+            shared_expert_gate: false,
+            routing: Routing::Softmax { norm_topk_prob },
+            router_bias: false,
+            expert_bias: false,
+            activation: ExpertActivation::SwiGlu,
+        }
+    }
 }
 
 impl MoeConfig {
@@ -117,12 +159,45 @@ pub struct TargetConfig {
     pub linear_attention: Option<LinearAttentionConfig>,
     /// Gated attention: `q_proj` also gives a per-head output gate.
     pub attn_output_gate: bool,
-    /// Zero-centred RMSNorm scales (`x_hat * (1 + w)`, computed in f32).
-    pub norm_offset: bool,
+    /// How the RMSNorms' scales apply.
+    pub norm: NormStyle,
     /// How the checkpoint names the tensors and which parts are not read.
     pub tensor_names: TensorNames,
     /// Multi-token-prediction layers the checkpoint has (never loaded).
     pub mtp_layers: i64,
+}
+
+impl Default for TargetConfig {
+    /// Zero sizes and every option off: the base that shapes are written
+    /// over (`TargetConfig { hidden_size: .., ..Default::default() }`).
+    fn default() -> Self {
+        Self {
+            family: Family::Llama,
+            hidden_size: 0,
+            intermediate_size: 0,
+            num_layers: 0,
+            num_heads: 0,
+            num_kv_heads: 0,
+            head_dim: 0,
+            rms_norm_eps: 1e-6,
+            rope: RopeConfig::plain(10_000.0),
+            vocab_size: 0,
+            tie_word_embeddings: false,
+            qkv_bias: false,
+            o_bias: false,
+            mlp_bias: false,
+            qk_norm: false,
+            max_position_embeddings: 4096,
+            moe: None,
+            fp8: None,
+            layer_types: Vec::new(),
+            linear_attention: None,
+            attn_output_gate: false,
+            norm: NormStyle::Plain,
+            tensor_names: TensorNames::default(),
+            mtp_layers: 0,
+        }
+    }
 }
 
 impl TargetConfig {
@@ -194,7 +269,8 @@ impl TargetConfig {
         };
         let mlp = match &self.moe {
             Some(m) if m.is_sparse(i) => {
-                let shared = m.shared_expert_intermediate_size.map_or(0.0, |s| 3.0 * h * s as f64 + h);
+                let gate = if m.shared_expert_gate { h } else { 0.0 };
+                let shared = m.shared_expert_intermediate_size.map_or(0.0, |s| 3.0 * h * s as f64 + gate);
                 h * m.num_experts as f64 + m.top_k as f64 * 3.0 * h * m.expert_intermediate_size as f64 + shared
             }
             _ => 3.0 * h * self.intermediate_size as f64,
@@ -217,8 +293,12 @@ impl TargetConfig {
         };
         n += match &self.moe {
             Some(m) if m.is_sparse(i) => {
-                let shared = m.shared_expert_intermediate_size.map_or(0, |s| 3 * h * s + h);
-                m.num_experts * (h + 3 * h * m.expert_intermediate_size) + shared
+                let gate = if m.shared_expert_gate { h } else { 0 };
+                let shared = m.shared_expert_intermediate_size.map_or(0, |s| 3 * h * s + gate);
+                let router = m.num_experts * (h + i64::from(m.router_bias));
+                let routing_bias = if matches!(m.routing, Routing::SigmoidGrouped { .. }) { m.num_experts } else { 0 };
+                let bias = if m.expert_bias { 3 * m.expert_intermediate_size + h } else { 0 };
+                router + routing_bias + m.num_experts * (3 * h * m.expert_intermediate_size + bias) + shared
             }
             _ => 3 * h * self.intermediate_size + if self.mlp_bias { 2 * self.intermediate_size + h } else { 0 },
         };
@@ -244,15 +324,7 @@ mod tests {
 
     #[test]
     fn sparse_layers_follow_the_step_and_the_dense_list() {
-        let m = MoeConfig {
-            num_experts: 8,
-            top_k: 2,
-            expert_intermediate_size: 4,
-            norm_topk_prob: true,
-            sparse_step: 2,
-            dense_layers: vec![3],
-            shared_expert_intermediate_size: None,
-        };
+        let m = MoeConfig { sparse_step: 2, dense_layers: vec![3], ..MoeConfig::qwen(8, 2, 4, true) };
         let sparse: Vec<i64> = (0..6).filter(|&i| m.is_sparse(i)).collect();
         assert_eq!(sparse, vec![1, 5]);
     }

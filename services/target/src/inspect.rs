@@ -9,6 +9,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use dflash_models::target_config::NormStyle;
 use dflash_models::{Inspection, LayerKind, LoadScope, TargetConfig, TargetModel};
 use tch::{Device, Kind, Tensor};
 
@@ -263,8 +264,10 @@ pub fn describe(dir: &std::path::Path, c: &TargetConfig) -> String {
             line("mlp:", format!("SwiGLU, width {}{}", c.intermediate_size, if c.mlp_bias { ", biases" } else { "" }))
         }
     }
-    if c.norm_offset {
-        line("norms:", "RMSNorm, zero-centred scales (1 + w, in f32)".into());
+    match c.norm {
+        NormStyle::Plain => {}
+        NormStyle::ScaleInF32 => line("norms:", "RMSNorm, scales in f32".into()),
+        NormStyle::ZeroCentred => line("norms:", "RMSNorm, zero-centred scales (1 + w, in f32)".into()),
     }
     line("vocabulary:", format!("{}{}", c.vocab_size, if c.tie_word_embeddings { ", LM head tied" } else { "" }));
     line("weights:", c.fp8.as_ref().map_or("floating point".to_string(), |q| q.describe()));

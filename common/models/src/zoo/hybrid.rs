@@ -8,7 +8,6 @@
 //!   partial RoPE (`partial_rotary_factor`, 0.25 unless the config says
 //!   otherwise);
 //! - zero-centred RMSNorms (`x_hat * (1 + w)`);
-//! - MoE blocks with a shared expert behind a sigmoid gate;
 //! - multi-token-prediction layers (`mtp.*`), never loaded.
 //!
 //! Also the multimodal layout Qwen3.5 / 3.6 are published in
@@ -16,14 +15,13 @@
 //! `text_config` and its tensors under `model.language_model.`, beside a
 //! vision tower (`model.visual.*`) that is never read.
 
-use super::{Defaults, read_common, routed_experts};
+use super::{Defaults, read_common};
 use crate::ModelError;
 use crate::gated_deltanet::{DeltaNetShape, ProjectionLayout};
 use crate::hf_config::HfConfig;
-use crate::moe::{SharedExpert, SparseMoe};
 use crate::rope::RopeOptions;
-use crate::target_config::{Family, LayerKind, LinearAttentionConfig, MoeConfig, TargetConfig};
-use crate::weights::{SkippedPart, TensorNames, Weights};
+use crate::target_config::{Family, LayerKind, LinearAttentionConfig, NormStyle, TargetConfig};
+use crate::weights::{SkippedPart, TensorNames};
 
 /// The multimodal checkpoint's prefix of the language model's tensors.
 const LANGUAGE_MODEL: &str = "model.language_model.";
@@ -54,7 +52,8 @@ pub(crate) fn read_text(cfg: &mut HfConfig, f: &HybridFamily) -> Result<TargetCo
         },
     )?;
     let bias = cfg.or("attention_bias", false)?;
-    (c.qkv_bias, c.o_bias, c.qk_norm, c.norm_offset, c.attn_output_gate) = (bias, bias, true, true, true);
+    (c.qkv_bias, c.o_bias, c.qk_norm, c.attn_output_gate) = (bias, bias, true, true);
+    c.norm = NormStyle::ZeroCentred;
     // transformers' hybrid attention always gates its output and its
     // gated norm always uses SiLU; other values describe another model.
     if cfg.opt::<bool>("attn_output_gate")? == Some(false) {
@@ -176,20 +175,6 @@ pub(crate) fn read_either_layout(
     ]);
     c.tensor_names.language_model = Some(LANGUAGE_MODEL.into());
     Ok(c)
-}
-
-/// The MoE block of a hybrid layer: routed experts plus the shared expert
-/// (`mlp.shared_expert`) and its gate (`mlp.shared_expert_gate`).
-pub(crate) fn sparse_block(w: &mut Weights, c: &TargetConfig, p: &str, m: &MoeConfig) -> Result<SparseMoe, ModelError> {
-    let h = c.hidden_size;
-    let mut block = routed_experts(w, p, m, h)?;
-    if let Some(inter) = m.shared_expert_intermediate_size {
-        block.shared = Some(SharedExpert {
-            mlp: super::mlp(w, &format!("{p}.mlp.shared_expert"), h, inter, false)?,
-            gate: w.take(&format!("{p}.mlp.shared_expert_gate.weight"), &[1, h])?,
-        });
-    }
-    Ok(block)
 }
 
 /// The config fields hybrid families write (4.x style, text-only layout).

@@ -23,10 +23,11 @@ use crate::ModelError;
 use crate::decoder::{DecoderLayer, FeedForward, Mixer};
 use crate::hf_config::HfConfig;
 use crate::layers::{Attention, Linear, Mlp, RmsNorm};
+use crate::moe::{Experts, Router, Routing, SharedExpert, SparseMoe};
 use crate::quant::Fp8Config;
 use crate::rope::{RopeConfig, RopeOptions};
-use crate::target_config::{Family, TargetConfig};
-use crate::weights::{TensorNames, Weights};
+use crate::target_config::{Family, MoeConfig, NormStyle, TargetConfig};
+use crate::weights::Weights;
 
 /// One target architecture.
 pub trait Architecture: Sync {
@@ -186,11 +187,7 @@ pub(crate) fn read_common(cfg: &mut HfConfig, d: Defaults) -> Result<TargetConfi
         moe: None,
         fp8: Fp8Config::read(cfg)?,
         layer_types: TargetConfig::all_attention(num_layers),
-        linear_attention: None,
-        attn_output_gate: false,
-        norm_offset: false,
-        tensor_names: TensorNames::default(),
-        mtp_layers: 0,
+        ..TargetConfig::default()
     })
 }
 
@@ -239,9 +236,11 @@ pub(crate) fn plain_norm(w: &mut Weights, name: &str, dim: i64, eps: f64) -> Res
 /// (`1 + w`, kept in f32 so the norm scales in f32 as transformers does).
 pub(crate) fn norm(w: &mut Weights, c: &TargetConfig, name: &str, dim: i64) -> Result<RmsNorm, ModelError> {
     let mut n = plain_norm(w, name, dim, c.rms_norm_eps)?;
-    if c.norm_offset {
-        n.weight = w.transform(n.weight, |t| t.to_kind(tch::Kind::Float) + 1.0);
-    }
+    n.weight = match c.norm {
+        NormStyle::Plain => n.weight,
+        NormStyle::ScaleInF32 => w.transform(n.weight, |t| t.to_kind(tch::Kind::Float)),
+        NormStyle::ZeroCentred => w.transform(n.weight, |t| t.to_kind(tch::Kind::Float) + 1.0),
+    };
     Ok(n)
 }
 
@@ -298,26 +297,40 @@ pub(crate) fn layer_with(
     })
 }
 
-/// The routed experts of `{p}.mlp` (`gate` router, `experts`): one tensor
-/// per expert as checkpoints publish them, or the fused layout
-/// transformers 5 keeps in memory (`experts.gate_up_proj`, `experts.down_proj`).
-pub(crate) fn routed_experts(
+/// The MoE block of `{p}.mlp` as `m` describes it: the router
+/// (`gate.weight`, and `gate.e_score_correction_bias` for sigmoid routing),
+/// the routed experts as checkpoints publish them (one tensor per expert,
+/// `experts.E.{gate,up,down}_proj.weight`) or in the fused layout
+/// transformers 5 keeps in memory (`experts.gate_up_proj`,
+/// `experts.down_proj`), and the shared expert (`shared`: its module name,
+/// with the gate `shared_expert_gate` where the family has one).
+pub(crate) fn sparse_moe(
     w: &mut Weights,
     p: &str,
-    m: &crate::target_config::MoeConfig,
+    m: &MoeConfig,
     h: i64,
-) -> Result<crate::moe::SparseMoe, ModelError> {
+    shared: &str,
+) -> Result<SparseMoe, ModelError> {
     let (e, inter) = (m.num_experts, m.expert_intermediate_size);
-    let router = w.take(&format!("{p}.mlp.gate.weight"), &[e, h])?;
+    let correction_bias = match m.routing {
+        Routing::SigmoidGrouped { .. } => Some(w.take(&format!("{p}.mlp.gate.e_score_correction_bias"), &[e])?),
+        _ => None,
+    };
+    let router = Router {
+        weight: w.take(&format!("{p}.mlp.gate.weight"), &[e, h])?,
+        bias: None,
+        correction_bias,
+        top_k: m.top_k,
+        routing: m.routing.clone(),
+    };
     let fused = format!("{p}.mlp.experts.gate_up_proj");
-    Ok(match w.take_optional(&fused, &[e, 2 * inter, h])? {
-        Some(gate_up) => crate::moe::SparseMoe {
-            router,
+    let experts = match w.take_optional(&fused, &[e, 2 * inter, h])? {
+        Some(gate_up) => Experts {
             gate_up,
             down: w.take(&format!("{p}.mlp.experts.down_proj"), &[e, h, inter])?,
-            top_k: m.top_k,
-            norm_topk_prob: m.norm_topk_prob,
-            shared: None,
+            gate_up_bias: None,
+            down_bias: None,
+            activation: m.activation,
         },
         None => {
             let mut experts = Vec::with_capacity(e as usize);
@@ -329,9 +342,21 @@ pub(crate) fn routed_experts(
                     w.take(&format!("{x}.down_proj.weight"), &[h, inter])?,
                 ));
             }
-            crate::moe::SparseMoe::from_experts(router, experts, m.top_k, m.norm_topk_prob)
+            Experts { activation: m.activation, ..Experts::stack(experts) }
         }
-    })
+    };
+    let shared = match m.shared_expert_intermediate_size {
+        Some(width) => Some(SharedExpert {
+            mlp: mlp(w, &format!("{p}.mlp.{shared}"), h, width, false)?,
+            gate: if m.shared_expert_gate {
+                Some(w.take(&format!("{p}.mlp.{shared}_gate.weight"), &[1, h])?)
+            } else {
+                None
+            },
+        }),
+        None => None,
+    };
+    Ok(SparseMoe { router, experts, shared })
 }
 
 /// The Llama-style layer: attention and a dense MLP.
@@ -416,7 +441,7 @@ mod tests {
         use crate::target_config::LayerKind::{FullAttention as F, LinearAttention as L};
         assert_eq!(c.layer_types, vec![L, L, L, F], "every 4th layer full by default");
         assert_eq!(c.rope.partial_rotary_factor, 0.25, "the hybrids' default partial RoPE");
-        assert!(c.attn_output_gate && c.norm_offset && c.qk_norm);
+        assert!(c.attn_output_gate && c.norm == NormStyle::ZeroCentred && c.qk_norm);
         let c = read(&format!(
             r#"{{"architectures": ["Qwen3_5ForCausalLM"], "full_attention_interval": 2, "layer_types": null, {HYBRID}}}"#
         ))
@@ -441,7 +466,9 @@ mod tests {
         .expect("multimodal");
         assert_eq!(vl.tensor_names.language_model.as_deref(), Some("model.language_model."));
         assert_eq!(vl.mtp_layers, 1);
-        assert!(vl.moe.as_ref().is_some_and(|m| m.norm_topk_prob && m.shared_expert_intermediate_size == Some(16)));
+        assert!(vl.moe.as_ref().is_some_and(|m| m.norm_topk_prob
+            && m.shared_expert_intermediate_size == Some(16)
+            && m.shared_expert_gate));
     }
 
     #[test]

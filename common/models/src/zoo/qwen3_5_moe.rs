@@ -53,13 +53,9 @@ fn read_text(cfg: &mut HfConfig) -> Result<TargetConfig, ModelError> {
     }
     let shared: i64 = cfg.or("shared_expert_intermediate_size", 512)?;
     c.moe = Some(MoeConfig {
-        num_experts,
-        top_k,
-        expert_intermediate_size: cfg.or("moe_intermediate_size", 512)?,
-        norm_topk_prob: true,
-        sparse_step: 1,
-        dense_layers: Vec::new(),
         shared_expert_intermediate_size: (shared > 0).then_some(shared),
+        shared_expert_gate: true,
+        ..MoeConfig::qwen(num_experts, top_k, cfg.or("moe_intermediate_size", 512)?, true)
     });
     Ok(c)
 }
@@ -87,7 +83,7 @@ impl Architecture for Qwen35Moe {
 
     fn load_layer(&self, w: &mut Weights, c: &TargetConfig, i: i64) -> Result<DecoderLayer, ModelError> {
         let m = c.moe.as_ref().expect("a Qwen3.5 MoE config has experts");
-        layer_with(w, c, i, |w, p| Ok(FeedForward::Sparse(hybrid::sparse_block(w, c, p, m)?)))
+        layer_with(w, c, i, |w, p| Ok(FeedForward::Sparse(super::sparse_moe(w, p, m, c.hidden_size, "shared_expert")?)))
     }
 
     fn to_hf_json(&self, c: &TargetConfig) -> Value {

@@ -10,7 +10,7 @@
 
 use serde_json::{Value, json};
 
-use super::{Architecture, Defaults, dense_layer, layer_with, read_common, routed_experts};
+use super::{Architecture, Defaults, dense_layer, layer_with, read_common, sparse_moe};
 use crate::ModelError;
 use crate::decoder::{DecoderLayer, FeedForward};
 use crate::hf_config::HfConfig;
@@ -70,21 +70,16 @@ impl Architecture for Qwen3Moe {
         if let Some(l) = dense_layers.iter().find(|&&l| l < 0 || l >= c.num_layers) {
             return Err(cfg.error("mlp_only_layers", format!("layer {l} does not exist ({} layers)", c.num_layers)));
         }
-        c.moe = Some(MoeConfig {
-            num_experts,
-            top_k,
-            expert_intermediate_size: cfg.positive("moe_intermediate_size")?,
-            norm_topk_prob: cfg.or("norm_topk_prob", false)?,
-            sparse_step,
-            dense_layers,
-            shared_expert_intermediate_size: None,
-        });
+        let norm_topk_prob = cfg.or("norm_topk_prob", false)?;
+        let width = cfg.positive("moe_intermediate_size")?;
+        c.moe =
+            Some(MoeConfig { sparse_step, dense_layers, ..MoeConfig::qwen(num_experts, top_k, width, norm_topk_prob) });
         Ok(c)
     }
 
     fn load_layer(&self, w: &mut Weights, c: &TargetConfig, i: i64) -> Result<DecoderLayer, ModelError> {
         let Some(m) = c.moe.as_ref().filter(|m| m.is_sparse(i)) else { return dense_layer(w, c, i) };
-        layer_with(w, c, i, |w, p| Ok(FeedForward::Sparse(routed_experts(w, p, m, c.hidden_size)?)))
+        layer_with(w, c, i, |w, p| Ok(FeedForward::Sparse(sparse_moe(w, p, m, c.hidden_size, "shared_expert")?)))
     }
 
     fn hf_fields(&self, c: &TargetConfig) -> Value {

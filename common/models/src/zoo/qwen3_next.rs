@@ -56,21 +56,20 @@ impl Architecture for Qwen3Next {
             return Err(cfg.error("mlp_only_layers", format!("layer {l} does not exist ({} layers)", c.num_layers)));
         }
         let shared: i64 = cfg.or("shared_expert_intermediate_size", 512)?;
+        let (width, norm_topk_prob) = (cfg.or("moe_intermediate_size", 512)?, cfg.or("norm_topk_prob", true)?);
         c.moe = Some(MoeConfig {
-            num_experts,
-            top_k,
-            expert_intermediate_size: cfg.or("moe_intermediate_size", 512)?,
-            norm_topk_prob: cfg.or("norm_topk_prob", true)?,
             sparse_step,
             dense_layers,
             shared_expert_intermediate_size: (shared > 0).then_some(shared),
+            shared_expert_gate: true,
+            ..MoeConfig::qwen(num_experts, top_k, width, norm_topk_prob)
         });
         Ok(c)
     }
 
     fn load_layer(&self, w: &mut Weights, c: &TargetConfig, i: i64) -> Result<DecoderLayer, ModelError> {
         let Some(m) = c.moe.as_ref().filter(|m| m.is_sparse(i)) else { return dense_layer(w, c, i) };
-        layer_with(w, c, i, |w, p| Ok(FeedForward::Sparse(hybrid::sparse_block(w, c, p, m)?)))
+        layer_with(w, c, i, |w, p| Ok(FeedForward::Sparse(super::sparse_moe(w, p, m, c.hidden_size, "shared_expert")?)))
     }
 
     fn hf_fields(&self, c: &TargetConfig) -> Value {
