@@ -10,6 +10,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/adamw.cpp");
     println!("cargo:rerun-if-changed=csrc/split_attention.cpp");
     println!("cargo:rerun-if-changed=csrc/gloo_group.cpp");
+    println!("cargo:rerun-if-changed=csrc/varlen_attention.cpp");
     println!("cargo:rerun-if-env-changed=DFLASH_GLOO_INCLUDE");
     let Ok(dir) = std::env::var("LIBTORCH") else {
         panic!("LIBTORCH is not set: run scripts/setup-libtorch.sh (the Makefile does)");
@@ -28,6 +29,7 @@ fn main() {
         .file("csrc/adamw.cpp")
         .file("csrc/split_attention.cpp")
         .file("csrc/gloo_group.cpp")
+        .file("csrc/varlen_attention.cpp")
         .define("USE_C10D_GLOO", None)
         .include(gloo)
         .include(format!("{dir}/include"))

@@ -8,8 +8,9 @@ states on, no LM head), side by side with ours.
 Prints tokens/s and MFU (FLOPs counted as bench-capture counts them, from
 the per-layer counts its JSON carries: the linear layers a token passes
 through -- for MoE layers the router and the experts it is routed to -- plus
-the visible half of causal attention in full-attention layers, over the
-layers each implementation runs). Hybrid targets run transformers' torch
+the visible query-key pairs of softmax-attention layers -- the causal half,
+within the window of sliding layers -- over the layers each implementation
+runs). Hybrid targets run transformers' torch
 path, or flash-linear-attention's kernels when `fla` is importable (the
 JSON says which).
 """
@@ -34,13 +35,22 @@ def layer_macs(c, i):
     return attn + 3 * h * c["intermediate_size"]
 
 
+def visible_pairs(l, window):
+    """Query-key pairs causal attention computes over l tokens (within a window)."""
+    if window is None or window >= l:
+        return l * (l + 1) / 2
+    return window * (window + 1) / 2 + (l - window) * window
+
+
 def flops(c, layers, lens, bench=None):
-    qd = c["num_attention_heads"] * c["head_dim"]
     tokens = sum(lens)
-    attn = sum(4 * qd * l * (l + 1) / 2 for l in lens)
     if bench and "layer_linear_macs" in bench:
-        macs, full = bench["layer_linear_macs"], set(bench["full_attention_layers"])
-        return sum(2 * macs[i] * tokens + (attn if i in full else 0) for i in range(layers))
+        macs, pair, window = bench["layer_linear_macs"], bench["attention_pair_flops"], bench["attention_window"]
+        return sum(
+            2 * macs[i] * tokens + sum(pair[i] * visible_pairs(l, window[i]) for l in lens) for i in range(layers)
+        )
+    qd = c["num_attention_heads"] * c["head_dim"]
+    attn = sum(4 * qd * l * (l + 1) / 2 for l in lens)
     return sum(2 * layer_macs(c, i) * tokens + attn for i in range(layers))
 
 

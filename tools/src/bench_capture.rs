@@ -93,18 +93,14 @@ struct ModeResult {
 
 /// FLOPs of capturing `lens` sequences through the first `layers` layers:
 /// the linear layers a token passes through (for MoE layers the router and
-/// the experts it is routed to: active parameters) plus causal attention
-/// (only the visible half) in full-attention layers. The convolution and
-/// delta rule of linear-attention layers are not counted.
+/// the experts it is routed to: active parameters) plus softmax attention
+/// over the visible pairs (the causal half, within the window of sliding
+/// layers). The convolution and delta rule of linear-attention layers are
+/// not counted.
 pub fn capture_flops(c: &TargetConfig, layers: i64, lens: &[usize]) -> f64 {
-    let qd = (c.num_heads * c.head_dim) as f64;
     let tokens: f64 = lens.iter().map(|&l| l as f64).sum();
-    let attn: f64 = lens.iter().map(|&l| 4.0 * qd * (l as f64) * (l as f64 + 1.0) / 2.0).sum();
     (0..layers)
-        .map(|i| {
-            let full = c.layer_kind(i) == dflash_models::LayerKind::FullAttention;
-            2.0 * c.layer_linear_macs(i) * tokens + if full { attn } else { 0.0 }
-        })
+        .map(|i| 2.0 * c.layer_linear_macs(i) * tokens + lens.iter().map(|&l| c.attention_flops(i, l)).sum::<f64>())
         .sum()
 }
 
@@ -464,8 +460,17 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             "target_config": config.to_hf_json(),
             // How the FLOPs are counted, per layer, for the reference to count alike.
             "layer_linear_macs": (0..config.num_layers).map(|i| config.layer_linear_macs(i)).collect::<Vec<_>>(),
-            "full_attention_layers": (0..config.num_layers)
-                .filter(|&i| config.layer_kind(i) == dflash_models::LayerKind::FullAttention)
+            // Per layer, the attention FLOPs of one query-key pair (0: no
+            // softmax attention) and the window of sliding layers: the
+            // reference counts its pairs alike.
+            "attention_pair_flops": (0..config.num_layers)
+                .map(|i| config.attention_flops(i, 1))
+                .collect::<Vec<_>>(),
+            "attention_window": (0..config.num_layers)
+                .map(|i| match config.layer_kind(i) {
+                    dflash_models::LayerKind::SlidingAttention => config.sliding_window,
+                    _ => None,
+                })
                 .collect::<Vec<_>>(),
             "timed_seq_lengths": make_batches(a.warmup + a.batches, a, config.vocab_size, 7)[a.warmup..]
                 .iter()

@@ -323,7 +323,7 @@ pub fn convert_llama_gguf(gguf_path: &Path, out: &Path) -> Result<TargetConfig, 
         qk_norm: false,
         max_position_embeddings: g.u64("llama.context_length").unwrap_or(4096) as i64,
         moe: None,
-        fp8: None,
+        quant: None,
         layer_types: TargetConfig::all_attention(num_layers),
         ..TargetConfig::default()
     };

@@ -1,6 +1,6 @@
 //! One decoder layer of a target, as every supported family has it:
-//! RMSNorm -> token mixer (softmax attention, or Gated DeltaNet linear
-//! attention in hybrid families) -> residual add -> RMSNorm -> feed-forward
+//! RMSNorm -> token mixer (softmax attention, DeepSeek's latent attention,
+//! or Gated DeltaNet linear attention in hybrid families) -> residual add -> RMSNorm -> feed-forward
 //! (dense SwiGLU MLP or sparse MoE block) -> residual add; run over packed
 //! sequences (capture) or against the decoding cache.
 
@@ -8,7 +8,8 @@ use tch::Tensor;
 
 use crate::KvCache;
 use crate::gated_deltanet::{GatedDeltaNet, PackedLayout};
-use crate::layers::{Attention, Mlp, RmsNorm, repeat_kv};
+use crate::latent_attention::LatentAttention;
+use crate::layers::{Attention, Mlp, RmsNorm};
 use crate::moe::SparseMoe;
 
 /// The MLP half of a layer.
@@ -34,6 +35,8 @@ pub enum Mixer {
     Attention(Attention),
     /// A Gated DeltaNet layer (`linear_attn`).
     Linear(GatedDeltaNet),
+    /// Multi-head latent attention (`self_attn` of DeepSeek-V3).
+    Latent(LatentAttention),
 }
 
 /// A decoder layer, with its Hugging Face module names.
@@ -65,6 +68,15 @@ impl DecoderLayer {
         let mixed = match &self.mixer {
             Mixer::Attention(a) => attention_packed(a, &h, cos, sin, lens, mark),
             Mixer::Linear(l) => l.forward_packed(&h, linear.expect("a hybrid batch has its packed layout"), mark),
+            Mixer::Latent(a) => {
+                let p = a.project(&h, cos, sin);
+                mark("latent q/kv + rope");
+                let o = a.kernel.packed(&p.q, &p.k, &p.v, lens);
+                mark("attention");
+                let y = a.output(&o);
+                mark("o_proj");
+                y
+            }
         };
         let x = x + mixed;
         mark("mixer residual");
@@ -97,19 +109,12 @@ impl DecoderLayer {
             Mixer::Attention(a) => {
                 let p = a.project(&h, cos, sin); // [B, t, heads, d]
                 let (k, v) = cache.append(layer, p.k.transpose(1, 2), p.v.transpose(1, 2)); // [B, kv, L+t, d]
-                let n_rep = a.num_heads / a.num_kv_heads;
-                let o = Tensor::scaled_dot_product_attention(
-                    &p.q.transpose(1, 2),
-                    &repeat_kv(&k, n_rep),
-                    &repeat_kv(&v, n_rep),
-                    Some(mask),
-                    0.0,
-                    false,
-                    None,
-                    false,
-                );
-                let (b, t) = (x.size()[0], x.size()[1]);
-                a.output(&o.transpose(1, 2).reshape([b, t, a.num_heads * a.head_dim]), p.gate.as_ref())
+                a.output(&a.kernel.cached(&p.q.transpose(1, 2), &k, &v, mask), p.gate.as_ref())
+            }
+            Mixer::Latent(a) => {
+                let p = a.project(&h, cos, sin); // [B, t, heads, d]
+                let (k, v) = cache.append(layer, p.k.transpose(1, 2), p.v.transpose(1, 2));
+                a.output(&a.kernel.cached(&p.q.transpose(1, 2), &k, &v, mask))
             }
             Mixer::Linear(l) => {
                 let record = KvCache::records(x.size()[1]);
@@ -134,22 +139,7 @@ fn attention_packed(
 ) -> Tensor {
     let p = a.project(h, cos, sin); // [T, heads, d]
     mark("qkv + qk-norm + rope");
-    let (qs, ks, vs) = (p.q.split_with_sizes(lens, 0), p.k.split_with_sizes(lens, 0), p.v.split_with_sizes(lens, 0));
-    let outs: Vec<Tensor> = qs
-        .iter()
-        .zip(&ks)
-        .zip(&vs)
-        .map(|((q, k), v)| {
-            let q = q.transpose(0, 1).unsqueeze(0);
-            let k = k.transpose(0, 1).unsqueeze(0);
-            let v = v.transpose(0, 1).unsqueeze(0);
-            // Grouped-query attention inside the (flash) kernel: no copy
-            // of the kv heads per query head.
-            let o = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, true);
-            o.squeeze_dim(0).transpose(0, 1).reshape([-1, a.num_heads * a.head_dim])
-        })
-        .collect();
-    let outs = Tensor::cat(&outs, 0);
+    let outs = a.kernel.packed(&p.q, &p.k, &p.v, lens);
     mark("attention");
     let y = a.output(&outs, p.gate.as_ref());
     mark("o_proj");

@@ -309,7 +309,7 @@ impl Drafter {
             self.device(),
             kind,
             |name| map.contains_key(name) || name.strip_suffix("_scale_inv").is_some_and(|w| map.contains_key(w)),
-            t.fp8.as_ref(),
+            t.quant.as_ref(),
         )?;
         let vars = self.vs.variables();
         let _guard = tch::no_grad_guard();

@@ -85,6 +85,8 @@ pub struct Attention {
     pub num_kv_heads: i64,
     pub head_dim: i64,
     pub output_gate: bool,
+    /// Scale, window and sinks of the softmax.
+    pub kernel: crate::attention::AttentionKernel,
 }
 
 /// What [`Attention::project`] gives: q `[.., S, nh, d]`, k and v

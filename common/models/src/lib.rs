@@ -4,6 +4,7 @@
 //! step, AdamW, checkpoints in the served layout, and CUDA loading.
 
 pub mod acceptance;
+pub mod attention;
 pub mod blocks;
 pub mod checkpoint;
 pub mod collective;
@@ -23,6 +24,7 @@ pub mod gpu;
 pub mod group;
 pub mod hf_config;
 pub mod kv_cache;
+pub mod latent_attention;
 pub mod layers;
 pub mod moe;
 pub mod optim;

@@ -43,6 +43,9 @@ pub enum RopeScaling {
         beta_fast: f64,
         beta_slow: f64,
         truncate: bool,
+        /// DeepSeek's `mscale_all_dim` (0: none): latent attention scales
+        /// its softmax by `mscale(factor, mscale_all_dim)^2`.
+        mscale_all_dim: f64,
     },
 }
 
@@ -196,6 +199,7 @@ impl RopeConfig {
                     beta_fast: num(&mut p, "beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0),
                     beta_slow: num(&mut p, "beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0),
                     truncate,
+                    mscale_all_dim,
                 }
             }
             other => {
@@ -269,6 +273,18 @@ impl RopeConfig {
         }
     }
 
+    /// What DeepSeek's latent attention multiplies its softmax scale by:
+    /// YaRN's `mscale(factor, mscale_all_dim)` squared (1 otherwise), as
+    /// transformers' `yarn_apply_mscale`.
+    pub fn softmax_mscale(&self) -> f64 {
+        match self.scaling {
+            RopeScaling::Yarn { factor, mscale_all_dim, .. } if mscale_all_dim != 0.0 => {
+                yarn_mscale(factor, mscale_all_dim).powi(2)
+            }
+            _ => 1.0,
+        }
+    }
+
     /// Scale applied to cos and sin (YaRN's attention factor; else 1).
     pub fn attention_scaling(&self) -> f64 {
         match self.scaling {
@@ -331,11 +347,16 @@ impl RopeConfig {
                 beta_fast,
                 beta_slow,
                 truncate,
+                mscale_all_dim,
             } => {
-                serde_json::json!({"rope_type": "yarn", "factor": factor,
+                let mut v = serde_json::json!({"rope_type": "yarn", "factor": factor,
                     "original_max_position_embeddings": *original_max_position_embeddings as i64,
                     "attention_factor": attention_factor, "beta_fast": beta_fast, "beta_slow": beta_slow,
-                    "truncate": truncate})
+                    "truncate": truncate});
+                if *mscale_all_dim != 0.0 {
+                    v["mscale_all_dim"] = serde_json::json!(mscale_all_dim);
+                }
+                v
             }
         };
         (self.theta, scaling)

@@ -33,7 +33,7 @@ pub fn synthetic_target_config(num_layers: i64) -> TargetConfig {
         qk_norm: false,
         max_position_embeddings: 4096,
         moe: None,
-        fp8: None,
+        quant: None,
         layer_types: TargetConfig::all_attention(num_layers),
         ..TargetConfig::default()
     }

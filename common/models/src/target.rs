@@ -78,7 +78,7 @@ pub struct Inspection {
 pub fn load_embeddings(dir: &Path, device: Device, kind: Kind) -> Result<(TargetConfig, Tensor, Tensor), ModelError> {
     let c = TargetConfig::from_dir(dir)?;
     let keep = |n: &str| n.starts_with("model.embed_tokens.") || n.starts_with("lm_head.");
-    let mut w = Weights::load_quantized(dir, &c.tensor_names, device, kind, keep, c.fp8.as_ref())?;
+    let mut w = Weights::load_quantized(dir, &c.tensor_names, device, kind, keep, c.quant.as_ref())?;
     let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
     let head = lm_head(&mut w, &c, &embed)?;
     Ok((c, embed, head))
@@ -106,9 +106,9 @@ impl TargetModel {
             Some(i) => i < n_layers,
             None => keep_outside_layers(name, scope),
         };
-        let mut headers = Weights::headers(dir, &c.tensor_names, kind, &keep, c.fp8.as_ref())?;
+        let mut headers = Weights::headers(dir, &c.tensor_names, kind, &keep, c.quant.as_ref())?;
         Self::from_weights(c.clone(), &mut headers, scope, Device::Cpu, kind, dir)?;
-        let mut w = Weights::load_quantized(dir, &c.tensor_names, device, kind, keep, c.fp8.as_ref())?;
+        let mut w = Weights::load_quantized(dir, &c.tensor_names, device, kind, keep, c.quant.as_ref())?;
         Self::from_weights(c, &mut w, scope, device, kind, dir)
     }
 
@@ -122,7 +122,7 @@ impl TargetModel {
             Some(i) => i < n_layers,
             None => keep_outside_layers(name, scope),
         };
-        let mut headers = Weights::headers(dir, &c.tensor_names, kind, &keep, c.fp8.as_ref())?;
+        let mut headers = Weights::headers(dir, &c.tensor_names, kind, &keep, c.quant.as_ref())?;
         let model = Self::from_weights(c.clone(), &mut headers, scope, Device::Cpu, kind, dir)?;
         Ok(Inspection { config: c, bytes: model.planned_bytes, skipped: headers.skipped().to_vec() })
     }

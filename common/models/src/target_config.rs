@@ -7,7 +7,7 @@ use crate::ModelError;
 use crate::gated_deltanet::{DeltaNetShape, ProjectionLayout};
 use crate::hf_config::HfConfig;
 use crate::moe::{ExpertActivation, Routing};
-use crate::quant::Fp8Config;
+use crate::quant::Quantization;
 use crate::rope::RopeConfig;
 use crate::weights::TensorNames;
 use crate::zoo;
@@ -32,6 +32,15 @@ pub enum Family {
     Qwen35,
     /// Qwen3.5 / 3.6 MoE: Qwen3-Next's hybrid layers, every MLP sparse.
     Qwen35Moe,
+    /// gpt-oss: attention sinks, alternating sliding-window and full
+    /// layers, biases everywhere, MoE of clamped-SwiGLU experts.
+    GptOss,
+    /// DeepSeek-V3 (and Kimi-K2): multi-head latent attention, MoE with
+    /// grouped sigmoid routing and shared experts after dense first layers.
+    DeepseekV3,
+    /// GLM-4.5 / 4.6 / 4.7 MoE: partial RoPE, optional QK norm, DeepSeek's
+    /// routing and shared experts.
+    Glm4Moe,
 }
 
 /// What mixes a layer's tokens (transformers' `layer_types` entries).
@@ -39,6 +48,9 @@ pub enum Family {
 pub enum LayerKind {
     /// `full_attention`: causal softmax attention.
     FullAttention,
+    /// `sliding_attention`: causal softmax attention over the last
+    /// `sliding_window` positions.
+    SlidingAttention,
     /// `linear_attention`: a Gated DeltaNet layer.
     LinearAttention,
 }
@@ -47,8 +59,55 @@ impl LayerKind {
     pub fn hf_name(self) -> &'static str {
         match self {
             LayerKind::FullAttention => "full_attention",
+            LayerKind::SlidingAttention => "sliding_attention",
             LayerKind::LinearAttention => "linear_attention",
         }
+    }
+
+    /// Softmax attention (full or windowed).
+    pub fn is_attention(self) -> bool {
+        matches!(self, LayerKind::FullAttention | LayerKind::SlidingAttention)
+    }
+}
+
+/// DeepSeek's multi-head latent attention: queries through an optional
+/// low-rank bottleneck, keys and values expanded per head from one
+/// compressed latent shared by all heads, and a RoPE part of each query and
+/// key head (one key RoPE part shared by all heads).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LatentAttentionConfig {
+    /// Rank of the query bottleneck (None: one `q_proj`).
+    pub q_lora_rank: Option<i64>,
+    pub kv_lora_rank: i64,
+    pub qk_nope_head_dim: i64,
+    pub qk_rope_head_dim: i64,
+    pub v_head_dim: i64,
+    /// The RoPE part's pairs are interleaved (`rope_interleave`).
+    pub rope_interleave: bool,
+    /// Softmax scale: `(nope + rope)^-0.5`, times YaRN's mscale squared.
+    pub softmax_scale: f64,
+}
+
+impl LatentAttentionConfig {
+    pub fn qk_head_dim(&self) -> i64 {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// Multiply-adds per token of the projections, `heads` heads over a
+    /// stream of width `hidden`.
+    pub fn macs(&self, hidden: i64, heads: i64) -> i64 {
+        let q = match self.q_lora_rank {
+            Some(r) => hidden * r + r * heads * self.qk_head_dim(),
+            None => hidden * heads * self.qk_head_dim(),
+        };
+        let kv = hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim);
+        q + kv + heads * self.v_head_dim * hidden
+    }
+
+    /// Parameters: the projections and the bottlenecks' norms.
+    pub fn parameters(&self, hidden: i64, heads: i64) -> i64 {
+        self.macs(hidden, heads) + self.q_lora_rank.unwrap_or(0) + self.kv_lora_rank
     }
 }
 
@@ -152,7 +211,7 @@ pub struct TargetConfig {
     pub max_position_embeddings: i64,
     pub moe: Option<MoeConfig>,
     /// How the checkpoint's weights are quantized (None: stored as floats).
-    pub fp8: Option<Fp8Config>,
+    pub quant: Option<Quantization>,
     /// Each layer's token mixer (all full attention outside hybrid families).
     pub layer_types: Vec<LayerKind>,
     /// The linear-attention layers' settings (hybrid families).
@@ -165,6 +224,12 @@ pub struct TargetConfig {
     pub tensor_names: TensorNames,
     /// Multi-token-prediction layers the checkpoint has (never loaded).
     pub mtp_layers: i64,
+    /// Positions a `sliding_attention` layer sees (itself included).
+    pub sliding_window: Option<i64>,
+    /// A learned sink logit per head in every attention softmax (gpt-oss).
+    pub attention_sinks: bool,
+    /// Multi-head latent attention in place of `q/k/v_proj` (DeepSeek-V3).
+    pub latent_attention: Option<LatentAttentionConfig>,
 }
 
 impl Default for TargetConfig {
@@ -189,13 +254,16 @@ impl Default for TargetConfig {
             qk_norm: false,
             max_position_embeddings: 4096,
             moe: None,
-            fp8: None,
+            quant: None,
             layer_types: Vec::new(),
             linear_attention: None,
             attn_output_gate: false,
             norm: NormStyle::Plain,
             tensor_names: TensorNames::default(),
             mtp_layers: 0,
+            sliding_window: None,
+            attention_sinks: false,
+            latent_attention: None,
         }
     }
 }
@@ -261,10 +329,11 @@ impl TargetConfig {
     pub fn layer_linear_macs(&self, i: i64) -> f64 {
         let (h, hd) = (self.hidden_size as f64, self.head_dim as f64);
         let (qd, kvd) = (self.num_heads as f64 * hd, self.num_kv_heads as f64 * hd);
-        let mixer = match (self.layer_kind(i), &self.linear_attention) {
-            (LayerKind::LinearAttention, Some(l)) => {
+        let mixer = match (self.layer_kind(i), &self.linear_attention, &self.latent_attention) {
+            (LayerKind::LinearAttention, Some(l), _) => {
                 h * l.shape.projection_dim() as f64 + l.shape.value_dim() as f64 * h
             }
+            (_, _, Some(m)) => m.macs(h as i64, self.num_heads) as f64,
             _ => h * self.q_proj_rows() as f64 + h * kvd * 2.0 + qd * h,
         };
         let mlp = match &self.moe {
@@ -278,16 +347,42 @@ impl TargetConfig {
         mixer + mlp
     }
 
+    /// FLOPs of layer `i`'s softmax attention over one sequence of `len`
+    /// tokens: the visible (causal, windowed) query-key pairs, each a
+    /// `q . k` and a weighted sum of values over every head. Zero for a
+    /// linear-attention layer.
+    pub fn attention_flops(&self, i: i64, len: usize) -> f64 {
+        let kind = self.layer_kind(i);
+        if !kind.is_attention() {
+            return 0.0;
+        }
+        let (qk, v) = match &self.latent_attention {
+            Some(m) => (m.qk_head_dim(), m.v_head_dim),
+            None => (self.head_dim, self.head_dim),
+        };
+        let l = len as f64;
+        let pairs = match (kind, self.sliding_window) {
+            (LayerKind::SlidingAttention, Some(w)) if (w as f64) < l => {
+                let w = w as f64;
+                w * (w + 1.0) / 2.0 + (l - w) * w
+            }
+            _ => l * (l + 1.0) / 2.0,
+        };
+        2.0 * self.num_heads as f64 * (qk + v) as f64 * pairs
+    }
+
     /// Parameters of layer `i` (all experts counted).
     pub fn layer_parameters(&self, i: i64) -> i64 {
         let (h, hd) = (self.hidden_size, self.head_dim);
         let (qd, kvd) = (self.num_heads * hd, self.num_kv_heads * hd);
         let mut n = 2 * h;
-        n += match (self.layer_kind(i), &self.linear_attention) {
-            (LayerKind::LinearAttention, Some(l)) => l.shape.parameters(h),
+        n += match (self.layer_kind(i), &self.linear_attention, &self.latent_attention) {
+            (LayerKind::LinearAttention, Some(l), _) => l.shape.parameters(h),
+            (_, _, Some(m)) => m.parameters(h, self.num_heads),
             _ => {
                 let mut a = h * self.q_proj_rows() + h * kvd * 2 + qd * h;
                 a += if self.qkv_bias { self.q_proj_rows() + 2 * kvd } else { 0 } + if self.o_bias { h } else { 0 };
+                a += if self.attention_sinks { self.num_heads } else { 0 };
                 a + if self.qk_norm { 2 * hd } else { 0 }
             }
         };
@@ -297,7 +392,7 @@ impl TargetConfig {
                 let shared = m.shared_expert_intermediate_size.map_or(0, |s| 3 * h * s + gate);
                 let router = m.num_experts * (h + i64::from(m.router_bias));
                 let routing_bias = if matches!(m.routing, Routing::SigmoidGrouped { .. }) { m.num_experts } else { 0 };
-                let bias = if m.expert_bias { 3 * m.expert_intermediate_size + h } else { 0 };
+                let bias = if m.expert_bias { 2 * m.expert_intermediate_size + h } else { 0 };
                 router + routing_bias + m.num_experts * (3 * h * m.expert_intermediate_size + bias) + shared
             }
             _ => 3 * h * self.intermediate_size + if self.mlp_bias { 2 * self.intermediate_size + h } else { 0 },

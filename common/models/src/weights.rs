@@ -1,6 +1,6 @@
 //! Reading named tensors from a Hugging Face model directory: one
 //! `model.safetensors`, or shards listed in `model.safetensors.index.json`.
-//! FP8 weights are dequantized as they load (`quant.rs`).
+//! FP8 and MXFP4 weights are dequantized as they load (`quant.rs`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -10,7 +10,7 @@ use safetensors::tensor::Dtype;
 use tch::{Device, Kind, Tensor};
 
 use crate::ModelError;
-use crate::quant::Fp8Config;
+use crate::quant::{MXFP4_BLOCKS, MXFP4_SCALES, Quantization};
 
 /// Tensors of a checkpoint, taken out by name as the model is built. Also
 /// two stand-ins with the same interface: the checkpoint's headers only
@@ -120,6 +120,7 @@ fn kind_of(dtype: Dtype, file: &Path, name: &str) -> Result<Kind, ModelError> {
         Dtype::I64 => Kind::Int64,
         Dtype::I32 => Kind::Int,
         Dtype::F8_E4M3 => Kind::Float8e4m3fn,
+        Dtype::U8 => Kind::Uint8,
         other => {
             return Err(ModelError::Weights {
                 path: file.to_path_buf(),
@@ -128,6 +129,11 @@ fn kind_of(dtype: Dtype, file: &Path, name: &str) -> Result<Kind, ModelError> {
         }
     })
 }
+
+/// A tensor that keeps its stored floating kind: DeepSeek's routing
+/// correction bias, which only ranks experts (rounding it to bf16 changes
+/// which ones are chosen).
+const KEPT_AS_STORED: &str = ".e_score_correction_bias";
 
 /// Suffix of an FP8 weight's block scales (`X.weight` -> `X.weight_scale_inv`).
 const SCALE_SUFFIX: &str = "_scale_inv";
@@ -171,14 +177,17 @@ fn parse<'a>(file: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>, ModelError
 }
 
 /// The headers of every kept tensor of `dir` by the model's names (`keep`
-/// sees those), checked: known dtypes, and every float8 weight paired with
-/// a scale of the shape `fp8` implies. Skipped parts are counted, not read.
+/// sees those, and for MXFP4 parts the name of the tensor they make),
+/// checked: known dtypes, every float8 weight paired with a scale of the
+/// shape `quant` implies, every MXFP4 `_blocks` with its `_scales`.
+/// Skipped parts are counted, not read.
 fn scan(
     dir: &Path,
     names: &TensorNames,
     keep: &dyn Fn(&str) -> bool,
-    fp8: Option<&Fp8Config>,
+    quant: Option<&Quantization>,
 ) -> Result<(HashMap<String, Entry>, Vec<SkippedTensors>), ModelError> {
+    let fp8 = quant.and_then(Quantization::fp8);
     let mut entries = HashMap::new();
     let mut skipped: Vec<SkippedTensors> =
         names.skipped.iter().map(|p| SkippedTensors { part: p.clone(), tensors: 0, bytes: 0 }).collect();
@@ -193,7 +202,7 @@ fn scan(
                 }
                 continue;
             };
-            if !keep(&name) {
+            if !keep(mxfp4_base(&name).unwrap_or(&name)) {
                 continue;
             }
             let kind = kind_of(view.dtype(), &file, stored)?;
@@ -235,6 +244,7 @@ fn scan(
             });
         }
     }
+    check_mxfp4(dir, &entries, quant)?;
     let stray = entries.iter().find(|(n, _)| {
         n.strip_suffix(SCALE_SUFFIX).is_some_and(|w| entries.get(w).is_none_or(|e| e.kind != Kind::Float8e4m3fn))
     });
@@ -247,6 +257,69 @@ fn scan(
     Ok((entries, skipped))
 }
 
+/// The tensor an MXFP4 part makes (`X_blocks` and `X_scales` make `X`).
+fn mxfp4_base(name: &str) -> Option<&str> {
+    name.strip_suffix(MXFP4_BLOCKS).or_else(|| name.strip_suffix(MXFP4_SCALES))
+}
+
+/// Every u8 tensor is a part of an MXFP4 pair in a checkpoint that says
+/// mxfp4, and the pair's shapes agree.
+fn check_mxfp4(dir: &Path, entries: &HashMap<String, Entry>, quant: Option<&Quantization>) -> Result<(), ModelError> {
+    let mut bytes: Vec<(&String, &Entry)> = entries.iter().filter(|(_, e)| e.kind == Kind::Uint8).collect();
+    bytes.sort_by_key(|(n, _)| n.as_str());
+    for (name, e) in bytes {
+        let bad = |message: String| ModelError::Weights { path: e.file.clone(), message };
+        if quant != Some(&Quantization::Mxfp4) {
+            return Err(bad(format!(
+                "tensor {} is u8 but {} has no mxfp4 quantization_config",
+                e.stored,
+                dir.join("config.json").display()
+            )));
+        }
+        let Some(base) = name.strip_suffix(MXFP4_BLOCKS) else {
+            if name.strip_suffix(MXFP4_SCALES).is_some_and(|b| entries.contains_key(&format!("{b}{MXFP4_BLOCKS}"))) {
+                continue;
+            }
+            return Err(bad(format!("{} is neither MXFP4 blocks nor the scales of present blocks", e.stored)));
+        };
+        if crate::quant::mxfp4_shape(&e.shape).is_none() {
+            return Err(bad(format!("{} has shape {:?}, expected [experts, rows, blocks, 16]", e.stored, e.shape)));
+        }
+        let Some(scales) = entries.get(&format!("{base}{MXFP4_SCALES}")) else {
+            return Err(ModelError::MissingTensor {
+                dir: dir.to_path_buf(),
+                name: format!("{}{MXFP4_SCALES}", e.stored.strip_suffix(MXFP4_BLOCKS).unwrap_or(&e.stored)),
+            });
+        };
+        if scales.kind != Kind::Uint8 || scales.shape != e.shape[..3] {
+            return Err(ModelError::Weights {
+                path: scales.file.clone(),
+                message: format!(
+                    "{} is {:?} {:?}, expected u8 {:?} for blocks {:?}",
+                    scales.stored,
+                    scales.kind,
+                    scales.shape,
+                    &e.shape[..3],
+                    e.shape
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Replaces each MXFP4 pair of `raw` by the tensor it makes, in `kind`,
+/// one pair at a time.
+fn dequantize_mxfp4_pairs(raw: &mut HashMap<String, Tensor>, kind: Kind) {
+    let mut pairs: Vec<String> = raw.keys().filter_map(|n| n.strip_suffix(MXFP4_BLOCKS).map(str::to_string)).collect();
+    pairs.sort();
+    for base in pairs {
+        let blocks = raw.remove(&format!("{base}{MXFP4_BLOCKS}")).expect("listed above");
+        let scales = raw.remove(&format!("{base}{MXFP4_SCALES}")).expect("paired by scan");
+        raw.insert(base, crate::quant::dequantize_mxfp4(&blocks, &scales, kind));
+    }
+}
+
 impl Weights {
     /// Loads every tensor whose name passes `keep` from the directory's
     /// safetensors files, converting floating tensors to `kind` on `device`.
@@ -255,18 +328,19 @@ impl Weights {
     }
 
     /// Like [`Weights::load`] for a checkpoint named as `names` says that
-    /// may hold FP8 weights (`fp8`: its `quantization_config`): each
-    /// float8 `X.weight` is dequantized with its `X.weight_scale_inv`
-    /// (wherever the shards put it) on `device` into `kind`.
+    /// may hold quantized weights (`quant`: its `quantization_config`):
+    /// each float8 `X.weight` is dequantized with its `X.weight_scale_inv`,
+    /// each MXFP4 `X_blocks` with its `X_scales` into `X` (wherever the
+    /// shards put them), on `device` into `kind`.
     pub fn load_quantized(
         dir: &Path,
         names: &TensorNames,
         device: Device,
         kind: Kind,
         keep: impl Fn(&str) -> bool,
-        fp8: Option<&Fp8Config>,
+        quant: Option<&Quantization>,
     ) -> Result<Self, ModelError> {
-        let (entries, skipped) = scan(dir, names, &keep, fp8)?;
+        let (entries, skipped) = scan(dir, names, &keep, quant)?;
         let files: BTreeSet<&PathBuf> = entries.values().map(|e| &e.file).collect();
         let mut raw = HashMap::with_capacity(entries.len());
         for file in files {
@@ -278,14 +352,18 @@ impl Weights {
                     message: format!("{}: {err:?}", e.stored),
                 })?;
                 let t = Tensor::f_from_data_size(view.data(), &e.shape, e.kind)?.to_device(device);
-                // Scales stay f32 and FP8 weights raw until they meet.
-                let keep_raw = e.kind == Kind::Float8e4m3fn || name.ends_with(SCALE_SUFFIX);
+                // Scales stay f32 and FP8 weights raw until they meet; a
+                // routing bias stays as stored, as transformers keeps it
+                // in f32 whatever the model's dtype.
+                let keep_raw =
+                    e.kind == Kind::Float8e4m3fn || name.ends_with(SCALE_SUFFIX) || name.ends_with(KEPT_AS_STORED);
                 raw.insert(name.clone(), if t.is_floating_point() && !keep_raw { t.to_kind(kind) } else { t });
             }
         }
         // Dequantize one weight at a time, so the raw and the dequantized
         // copies of the whole model never coexist.
-        if let Some(q) = fp8 {
+        dequantize_mxfp4_pairs(&mut raw, kind);
+        if let Some(q) = quant.and_then(Quantization::fp8) {
             let mut quantized: Vec<String> =
                 raw.iter().filter(|(_, t)| t.kind() == Kind::Float8e4m3fn).map(|(n, _)| n.clone()).collect();
             quantized.sort();
@@ -307,10 +385,19 @@ impl Weights {
         names: &TensorNames,
         kind: Kind,
         keep: &dyn Fn(&str) -> bool,
-        fp8: Option<&Fp8Config>,
+        quant: Option<&Quantization>,
     ) -> Result<Self, ModelError> {
-        let (mut entries, skipped) = scan(dir, names, keep, fp8)?;
+        let (mut entries, skipped) = scan(dir, names, keep, quant)?;
         entries.retain(|n, _| !n.ends_with(SCALE_SUFFIX));
+        // An MXFP4 pair stands for the tensor it makes, in a float kind.
+        let pairs: Vec<String> =
+            entries.keys().filter_map(|n| n.strip_suffix(MXFP4_BLOCKS).map(str::to_string)).collect();
+        for base in pairs {
+            let blocks = entries.remove(&format!("{base}{MXFP4_BLOCKS}")).expect("listed above");
+            entries.remove(&format!("{base}{MXFP4_SCALES}"));
+            let shape = crate::quant::mxfp4_shape(&blocks.shape).expect("checked by scan");
+            entries.insert(base, Entry { kind: Kind::BFloat16, shape, ..blocks });
+        }
         let source = Source::Headers { entries, kind };
         Ok(Self { source, dir: dir.to_path_buf(), taken: 0, names: names.clone(), skipped })
     }

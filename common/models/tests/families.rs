@@ -37,6 +37,12 @@ const FIXTURES: &[&str] = &[
     "tiny-qwen3.5-vl",
     "tiny-qwen3.5-moe",
     "tiny-qwen3.5-moe-vl",
+    "tiny-gpt-oss",
+    "tiny-gpt-oss-mxfp4",
+    "tiny-deepseek-v3",
+    "tiny-deepseek-v3-fp8",
+    "tiny-moonlight",
+    "tiny-glm4-moe",
 ];
 
 /// The fixtures folder (`DFLASH_FIXTURES` where the test binary runs away

@@ -167,6 +167,7 @@ fn zoo_name(c: &TargetConfig) -> &'static str {
 fn kind_name(k: LayerKind) -> &'static str {
     match k {
         LayerKind::FullAttention => "full attention",
+        LayerKind::SlidingAttention => "sliding-window attention",
         LayerKind::LinearAttention => "linear attention",
     }
 }
@@ -187,10 +188,18 @@ fn layer_runs(c: &TargetConfig) -> String {
     if runs.len() <= 6 {
         return runs.iter().map(run).collect::<Vec<_>>().join(", ");
     }
-    // A repeating pattern: say it once.
-    let linear = (0..c.num_layers).filter(|&i| c.layer_kind(i) == LayerKind::LinearAttention).count();
-    let full: Vec<i64> = (0..c.num_layers).filter(|&i| c.layer_kind(i) == LayerKind::FullAttention).collect();
-    format!("{linear} linear attention, {} full attention (layers {full:?})", full.len())
+    // A repeating pattern: how many of each kind, and where the rarest are.
+    let of = |k: LayerKind| (0..c.num_layers).filter(|&i| c.layer_kind(i) == k).collect::<Vec<i64>>();
+    let mut kinds: Vec<(LayerKind, Vec<i64>)> =
+        [LayerKind::LinearAttention, LayerKind::SlidingAttention, LayerKind::FullAttention]
+            .into_iter()
+            .map(|k| (k, of(k)))
+            .filter(|(_, l)| !l.is_empty())
+            .collect();
+    kinds.sort_by_key(|(_, l)| std::cmp::Reverse(l.len()));
+    let (rarest, layers) = kinds.last().expect("a model has layers");
+    let counts: Vec<String> = kinds.iter().map(|(k, l)| format!("{} {}", l.len(), kind_name(*k))).collect();
+    format!("{} ({} at layers {layers:?})", counts.join(", "), kind_name(*rarest))
 }
 
 /// The resolved config, one setting per line.
@@ -207,7 +216,7 @@ pub fn describe(dir: &std::path::Path, c: &TargetConfig) -> String {
         ),
     );
     line("layers:", c.num_layers.to_string());
-    if c.is_hybrid() {
+    if c.layer_types.iter().any(|&k| k != LayerKind::FullAttention) {
         line("layer kinds:", layer_runs(c));
     }
     line("hidden size:", c.hidden_size.to_string());
@@ -221,36 +230,63 @@ pub fn describe(dir: &std::path::Path, c: &TargetConfig) -> String {
             ),
         );
     }
-    line(
-        "attention:",
-        format!(
-            "{} heads, {} kv heads, head_dim {}{}{}{}",
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            if c.qk_norm { ", QK norm" } else { "" },
-            if c.attn_output_gate { ", output gate" } else { "" },
-            match (c.qkv_bias, c.o_bias) {
-                (true, true) => ", biases on q/k/v/o",
-                (true, false) => ", biases on q/k/v",
-                _ => "",
-            }
+    let mut extras = String::new();
+    for (on, what) in [
+        (c.qk_norm, ", QK norm"),
+        (c.attn_output_gate, ", output gate"),
+        (c.attention_sinks, ", a sink logit per head"),
+        (c.qkv_bias && c.o_bias, ", biases on q/k/v/o"),
+        (c.qkv_bias && !c.o_bias, ", biases on q/k/v"),
+    ] {
+        if on {
+            extras.push_str(what);
+        }
+    }
+    if let Some(w) = c.sliding_window.filter(|_| c.layer_types.contains(&LayerKind::SlidingAttention)) {
+        extras.push_str(&format!(", window {w} in sliding layers"));
+    }
+    match &c.latent_attention {
+        Some(m) => line(
+            "attention:",
+            format!(
+                "multi-head latent, {} heads, queries {}, kv latent {}, per head {} + {} RoPE (q/k) and {} (v){}{extras}",
+                c.num_heads,
+                m.q_lora_rank.map_or("direct".to_string(), |r| format!("through rank {r}")),
+                m.kv_lora_rank,
+                m.qk_nope_head_dim,
+                m.qk_rope_head_dim,
+                m.v_head_dim,
+                if m.rope_interleave { ", RoPE pairs interleaved" } else { "" },
+            ),
         ),
-    );
+        None => line(
+            "attention:",
+            format!("{} heads, {} kv heads, head_dim {}{extras}", c.num_heads, c.num_kv_heads, c.head_dim),
+        ),
+    }
     line("RoPE:", format!("{}, max positions {}", c.rope.describe(), c.max_position_embeddings));
     match &c.moe {
         Some(m) => {
             let sparse = (0..c.num_layers).filter(|&i| m.is_sparse(i)).count();
+            let shared = match (m.shared_expert_intermediate_size, m.shared_expert_gate) {
+                (Some(w), true) => format!(", a gated shared expert of width {w}"),
+                (Some(w), false) => format!(", a shared expert of width {w}"),
+                (None, _) => String::new(),
+            };
+            let activation = match m.activation {
+                dflash_models::moe::ExpertActivation::SwiGlu => "SwiGLU".to_string(),
+                dflash_models::moe::ExpertActivation::ClampedSwiGlu { alpha, limit } => {
+                    format!("clamped SwiGLU (alpha {alpha}, limit {limit})")
+                }
+            };
             line(
                 "experts:",
                 format!(
-                    "{} per sparse layer, top {}{}, expert width {}{}; {sparse} sparse layers, {} dense{}",
+                    "{} per sparse layer, top {}, {activation}{}, width {}{shared}; {sparse} sparse layers, {} dense{}",
                     m.num_experts,
                     m.top_k,
-                    if m.norm_topk_prob { " (renormalised)" } else { "" },
+                    if m.expert_bias { " with biases" } else { "" },
                     m.expert_intermediate_size,
-                    m.shared_expert_intermediate_size
-                        .map_or(String::new(), |w| format!(", a gated shared expert of width {w}")),
                     c.num_layers - sparse as i64,
                     if sparse as i64 == c.num_layers {
                         String::new()
@@ -258,6 +294,10 @@ pub fn describe(dir: &std::path::Path, c: &TargetConfig) -> String {
                         format!(" (width {})", c.intermediate_size)
                     }
                 ),
+            );
+            line(
+                "routing:",
+                format!("{}{}", m.routing.describe(), if m.router_bias { ", router with bias" } else { "" }),
             );
         }
         None => {
@@ -270,7 +310,7 @@ pub fn describe(dir: &std::path::Path, c: &TargetConfig) -> String {
         NormStyle::ZeroCentred => line("norms:", "RMSNorm, zero-centred scales (1 + w, in f32)".into()),
     }
     line("vocabulary:", format!("{}{}", c.vocab_size, if c.tie_word_embeddings { ", LM head tied" } else { "" }));
-    line("weights:", c.fp8.as_ref().map_or("floating point".to_string(), |q| q.describe()));
+    line("weights:", c.quant.as_ref().map_or("floating point".to_string(), |q| q.describe()));
     let total = c.parameter_count();
     let active: f64 =
         (0..c.num_layers).map(|i| c.layer_linear_macs(i)).sum::<f64>() + (c.vocab_size * c.hidden_size) as f64;

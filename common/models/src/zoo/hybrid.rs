@@ -162,8 +162,8 @@ pub(crate) fn read_either_layout(
     if cfg.opt::<serde_json::Value>("vision_config")?.is_none() {
         return Err(cfg.error("vision_config", "is missing: a multimodal checkpoint describes its vision tower"));
     }
-    if c.fp8.is_none() {
-        c.fp8 = crate::quant::Fp8Config::read(cfg)?;
+    if c.quant.is_none() {
+        c.quant = crate::quant::Quantization::read(cfg)?;
     }
     // Token ids of images and video: the text-only input never holds them.
     cfg.ignore(&[

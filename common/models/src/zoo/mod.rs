@@ -7,6 +7,9 @@
 //! one line in [`ARCHITECTURES`] and a fixture made by
 //! `tests/fixtures/make_fixtures.py`.
 
+mod deepseek_v3;
+mod glm4_moe;
+mod gpt_oss;
 mod hybrid;
 mod llama;
 mod mistral;
@@ -20,13 +23,14 @@ mod qwen3_next;
 use serde_json::{Value, json};
 
 use crate::ModelError;
+use crate::attention::AttentionKernel;
 use crate::decoder::{DecoderLayer, FeedForward, Mixer};
 use crate::hf_config::HfConfig;
 use crate::layers::{Attention, Linear, Mlp, RmsNorm};
 use crate::moe::{Experts, Router, Routing, SharedExpert, SparseMoe};
-use crate::quant::Fp8Config;
+use crate::quant::Quantization;
 use crate::rope::{RopeConfig, RopeOptions};
-use crate::target_config::{Family, MoeConfig, NormStyle, TargetConfig};
+use crate::target_config::{Family, LayerKind, MoeConfig, NormStyle, TargetConfig};
 use crate::weights::Weights;
 
 /// One target architecture.
@@ -84,9 +88,13 @@ pub(crate) fn base_hf_json<A: Architecture + ?Sized>(arch: &A, c: &TargetConfig)
     if let (Value::Object(all), Value::Object(own)) = (&mut v, arch.hf_fields(c)) {
         all.extend(own);
     }
-    if let Some(q) = &c.fp8 {
-        v["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": q.block});
+    match &c.quant {
+        Some(Quantization::Fp8(q)) => {
+            v["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": q.block});
+        }
+        Some(Quantization::Mxfp4) => v["quantization_config"] = json!({"quant_method": "mxfp4"}),
+        None => {}
     }
     v
 }
@@ -101,6 +109,9 @@ pub static ARCHITECTURES: &[&dyn Architecture] = &[
     &qwen3_next::Qwen3Next,
     &qwen3_5::Qwen35,
     &qwen3_5_moe::Qwen35Moe,
+    &gpt_oss::GptOss,
+    &deepseek_v3::DeepseekV3,
+    &glm4_moe::Glm4Moe,
 ];
 
 /// The architecture a config's `architectures[0]` (or `model_type`) names.
@@ -185,7 +196,7 @@ pub(crate) fn read_common(cfg: &mut HfConfig, d: Defaults) -> Result<TargetConfi
         qk_norm: false,
         max_position_embeddings,
         moe: None,
-        fp8: Fp8Config::read(cfg)?,
+        quant: Quantization::read(cfg)?,
         layer_types: TargetConfig::all_attention(num_layers),
         ..TargetConfig::default()
     })
@@ -222,7 +233,7 @@ pub(crate) fn refuse_qwen_sliding_window(cfg: &mut HfConfig, num_layers: i64) ->
     Ok(())
 }
 
-fn linear(w: &mut Weights, name: &str, out: i64, inp: i64, bias: bool) -> Result<Linear, ModelError> {
+pub(crate) fn linear(w: &mut Weights, name: &str, out: i64, inp: i64, bias: bool) -> Result<Linear, ModelError> {
     let weight = w.take(&format!("{name}.weight"), &[out, inp])?;
     let bias = if bias { Some(w.take(&format!("{name}.bias"), &[out])?) } else { None };
     Ok(Linear { weight, bias })
@@ -244,10 +255,19 @@ pub(crate) fn norm(w: &mut Weights, c: &TargetConfig, name: &str, dim: i64) -> R
     Ok(n)
 }
 
-/// `{p}.self_attn.*` with the biases and QK norms `c` names.
-pub(crate) fn attention(w: &mut Weights, p: &str, c: &TargetConfig) -> Result<Attention, ModelError> {
+/// Layer `i`'s `{p}.self_attn.*` with the biases, QK norms, window and
+/// sinks `c` names.
+pub(crate) fn attention(w: &mut Weights, p: &str, c: &TargetConfig, i: i64) -> Result<Attention, ModelError> {
     let (h, hd) = (c.hidden_size, c.head_dim);
     let a = format!("{p}.self_attn");
+    let sinks = if c.attention_sinks {
+        let s = w.take(&format!("{a}.sinks"), &[c.num_heads])?;
+        Some(w.transform(s, |s| s.to_kind(tch::Kind::Float)))
+    } else {
+        None
+    };
+    let window = if c.layer_kind(i) == LayerKind::SlidingAttention { c.sliding_window } else { None };
+    let kernel = AttentionKernel { window, sinks, ..AttentionKernel::causal(hd) };
     let qk_norm = |w: &mut Weights, which: &str| -> Result<Option<RmsNorm>, ModelError> {
         if c.qk_norm { norm(w, c, &format!("{a}.{which}"), hd).map(Some) } else { Ok(None) }
     };
@@ -262,6 +282,7 @@ pub(crate) fn attention(w: &mut Weights, p: &str, c: &TargetConfig) -> Result<At
         num_kv_heads: c.num_kv_heads,
         head_dim: hd,
         output_gate: c.attn_output_gate,
+        kernel,
     })
 }
 
@@ -284,10 +305,16 @@ pub(crate) fn layer_with(
 ) -> Result<DecoderLayer, ModelError> {
     let p = format!("model.layers.{i}");
     let mixer = match (c.layer_kind(i), &c.linear_attention) {
-        (crate::target_config::LayerKind::LinearAttention, Some(l)) => Mixer::Linear(
-            crate::gated_deltanet::GatedDeltaNet::load(w, &p, c.hidden_size, l.shape, l.layout, c.rms_norm_eps)?,
-        ),
-        _ => Mixer::Attention(attention(w, &p, c)?),
+        _ if let Some(m) = &c.latent_attention => Mixer::Latent(deepseek_v3::latent_attention(w, &p, c, m)?),
+        (LayerKind::LinearAttention, Some(l)) => Mixer::Linear(crate::gated_deltanet::GatedDeltaNet::load(
+            w,
+            &p,
+            c.hidden_size,
+            l.shape,
+            l.layout,
+            c.rms_norm_eps,
+        )?),
+        _ => Mixer::Attention(attention(w, &p, c, i)?),
     };
     Ok(DecoderLayer {
         input_layernorm: norm(w, c, &format!("{p}.input_layernorm"), c.hidden_size)?,
