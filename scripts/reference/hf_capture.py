@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--batches", type=int, default=0, help="time only the first N batches (0: all)")
+    ap.add_argument("--attn", default="sdpa", help="attn_implementation (gpt-oss's sinks need eager)")
     a = ap.parse_args()
     bench = json.load(open(a.bench))
     c = dict(bench["target_config"])
@@ -70,7 +71,7 @@ def main():
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModel.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModel.from_config(config, dtype=torch.bfloat16, attn_implementation=a.attn)
     model.eval()
     batches = bench["timed_seq_lengths"]
     if a.batches:
@@ -108,6 +109,7 @@ def main():
         "shape": bench["shape"],
         "experts_implementation": getattr(model.config, "_experts_implementation", None),
         "fla": importlib.util.find_spec("fla") is not None,
+        "attn_implementation": a.attn,
         "hf_layers": n_layers,
         "hf_tokens_per_s": tokens / total,
         "hf_mfu": hf_mfu,

@@ -70,6 +70,9 @@ pub struct RopeOptions {
     /// position, so every section turns by the text position: for text the
     /// sections are plain RoPE, which is what is computed.
     pub mrope: bool,
+    /// The base when the config names none (transformers' `default_theta`;
+    /// None: 10000).
+    pub theta: Option<f64>,
 }
 
 impl RopeConfig {
@@ -133,7 +136,7 @@ impl RopeConfig {
                 Some(v) => return Err(cfg.error(field, format!("mrope_interleaved {v} is not a boolean"))),
             }
         }
-        let theta = num(&mut p, "rope_theta")?.or(top_theta).unwrap_or(DEFAULT_THETA);
+        let theta = num(&mut p, "rope_theta")?.or(top_theta).or(options.theta).unwrap_or(DEFAULT_THETA);
         let partial_rotary_factor =
             num(&mut p, "partial_rotary_factor")?.or(top_partial).or(options.partial).unwrap_or(1.0);
         if partial_rotary_factor != 1.0 && options.partial.is_none() {
@@ -498,7 +501,8 @@ mod tests {
         let text = r#"{"rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
             "mrope_section": [11, 11, 10], "mrope_interleaved": true}}"#;
         let mut c = HfConfig::parse(Path::new("/m/config.json"), text).expect("json");
-        let r = RopeConfig::read(&mut c, 2048, RopeOptions { partial: Some(0.25), mrope: true }).expect("qwen3.5");
+        let r = RopeConfig::read(&mut c, 2048, RopeOptions { partial: Some(0.25), mrope: true, theta: None })
+            .expect("qwen3.5");
         assert_eq!(r.rotary_dim(256), 64);
         let inv = r.inv_freq(256);
         assert_eq!(inv.len(), 32);
@@ -513,7 +517,8 @@ mod tests {
         assert!(y.narrow(-1, 0, 64).allclose(&apply_rope(&x.narrow(-1, 0, 64), &cos, &sin), 0.0, 0.0, false));
         // Families without partial RoPE or multimodal sections refuse them.
         let mut c = HfConfig::parse(Path::new("/m/config.json"), text).expect("json");
-        let err = RopeConfig::read(&mut c, 2048, RopeOptions { partial: Some(0.25), mrope: false }).expect_err("mrope");
+        let err = RopeConfig::read(&mut c, 2048, RopeOptions { partial: Some(0.25), mrope: false, theta: None })
+            .expect_err("mrope");
         assert!(err.to_string().contains("mrope_"), "{err}");
     }
 

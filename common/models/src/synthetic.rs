@@ -7,8 +7,11 @@ use std::path::Path;
 use tch::{Device, Kind};
 
 use crate::gated_deltanet::{DeltaNetShape, ProjectionLayout};
+use crate::moe::{ExpertActivation, Routing};
 use crate::rope::{RopeConfig, RopeScaling};
-use crate::target_config::{Family, LayerKind, LinearAttentionConfig, MoeConfig, NormStyle, TargetConfig};
+use crate::target_config::{
+    Family, LatentAttentionConfig, LayerKind, LinearAttentionConfig, MoeConfig, NormStyle, TargetConfig,
+};
 use crate::weights::{RandomInit, write_safetensors};
 use crate::weights::{SkippedPart, TensorNames};
 use crate::{ModelError, TargetModel};
@@ -76,6 +79,32 @@ fn qwen_deltanet(value_heads: i64) -> DeltaNetShape {
         key_head_dim: 128,
         value_head_dim: 128,
         conv_kernel: 4,
+    }
+}
+
+/// A gpt-oss config of `base`'s shape: sliding-window layers first and
+/// every other layer after, sinks, biases, f32-scaled norms, `experts`
+/// clamped-SwiGLU experts of `width`, `top_k` per token.
+fn gpt_oss(base: TargetConfig, experts: i64, top_k: i64, width: i64) -> TargetConfig {
+    let layer_types = (0..base.num_layers)
+        .map(|i| if i % 2 == 0 { LayerKind::SlidingAttention } else { LayerKind::FullAttention })
+        .collect();
+    TargetConfig {
+        family: Family::GptOss,
+        qkv_bias: true,
+        o_bias: true,
+        attention_sinks: true,
+        norm: NormStyle::ScaleInF32,
+        intermediate_size: 0,
+        layer_types,
+        moe: Some(MoeConfig {
+            routing: Routing::TopKSoftmax,
+            router_bias: true,
+            expert_bias: true,
+            activation: ExpertActivation::ClampedSwiGlu { alpha: 1.702, limit: 7.0 },
+            ..MoeConfig::qwen(experts, top_k, width, false)
+        }),
+        ..base
     }
 }
 
@@ -263,6 +292,81 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
                 ..MoeConfig::qwen(512, 10, 512, true)
             }),
         )),
+        // The synthetic target as gpt-oss: sliding (window 8) and full
+        // layers, sinks, 8 clamped-SwiGLU experts of which 2 per token, tied
+        // (so that greedy outputs repeat and a few steps teach a drafter).
+        "tiny-gpt-oss" => {
+            Some(gpt_oss(TargetConfig { num_layers: 6, sliding_window: Some(8), ..tiny.clone() }, 8, 2, 32))
+        }
+        // gpt-oss-20b's config.json.
+        "gpt-oss-20b" => Some(gpt_oss(
+            TargetConfig {
+                hidden_size: 2880,
+                num_layers: 24,
+                num_heads: 64,
+                num_kv_heads: 8,
+                head_dim: 64,
+                rope: RopeConfig {
+                    scaling: RopeScaling::Yarn {
+                        factor: 32.0,
+                        original_max_position_embeddings: 4096.0,
+                        attention_factor: 0.1 * 32f64.ln() + 1.0,
+                        beta_fast: 32.0,
+                        beta_slow: 1.0,
+                        truncate: false,
+                        mscale_all_dim: 0.0,
+                    },
+                    ..RopeConfig::plain(150_000.0)
+                },
+                vocab_size: 201_088,
+                tie_word_embeddings: false,
+                max_position_embeddings: 131_072,
+                sliding_window: Some(128),
+                ..tiny.clone()
+            },
+            32,
+            4,
+            2880,
+        )),
+        // Moonlight-16B-A3B's config.json: the DeepSeek-V3 architecture
+        // (latent attention without the query bottleneck, 64 experts of
+        // which 6, 2 shared, one dense layer) at a size one GPU holds in bf16.
+        "moonlight-16b-a3b" => Some(TargetConfig {
+            family: Family::DeepseekV3,
+            hidden_size: 2048,
+            intermediate_size: 11_264,
+            num_layers: 27,
+            layer_types: TargetConfig::all_attention(27),
+            num_heads: 16,
+            num_kv_heads: 16,
+            head_dim: 64,
+            rms_norm_eps: 1e-5,
+            rope: RopeConfig::plain(50_000.0),
+            vocab_size: 163_840,
+            tie_word_embeddings: false,
+            max_position_embeddings: 8192,
+            latent_attention: Some(LatentAttentionConfig {
+                q_lora_rank: None,
+                kv_lora_rank: 512,
+                qk_nope_head_dim: 128,
+                qk_rope_head_dim: 64,
+                v_head_dim: 128,
+                rope_interleave: true,
+                softmax_scale: 192f64.powf(-0.5),
+            }),
+            moe: Some(MoeConfig {
+                dense_layers: vec![0],
+                shared_expert_intermediate_size: Some(2 * 1408),
+                routing: Routing::SigmoidGrouped {
+                    n_group: 1,
+                    topk_group: 1,
+                    norm_topk_prob: true,
+                    routed_scaling_factor: 2.446,
+                },
+                ..MoeConfig::qwen(64, 6, 1408, true)
+            }),
+            ..tiny.clone()
+        }),
         "smollm2-135m" => Some(TargetConfig {
             hidden_size: 576,
             intermediate_size: 1536,
@@ -294,6 +398,9 @@ pub const SHAPE_PRESETS: &[&str] = &[
     "qwen3.5-27b",
     "qwen3.5-35b-a3b",
     "qwen3-next-80b-a3b",
+    "tiny-gpt-oss",
+    "gpt-oss-20b",
+    "moonlight-16b-a3b",
     "smollm2-135m",
 ];
 
@@ -372,7 +479,7 @@ mod tests {
     }
 
     #[test]
-    fn hybrid_presets_read_back_through_their_written_configs() {
+    fn presets_read_back_through_their_written_configs() {
         for name in ["tiny-hybrid", "qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"] {
             let c = shape_preset(name).expect("preset");
             let hf =
@@ -383,6 +490,20 @@ mod tests {
             assert_eq!((again.linear_attention, again.moe.clone()), (c.linear_attention, c.moe.clone()), "{name}");
             assert_eq!(again.parameter_count(), c.parameter_count(), "{name}");
         }
+        for name in ["tiny-gpt-oss", "gpt-oss-20b", "moonlight-16b-a3b"] {
+            let c = shape_preset(name).expect("preset");
+            let hf =
+                crate::hf_config::HfConfig::parse(std::path::Path::new("/p/config.json"), &c.to_hf_json().to_string())
+                    .expect("json");
+            let again = TargetConfig::from_hf(hf).expect(name);
+            assert_eq!(again, c, "{name}");
+        }
+        // gpt-oss-20b: 20.9B parameters, 3.6B active (its model card).
+        let c = shape_preset("gpt-oss-20b").expect("preset");
+        let active: f64 =
+            (0..c.num_layers).map(|i| c.layer_linear_macs(i)).sum::<f64>() + (c.vocab_size * c.hidden_size) as f64;
+        assert_eq!((c.parameter_count() as f64 / 1e8).round(), 209.0);
+        assert_eq!((active / 1e8).round(), 36.0);
         // Qwen3.5-27B: 64 layers, 16 of them full attention.
         let c = shape_preset("qwen3.5-27b").expect("preset");
         assert_eq!(c.layer_types.iter().filter(|&&k| k == LayerKind::FullAttention).count(), 16);

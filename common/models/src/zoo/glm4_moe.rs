@@ -43,7 +43,7 @@ impl Architecture for Glm4Moe {
                 family: Family::Glm4Moe,
                 head_dim: None,
                 max_position_embeddings: 131_072,
-                rope: RopeOptions { partial: Some(0.5), mrope: false },
+                rope: RopeOptions { partial: Some(0.5), mrope: false, theta: None },
                 intermediate_size: None,
             },
         )?;

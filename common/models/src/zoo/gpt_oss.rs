@@ -21,7 +21,7 @@ use crate::ModelError;
 use crate::decoder::{DecoderLayer, FeedForward};
 use crate::hf_config::HfConfig;
 use crate::moe::{ExpertActivation, Experts, Router, Routing, SparseMoe};
-use crate::rope::{RopeConfig, RopeScaling};
+use crate::rope::{RopeConfig, RopeOptions, RopeScaling};
 use crate::target_config::{Family, LayerKind, MoeConfig, NormStyle, TargetConfig};
 use crate::weights::Weights;
 
@@ -45,7 +45,9 @@ impl Architecture for GptOss {
     }
 
     fn read_config(&self, cfg: &mut HfConfig) -> Result<TargetConfig, ModelError> {
-        let rope_given = cfg.present("rope_scaling") || cfg.present("rope_parameters");
+        // transformers gives gpt-oss its YaRN unless one of these is set
+        // (null counts as unset; rope_theta alone keeps YaRN).
+        let rope_given = cfg.has("rope_scaling") || cfg.has("rope_parameters");
         let eps_given = cfg.present("rms_norm_eps");
         let mut c = read_common(
             cfg,
@@ -53,7 +55,7 @@ impl Architecture for GptOss {
                 family: Family::GptOss,
                 head_dim: Some(64),
                 max_position_embeddings: 131_072,
-                rope: Default::default(),
+                rope: RopeOptions { theta: Some(DEFAULT_THETA), ..Default::default() },
                 intermediate_size: None,
             },
         )?;
@@ -69,7 +71,6 @@ impl Architecture for GptOss {
                     truncate: false,
                     mscale_all_dim: 0.0,
                 },
-                theta: if cfg.present("rope_theta") { c.rope.theta } else { DEFAULT_THETA },
                 ..c.rope
             };
         }
@@ -119,7 +120,7 @@ impl Architecture for GptOss {
         }
         let alpha: f64 = cfg.or("swiglu_alpha", 1.702)?;
         let limit: f64 = cfg.or("swiglu_limit", 7.0)?;
-        if !(limit > 0.0) {
+        if limit.is_nan() || limit <= 0.0 {
             return Err(cfg.error("swiglu_limit", format!("must be positive, got {limit}")));
         }
         // Every MLP is sparse; intermediate_size is the experts' width.
@@ -144,7 +145,11 @@ impl Architecture for GptOss {
         let ExpertActivation::ClampedSwiGlu { alpha, limit } = m.activation else {
             unreachable!("gpt-oss experts are clamped SwiGLUs")
         };
+        // A null rope_scaling would read as gpt-oss's default YaRN.
+        let (_, scaling) = c.rope.to_hf_fields();
+        let scaling = if scaling.is_null() { json!({"rope_type": "default"}) } else { scaling };
         json!({
+            "rope_scaling": scaling,
             "attention_bias": c.qkv_bias,
             "sliding_window": c.sliding_window,
             "layer_types": c.layer_types.iter().map(|k| k.hf_name()).collect::<Vec<_>>(),

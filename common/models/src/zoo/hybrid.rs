@@ -47,7 +47,7 @@ pub(crate) fn read_text(cfg: &mut HfConfig, f: &HybridFamily) -> Result<TargetCo
             family: f.family,
             head_dim: Some(256),
             max_position_embeddings: 32_768,
-            rope: RopeOptions { partial: Some(0.25), mrope: f.mrope },
+            rope: RopeOptions { partial: Some(0.25), mrope: f.mrope, theta: None },
             intermediate_size: f.intermediate_size,
         },
     )?;

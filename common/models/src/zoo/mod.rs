@@ -458,6 +458,63 @@ mod tests {
             .expect("Mistral v0.2+: no window");
     }
 
+    #[test]
+    fn gpt_oss_rope_defaults_to_yarn_as_transformers_reads_it() {
+        let gpt = |extra: &str| {
+            read(&format!(
+                r#"{{"architectures": ["GptOssForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2, {extra} {BASE}}}"#
+            ))
+            .expect(extra)
+        };
+        let yarn = |c: &TargetConfig| matches!(c.rope.scaling, crate::rope::RopeScaling::Yarn { truncate: false, .. });
+        let c = gpt("");
+        assert!(yarn(&c) && c.rope.theta == 150_000.0, "{:?}", c.rope);
+        assert_eq!(c.layer_types[0], LayerKind::SlidingAttention);
+        assert_eq!((c.sliding_window, c.attention_sinks, c.rms_norm_eps), (Some(128), true, 1e-5));
+        let c = gpt(r#""rope_theta": 5000.0, "rope_scaling": null,"#);
+        assert!(yarn(&c) && c.rope.theta == 5000.0, "rope_theta alone keeps YaRN: {:?}", c.rope);
+        let c = gpt(r#""rope_scaling": {"rope_type": "default"},"#);
+        assert!(!yarn(&c) && c.rope.theta == 150_000.0, "{:?}", c.rope);
+        let err = read(&format!(
+            r#"{{"architectures": ["GptOssForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
+                "layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"], {BASE}}}"#
+        ))
+        .expect_err("unknown layer type")
+        .to_string();
+        assert!(err.contains("layer_types") && err.contains("chunked_attention"), "{err}");
+    }
+
+    #[test]
+    fn deepseek_and_glm_routing_settings_not_implemented_are_refused_by_field() {
+        const DS: &str = r#""architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16, "n_group": 2, "topk_group": 1, "q_lora_rank": null, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8"#;
+        let c = read(&format!(r#"{{{DS}, "first_k_dense_replace": 1, "num_nextn_predict_layers": 1, {BASE}}}"#))
+            .expect("deepseek");
+        assert_eq!(c.head_dim, 8, "the RoPE part is the head_dim RoPE tables cover");
+        assert!(c.moe.as_ref().is_some_and(|m| m.dense_layers == vec![0]));
+        assert_eq!(c.tensor_names.skipped[0].prefix, "model.layers.4.");
+        for (extra, field) in [
+            (r#""scoring_func": "softmax","#, "scoring_func"),
+            (r#""topk_method": "group_limited_greedy","#, "topk_method"),
+            (r#""moe_layer_freq": 2,"#, "moe_layer_freq"),
+            (r#""n_group": 3,"#, "n_group"),
+            (r#""pretraining_tp": 2,"#, "pretraining_tp"),
+            (r#""qk_head_dim": 20,"#, "qk_head_dim"),
+        ] {
+            let text = format!("{{{extra} {DS}, {BASE}}}")
+                .replace(r#", "n_group": 2"#, if field == "n_group" { "" } else { r#", "n_group": 2"# });
+            let err = read(&text).expect_err(extra).to_string();
+            assert!(err.contains(field), "{extra}: {err}");
+        }
+        let glm = read(&format!(
+            r#"{{"architectures": ["Glm4MoeForCausalLM"], "n_routed_experts": 8, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16, "use_qk_norm": true, "head_dim": 16, {BASE}}}"#
+        ))
+        .expect("glm");
+        assert!(glm.qk_norm && glm.rope.partial_rotary_factor == 0.5 && !glm.o_bias);
+    }
+
     const HYBRID: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8"#;
