@@ -570,6 +570,7 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
             Kind::Half => Dtype::F16,
             Kind::Int64 => Dtype::I64,
             Kind::Int => Dtype::I32,
+            Kind::Uint8 => Dtype::U8,
             k => {
                 return Err(ModelError::Weights {
                     path: path.to_path_buf(),

@@ -235,6 +235,72 @@ fn hybrid_batched_decoding_with_left_padding_equals_each_prompt_alone() {
     }
 }
 
+/// Fixtures whose attention is windowed, sinked or latent.
+const ROUTED: &[&str] = &["tiny-gpt-oss", "tiny-deepseek-v3", "tiny-moonlight", "tiny-glm4-moe"];
+
+/// Decoding over the cache (sliding windows of 8 counted over cached
+/// positions, sinks in every softmax, latent attention's expanded keys) in
+/// pieces, after a rejected draft, and left-padded in a batch gives the
+/// full forward's logits.
+#[test]
+fn windowed_sinked_and_latent_decoding_in_pieces_and_batches_equals_the_full_forward() {
+    for name in ROUTED {
+        let dir = fixtures().join(name);
+        let r = reference(&dir);
+        let n = r.ids.len();
+        let t = TargetModel::load(&dir, Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
+        let got = decode_in_pieces(&t, &r.ids, &[17, 1, 1, 8, 1, n - 28]);
+        let err = max_rel_err(&got, &r.logits);
+        assert!(err < TOLERANCE, "{name}: decoded in pieces: {err}");
+
+        // A verified block of which only a prefix is kept.
+        let mut cache = t.new_cache(1);
+        let run = |cache: &mut dflash_models::KvCache, from: usize, ids: &[i64]| {
+            let k = ids.len() as i64;
+            let pos = (Tensor::arange(k, (Kind::Int64, Device::Cpu)) + from as i64).unsqueeze(0);
+            let valid = Tensor::ones([1, from as i64 + k], (Kind::Bool, Device::Cpu));
+            let (h, _) = t.forward_cached(&Tensor::from_slice(ids).view([1, k]), &pos, &valid, cache, &[]);
+            t.logits(&h).squeeze_dim(0)
+        };
+        let _ = run(&mut cache, 0, &r.ids[..20]);
+        let mut guess = r.ids[20..23].to_vec();
+        guess.extend([3i64; 5]);
+        let _ = run(&mut cache, 20, &guess);
+        cache.truncate(23);
+        let next = run(&mut cache, 23, &r.ids[23..n]);
+        let err = max_rel_err(&next, &r.logits.narrow(0, 23, n as i64 - 23));
+        assert!(err < TOLERANCE, "{name}: after going back inside a verified block: {err}");
+
+        // The prompt and a left-padded shorter one in one batch, then a step.
+        let (long, short) = (n as i64 - 1, 25i64);
+        let pad = long - short;
+        let mut ids = r.ids[..long as usize].to_vec();
+        ids.extend(std::iter::repeat_n(0, pad as usize));
+        ids.extend_from_slice(&r.ids[..short as usize]);
+        let ids = Tensor::from_slice(&ids).view([2, long]);
+        let b = (Kind::Bool, Device::Cpu);
+        let valid = Tensor::cat(
+            &[Tensor::ones([1, long], b), Tensor::cat(&[Tensor::zeros([1, pad], b), Tensor::ones([1, short], b)], 1)],
+            0,
+        );
+        let pos = (valid.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0);
+        let mut cache = t.new_cache(2);
+        let (h, _) = t.forward_cached(&ids, &pos, &valid, &mut cache, &[]);
+        let first = t.logits(&h.select(1, long - 1));
+        let step = Tensor::from_slice(&[r.ids[long as usize], r.ids[short as usize]]).view([2, 1]);
+        let valid = Tensor::cat(&[valid, Tensor::ones([2, 1], b)], 1);
+        let (h2, _) =
+            t.forward_cached(&step, &Tensor::from_slice(&[long, short]).view([2, 1]), &valid, &mut cache, &[]);
+        let second = t.logits(&h2.select(1, 0));
+        for (row, len) in [(0i64, long), (1, short)] {
+            let err = max_rel_err(&first.get(row), &r.logits.get(len - 1));
+            assert!(err < TOLERANCE, "{name}: row {row} prefill: {err}");
+            let err = max_rel_err(&second.get(row), &r.logits.get(len));
+            assert!(err < TOLERANCE, "{name}: row {row} after one step: {err}");
+        }
+    }
+}
+
 #[test]
 fn published_multimodal_checkpoints_load_their_language_model_and_skip_the_rest() {
     for (name, mtp) in [("tiny-qwen3.5-vl", 1), ("tiny-qwen3.5-moe-vl", 1), ("tiny-qwen3-next", 0)] {
@@ -276,9 +342,16 @@ fn both_config_layouts_read_to_the_same_model() {
 
 #[test]
 fn parameter_counts_and_sizes_match_the_checkpoints() {
-    for name in
-        ["tiny-llama3", "tiny-qwen3-moe", "tiny-qwen3-moe-step2", "tiny-qwen2", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
-    {
+    for name in [
+        "tiny-llama3",
+        "tiny-qwen3-moe",
+        "tiny-qwen3-moe-step2",
+        "tiny-qwen2",
+        "tiny-qwen3.5",
+        "tiny-qwen3.5-moe",
+        "tiny-gpt-oss",
+        "tiny-moonlight",
+    ] {
         let dir = fixtures().join(name);
         let dflash_models::Inspection { config: c, bytes, .. } =
             TargetModel::inspect(&dir, Kind::Float, LoadScope::Full).unwrap();
@@ -413,11 +486,48 @@ fn bad_models_are_refused_naming_the_file_and_the_tensor_or_field() {
     edit_config(dir.path(), |v| drop(v.as_object_mut().unwrap().remove("quantization_config")));
     let err = load_err(dir.path());
     assert!(err.contains("is float8") && err.contains("quantization_config"), "{err}");
+
+    // MXFP4: blocks without their scales, u8 blocks in a checkpoint that
+    // says it is not quantized.
+    let dir = copy_fixture("tiny-gpt-oss-mxfp4");
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, Tensor)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != "model.layers.1.mlp.experts.down_proj_scales")
+        .map(|(n, v)| {
+            let kind = match v.dtype() {
+                safetensors::Dtype::U8 => Kind::Uint8,
+                _ => Kind::BFloat16,
+            };
+            let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
+            (n, Tensor::f_from_data_size(v.data(), &shape, kind).unwrap())
+        })
+        .collect();
+    drop(st);
+    dflash_models::weights::write_safetensors(&path, &kept).unwrap();
+    let err = load_err(dir.path());
+    assert!(err.contains("model.layers.1.mlp.experts.down_proj_scales"), "{err}");
+    let dir = copy_fixture("tiny-gpt-oss-mxfp4");
+    edit_config(dir.path(), |v| drop(v.as_object_mut().unwrap().remove("quantization_config")));
+    let err = load_err(dir.path());
+    assert!(err.contains("is u8") && err.contains("quantization_config"), "{err}");
 }
 
 #[test]
 fn bf16_weights_load_and_agree_with_f32() {
-    for name in ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-fp8", "tiny-qwen3-next", "tiny-qwen3.5-moe"] {
+    for name in [
+        "tiny-qwen3",
+        "tiny-qwen3-moe",
+        "tiny-qwen3-fp8",
+        "tiny-qwen3-next",
+        "tiny-qwen3.5-moe",
+        "tiny-gpt-oss-mxfp4",
+        "tiny-deepseek-v3-fp8",
+        "tiny-glm4-moe",
+    ] {
         let dir = fixtures().join(name);
         let t32 = TargetModel::load(&dir, Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
         let t16 =
