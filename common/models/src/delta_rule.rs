@@ -191,10 +191,10 @@ fn mm(a: &Tensor, b: &Tensor) -> Tensor {
 /// strictly_lower(beta_i k_i.k_j exp(G_i - G_j))` (the UT transform of the
 /// chunk's sequential corrections). The state entering chunk c+1 is
 /// `S' = M S + B` with `M = exp(G_last) I - K_d^T W`, `B = K_d^T U`,
-/// `K_d = exp(G_last - G) k`: every M and B is one batched product, so the
-/// sequential hand-over is one matmul per chunk step for all sequences.
-/// Then, all chunks at once: `v_new = U - W S`, `o = exp(G) q S +
-/// (q k^T * decay) v_new`.
+/// `K_d = exp(G_last - G) k`, run as `v_new = U - W S`, `S' = exp(G_last)
+/// S + K_d^T v_new`: two batched products per chunk step for all
+/// sequences. Then, all chunks at once: `o = exp(G) q S + (q k^T * decay)
+/// v_new`.
 pub fn chunked(x: &RuleInputs, lens: &[i64], initial: Option<&Tensor>, record: bool) -> RuleOutput {
     chunked_with(x, &ChunkPlan::new(lens, x.q.device()), initial, record, &mut |_| {})
 }
@@ -238,39 +238,40 @@ pub fn chunked_with(
     let last = g_cum.narrow(-1, CHUNK - 1, 1); // [C, H, 1]
     let k_out = (k32 * (&last - &g_cum).exp().unsqueeze(-1)).to_kind(kind).transpose(-1, -2); // K_d^T
     let chunk_decay = last.exp().unsqueeze(-1); // [C, H, 1, 1]
-    let eye = Tensor::eye(dk, f);
-    let transition = &eye * &chunk_decay - mm(&k_out, &w); // M: [C, H, dk, dk]
-    let input = mm(&k_out, &u); // B: [C, H, dk, dv]
-    drop(k_out);
-    mark("rule: transitions");
+    mark("rule: chunk decays");
 
-    // The hand-over: the state entering each chunk. Step j's chunks are
-    // rows offset_j.. of the chunked layout, its sequences a prefix of
-    // the longest-first order, so step j+1's states are one product.
+    // The hand-over, chunk step by chunk step: the state S entering a chunk
+    // gives the chunk's corrected values `v_new = U - W S` and the state
+    // entering the next, `exp(G_last) S + K_d^T v_new`. Step j's chunks
+    // are rows offset_j.. of the chunked layout, its sequences a prefix of
+    // the longest-first order, so each step is two batched products over
+    // every sequence still running (nothing `dk x dk` per chunk is made).
     let n = p.lens.len() as i64;
     let entering = Tensor::zeros([p.chunks, h, dk, dv], f);
     if let Some(s0) = initial {
         entering.narrow(0, 0, n).copy_(&s0.to_kind(Kind::Float).index_select(0, &p.order));
     }
+    let v_new = Tensor::empty([p.chunks, h, CHUNK, dv], f);
     let offsets = &p.offsets;
-    let flat = |t: &Tensor, start: i64, rows: i64, c: i64| t.narrow(0, start, rows).view([rows * h, dk, c]);
-    for j in 1..p.active.len() {
-        let (from, to, a) = (offsets[j - 1], offsets[j], p.active[j]);
-        let next = flat(&entering, to, a, dv);
-        let _ = flat(&input, from, a, dv).baddbmm_out(
-            &next,
-            &flat(&transition, from, a, dk),
-            &flat(&entering, from, a, dv),
-        );
+    for j in 0..p.active.len() {
+        let (at, a) = (offsets[j], p.active[j]);
+        let state = entering.narrow(0, at, a);
+        let corrected = u.narrow(0, at, a) - mm(&w.narrow(0, at, a), &state);
+        if j + 1 < p.active.len() {
+            let next = p.active[j + 1];
+            let carried = state.narrow(0, 0, next) * chunk_decay.narrow(0, at, next)
+                + mm(&k_out.narrow(0, at, next), &corrected.narrow(0, 0, next));
+            entering.narrow(0, offsets[j + 1], next).copy_(&carried);
+        }
+        v_new.narrow(0, at, a).copy_(&corrected);
     }
     // Each sequence's state after its last chunk.
     let pick = |t: &Tensor| t.index_select(0, &p.last_rows);
-    let sorted_final = pick(&input) + pick(&transition).matmul(&pick(&entering));
-    drop((transition, input));
+    let sorted_final = pick(&entering) * pick(&chunk_decay) + mm(&pick(&k_out), &pick(&v_new));
+    drop((k_out, u, w));
     mark("rule: state scan");
 
     let states_in = entering.to_kind(kind);
-    let v_new = u - mm(&w, &states_in);
     let intra = mm(&q, &kt) * &pairwise;
     let q_in = (q.to_kind(Kind::Float) * &decay_in).to_kind(kind);
     let out_chunks = mm(&q_in, &states_in) + mm(&intra.to_kind(kind), &v_new.to_kind(kind));
