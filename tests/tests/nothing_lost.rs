@@ -320,6 +320,47 @@ fn dflash_up_starts_a_killed_drafter_again_and_the_run_completes() {
     assert_exactly_once(&ws.path("up/ledger.sqlite"), 40);
 }
 
+/// A second `dflash up` on a live run's workdir is refused, naming the
+/// run that holds it, before it touches the ledger or the checkpoints; the
+/// live run completes with every batch committed once.
+#[test]
+fn a_second_dflash_up_on_a_live_workdir_is_refused_naming_the_holder() {
+    let ws = Workspace::synthetic(600, 3);
+    let config = ws.config("one-per-workdir", &format!("{SMALL}\n[run]\nmax_steps = 30\n"));
+    let mut up = dflash_tests::up(&ws, &config, &["--progress-every-s", "0"], &[]);
+    assert!(up.wait_for_log("step 5/30", Duration::from_secs(120)), "{}", up.log_text());
+    let args: Vec<String> = ["up", "--config", &config.display().to_string(), "--workdir"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([ws.path("up").display().to_string()])
+        .collect();
+    let mut second = dflash_tests::Proc::start_with_env("up-second", "dflash", &args, &[], ws.path("").as_path());
+    let status = second.expect_exit(Duration::from_secs(30));
+    let log = second.log_text();
+    assert!(!status.success(), "{log}");
+    let holder = format!("dflash up, pid {}", up.child.id());
+    assert!(log.contains("is in use by a live run") && log.contains(&holder) && log.contains("run.lock"), "{log}");
+    assert!(!log.contains("registered"), "the second run started roles: {log}");
+    let status = up.expect_exit(Duration::from_secs(180));
+    assert!(status.success(), "{}", up.log_text());
+    assert_exactly_once(&ws.path("up/ledger.sqlite"), 30);
+}
+
+/// A second coordinator on a live coordinator's ledger is refused naming it.
+#[test]
+fn a_second_coordinator_on_a_live_ledger_is_refused() {
+    let ws = Workspace::synthetic(100, 3);
+    let cluster = Cluster::new(&ws, ws.config("ledger-lock", SMALL));
+    let mut first = cluster.coordinator(&[]);
+    assert!(first.wait_for_log("coordinator listening", Duration::from_secs(30)), "{}", first.log_text());
+    let cmd = cluster.local.coordinator(&format!("127.0.0.1:{}", dflash_tests::free_port()));
+    let mut second = dflash_tests::Proc::start_command("coordinator-second", &cmd, &[], &cluster.logs);
+    let status = second.expect_exit(Duration::from_secs(30));
+    let log = second.log_text();
+    assert!(!status.success() && log.contains("is in use by a live run") && log.contains("ledger"), "{log}");
+    assert!(log.contains(&format!("pid {}", first.child.id())), "{log}");
+}
+
 /// A request body that sends the start of a message and then nothing.
 struct HalfSent(Option<bytes::Bytes>);
 

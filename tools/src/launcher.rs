@@ -323,8 +323,12 @@ impl Launcher {
     /// Runs the roles until the run ends, one fails, or Ctrl-C. Returns the
     /// exit code.
     pub async fn run(self) -> anyhow::Result<i32> {
-        self.prepare().await?;
         std::fs::create_dir_all(&self.up.workdir).with_context(|| format!("creating {}", self.up.workdir.display()))?;
+        // One live `dflash up` per workdir: a second one would resume the
+        // live run's ledger with roles of its own and write into its
+        // checkpoints.
+        let _lock = dflash_role::ExclusiveLock::acquire(&self.up.workdir.join("run.lock"), "dflash up")?;
+        self.prepare().await?;
         let ledger_path = self.up.workdir.join("ledger.sqlite");
         if ledger_path.is_file() {
             let counts = dflash_coordinator::ledger::Ledger::open(&ledger_path)?.counts()?;

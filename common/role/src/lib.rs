@@ -3,6 +3,7 @@
 //! grpc.health.v1, and stop for one recorded cause.
 
 mod health;
+pub mod lock;
 pub mod memory;
 pub mod security;
 mod session;
@@ -10,6 +11,7 @@ mod stages;
 mod stop;
 
 pub use health::{HealthArgs, check_health, serve_health, serve_health_only};
+pub use lock::{ExclusiveLock, LockError};
 pub use security::{Security, SecurityArgs};
 pub use session::{
     Announce, CoordinatorConn, DeviceError, DeviceExt, KindExt, RoleArgs, RoleError, Session, coordinator_client,

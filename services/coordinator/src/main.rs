@@ -2,7 +2,7 @@
 //! work into the ledger, and serves the Coordinator API until the run ends.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -86,6 +86,14 @@ async fn run(args: Args) -> anyhow::Result<i32> {
     let plan = plan_run(config)?;
     let ledger_path =
         args.ledger.clone().unwrap_or_else(|| PathBuf::from(format!("runs/{}.ledger.sqlite", plan.config.run.name)));
+    // One coordinator per ledger: a second run on it would lease the live
+    // run's batches to roles of its own.
+    if let Some(dir) = ledger_path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let mut lock_name = ledger_path.clone().into_os_string();
+    lock_name.push(".lock");
+    let _lock = dflash_role::ExclusiveLock::acquire(Path::new(&lock_name), "the coordinator of this ledger")?;
     let mut ledger = Ledger::open(&ledger_path)?;
     let resumed = ledger.install_plan(&plan.fingerprint, &plan.batches)?;
     let run_id = match ledger.meta("run_id")? {
