@@ -381,11 +381,21 @@ pub fn plan(ledger: &Path) -> Vec<dflash_data::PlannedBatch> {
     dflash_coordinator::ledger::Ledger::open(ledger).expect("ledger").plan().expect("plan")
 }
 
+/// The lease token of `batch_id` leased to `target` in the run of `ledger`
+/// (its key is in the ledger): what a target holding that lease carries.
+pub fn lease_token(ledger: &Path, run_id: &str, batch_id: u64, target: &str) -> Vec<u8> {
+    let key = dflash_coordinator::ledger::Ledger::open(ledger).expect("ledger").lease_key().expect("lease key");
+    dflash_proto::lease_token::lease_token(&key, run_id, batch_id, target)
+}
+
 /// The messages of the plan's batch `planned` as a target named
-/// `test-client` would send them: f32 features all equal to `value` (one
-/// captured layer, layer 2, of width `hidden`), with `edit` applied to the
-/// header before the payload is sized.
+/// `test-client` holding its lease in the run of `ledger` would send them:
+/// f32 features all equal to `value` (one captured layer, layer 2, of width
+/// `hidden`), with `edit` applied to the header before the payload is sized
+/// (the token is of the batch id after the edit, unless the edit set one).
 pub fn planned_batch(
+    ledger: &Path,
+    run_id: &str,
     planned: &dflash_data::PlannedBatch,
     hidden: u32,
     value: f32,
@@ -410,8 +420,12 @@ pub fn planned_batch(
         sample_ids: planned.sample_ids.clone(),
         trace_context: Default::default(),
         target_top_k: 0,
+        lease_token: Default::default(),
     };
     edit(&mut header);
+    if header.lease_token.is_empty() {
+        header.lease_token = lease_token(ledger, run_id, header.batch_id, &header.target_instance).into();
+    }
     let payload: Vec<u8> =
         std::iter::repeat_n(value.to_le_bytes(), header.token_count as usize * hidden as usize).flatten().collect();
     header.payload_bytes = payload.len() as u64;

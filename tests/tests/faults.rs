@@ -135,7 +135,7 @@ fn non_finite_features_are_skipped_then_fail_the_run() {
         let mut acks = client.stream_hidden_states(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
         let _welcome = acks.message().await.unwrap();
         for b in &dflash_tests::plan(&cluster.ledger)[..3] {
-            for m in dflash_tests::planned_batch(b, 64, f32::NAN, |_| {}) {
+            for m in dflash_tests::planned_batch(&cluster.ledger, &run_id, b, 64, f32::NAN, |_| {}) {
                 tx.send(m).await.unwrap();
             }
             let ack = acks.message().await.unwrap().unwrap();
@@ -227,8 +227,10 @@ fn bad_wire_input_gets_clear_errors() {
             ),
             (&plan[2], Box::new(|h: &mut pb::BatchHeader| h.sample_ids[0] += 1), "but the plan has"),
             (&plan[3], Box::new(|h: &mut pb::BatchHeader| h.input_ids[0] = 999_999), "outside the vocabulary"),
+            // Features for a planned batch this client holds no lease on.
+            (&plan[4], Box::new(|h: &mut pb::BatchHeader| h.lease_token = vec![1u8; 16].into()), "not leased"),
         ] {
-            for m in dflash_tests::planned_batch(b, 64, 0.5, edit) {
+            for m in dflash_tests::planned_batch(&cluster.ledger, &run_id, b, 64, 0.5, edit) {
                 tx.send(m).await.unwrap();
             }
             match acks.message().await.unwrap().unwrap().msg {
@@ -241,7 +243,7 @@ fn bad_wire_input_gets_clear_errors() {
         }
 
         // A truncated batch: the drafter asks for it again.
-        let mut msgs = dflash_tests::planned_batch(&plan[7], 64, 0.5, |_| {});
+        let mut msgs = dflash_tests::planned_batch(&cluster.ledger, &run_id, &plan[7], 64, 0.5, |_| {});
         let n = msgs.len();
         msgs.remove(n - 2); // drop the last chunk
         for m in msgs {

@@ -130,6 +130,7 @@ fn make_batches(n: usize, a: &BenchArgs, vocab: i64, seed: u64) -> Vec<WorkItem>
                 input_ids: ids,
                 trace: Default::default(),
                 lease: leases.hold(b as u64, Default::default()),
+                lease_token: Vec::new(),
             }
         })
         .collect()

@@ -55,6 +55,9 @@ fn tokens_of(bytes: usize, hidden: u32) -> usize {
     bytes / (hidden as usize * 2)
 }
 
+/// The benchmark run's lease key (the receiver checks every batch's token).
+const BENCH_KEY: [u8; 32] = [3; 32];
+
 /// Stream `s`'s `i`-th batch id.
 fn batch_id(s: usize, i: usize) -> u64 {
     (s * 1_000_000 + i) as u64
@@ -77,6 +80,7 @@ fn batch(id: u64, target: &str, payload: &Bytes, hidden: u32) -> anyhow::Result<
         sample_ids: vec![id],
         target_top_k: 0,
         trace_context: Default::default(),
+        lease_token: dflash_proto::lease_token::lease_token(&BENCH_KEY, "bench", id, target),
     };
     Ok(HostBatch::new(meta, payload.clone())?)
 }
@@ -117,6 +121,8 @@ async fn grpc(
             hidden_size: hidden,
             vocab_size: 2,
             plan: std::sync::Arc::new(plan),
+            run_id: "bench".into(),
+            lease_key: BENCH_KEY.as_slice().into(),
         },
         max_payload_bytes: payload.len(),
         queue,

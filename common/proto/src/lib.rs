@@ -1,14 +1,16 @@
 //! The dflash.v1 gRPC contract, generated from `proto/dflash/v1/*.proto`.
 
 /// Protocol version spoken by this build. A peer speaking another version is
-/// refused with a clear error at registration or stream start.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// refused with a clear error at registration or stream start. 5: batch
+/// headers carry the lease token of their batch.
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The hidden-state RPC's HTTP path (package, service, method of `drafter.proto`),
 /// for the data plane that serves and calls it below tonic's codec.
 pub const STREAM_HIDDEN_STATES_PATH: &str = "/dflash.v1.Drafter/StreamHiddenStates";
 
 pub mod error;
+pub mod lease_token;
 
 pub use error::{CoordinatorError, DrafterError};
 

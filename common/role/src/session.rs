@@ -55,6 +55,8 @@ pub struct Announce {
 /// A registered role instance.
 pub struct Session {
     pub run_id: String,
+    /// The run's lease key (drafters only; empty for targets).
+    pub lease_key: Vec<u8>,
     pub config: RunConfig,
     pub instance_id: String,
     pub role: pb::Role,
@@ -169,8 +171,16 @@ impl Session {
         config.validate().context("run config from the coordinator")?;
         dflash_telemetry::enable_otlp(Some(&config.telemetry.otlp_endpoint)).context("traces")?;
         let rpc_timeout = Duration::from_millis(config.faults.rpc_timeout_ms);
+        if announce.role == pb::Role::Drafter && resp.lease_key.len() != dflash_proto::lease_token::KEY_BYTES {
+            anyhow::bail!(
+                "the coordinator gave no lease key ({} bytes): it cannot be the coordinator of protocol {}",
+                resp.lease_key.len(),
+                dflash_proto::PROTOCOL_VERSION
+            );
+        }
         Ok(Arc::new(Self {
             run_id: resp.run_id,
+            lease_key: resp.lease_key.to_vec(),
             config,
             instance_id,
             role: announce.role,

@@ -65,6 +65,8 @@ pub struct BatchMeta {
     pub target_top_k: u32,
     /// W3C trace context (traceparent, tracestate) of the batch.
     pub trace_context: HashMap<String, String>,
+    /// The lease's token (`dflash_proto::lease_token`).
+    pub lease_token: Vec<u8>,
 }
 
 impl BatchMeta {
@@ -153,6 +155,7 @@ impl BatchMeta {
             sample_ids: self.sample_ids.clone(),
             trace_context: self.trace_context.clone(),
             target_top_k: self.target_top_k,
+            lease_token: Bytes::copy_from_slice(&self.lease_token),
         }
     }
 
@@ -187,6 +190,7 @@ impl BatchMeta {
             sample_ids: h.sample_ids,
             target_top_k: h.target_top_k,
             trace_context: h.trace_context,
+            lease_token: h.lease_token.to_vec(),
         };
         meta.validate()?;
         if meta.payload_bytes() as u64 != h.payload_bytes {

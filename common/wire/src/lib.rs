@@ -77,6 +77,7 @@ mod tests {
             sample_ids: vec![7, 9],
             target_top_k: top_k,
             trace_context: [("traceparent".to_string(), "00-ab-cd-01".to_string())].into(),
+            lease_token: vec![9; 16],
         };
         let payload: Vec<u8> = (0..meta.payload_bytes()).map(|i| (i * 31 % 251) as u8).collect();
         HostBatch::new(meta, Bytes::from(payload)).unwrap()

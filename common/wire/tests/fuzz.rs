@@ -58,6 +58,7 @@ fn batch(tokens: usize, k: usize, h: usize) -> HostBatch {
         sample_ids: vec![1],
         target_top_k: 0,
         trace_context: Default::default(),
+        lease_token: Vec::new(),
     };
     let payload: Vec<u8> = (0..meta.payload_bytes()).map(|i| (i * 7 % 251) as u8).collect();
     HostBatch::new(meta, payload.into()).unwrap()

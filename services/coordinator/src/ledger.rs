@@ -184,6 +184,20 @@ impl Ledger {
             .map_err(|e| self.err(e))
     }
 
+    /// The run's lease key ([`dflash_proto::lease_token`]): made once, on
+    /// the first start, and kept here, so a restarted coordinator issues
+    /// the tokens its drafters already check.
+    pub fn lease_key(&self) -> Result<Vec<u8>, LedgerError> {
+        if let Some(hex) = self.meta("lease_key")?
+            && let Some(key) = from_hex(&hex)
+        {
+            return Ok(key);
+        }
+        let key: Vec<u8> = (0..dflash_proto::lease_token::KEY_BYTES).map(|_| rand::random::<u8>()).collect();
+        self.set_meta("lease_key", &key.iter().map(|b| format!("{b:02x}")).collect::<String>())?;
+        Ok(key)
+    }
+
     pub fn set_meta(&self, key: &str, value: &str) -> Result<(), LedgerError> {
         self.conn
             .execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", params![key, value])
@@ -750,6 +764,14 @@ impl Ledger {
         }
         tx.commit().map_err(wrap)
     }
+}
+
+/// Bytes of a hex string (None if it is not one).
+fn from_hex(hex: &str) -> Option<Vec<u8>> {
+    if !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok()).collect()
 }
 
 #[cfg(test)]

@@ -131,7 +131,8 @@ async fn run(args: Args) -> anyhow::Result<i32> {
         loader.describe_sources(),
         plan.config.to_string().lines().map(|l| format!("  {l}\n")).collect::<String>()
     );
-    let run = Arc::new(Run::new(run_id.clone(), plan.config, ledger));
+    let lease_key = ledger.lease_key()?;
+    let run = Arc::new(Run::new(run_id.clone(), plan.config, ledger, lease_key));
     if counts.total() > 0 && counts.committed == counts.total() {
         run.end(dflash_proto::RunState::Completed, "every batch was already committed".into());
     }

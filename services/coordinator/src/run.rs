@@ -83,6 +83,9 @@ pub struct Run {
     pub run_id: String,
     pub config: RunConfig,
     pub config_toml: String,
+    /// Signs leases (`dflash_proto::lease_token`); drafters get it at
+    /// registration, targets never.
+    pub lease_key: Vec<u8>,
     ledger: Mutex<Ledger>,
     registry: Mutex<Registry>,
     progress: Mutex<Progress>,
@@ -104,7 +107,7 @@ pub struct Run {
 }
 
 impl Run {
-    pub fn new(run_id: String, config: RunConfig, ledger: Ledger) -> Self {
+    pub fn new(run_id: String, config: RunConfig, ledger: Ledger, lease_key: Vec<u8>) -> Self {
         let config_toml = dflash_config::to_toml_string(&config);
         let group = GroupBook::new(&config.group);
         let (events, _) = broadcast::channel(64);
@@ -112,6 +115,7 @@ impl Run {
             run_id,
             config,
             config_toml,
+            lease_key,
             ledger: Mutex::new(ledger),
             registry: Mutex::new(Registry {
                 instances: BTreeMap::new(),

@@ -102,10 +102,13 @@ impl Coordinator for CoordinatorService {
             return Err(CoordinatorError::RunOver { run_id: self.run.run_id.clone(), state, message }.into());
         }
         self.run.register(req);
+        // Drafters check lease tokens with the key; targets only carry tokens.
+        let lease_key = if role == pb::Role::Drafter { self.run.lease_key.clone().into() } else { Default::default() };
         Ok(Response::new(pb::RegisterResponse {
             run_id: self.run.run_id.clone(),
             config_toml: self.run.config_toml.clone(),
             heartbeat_interval_ms: self.run.config.faults.heartbeat_interval_ms as u32,
+            lease_key,
         }))
     }
 
@@ -229,6 +232,13 @@ impl Coordinator for CoordinatorService {
                         generation,
                         drafter_instance: member.instance_id,
                         drafter_endpoint: member.endpoint,
+                        lease_token: dflash_proto::lease_token::lease_token(
+                            &self.run.lease_key,
+                            &self.run.run_id,
+                            l.batch_id,
+                            &req.instance_id,
+                        )
+                        .into(),
                     }
                 })
                 .collect(),

@@ -435,6 +435,8 @@ async fn start(
             } else {
                 Arc::clone(&plan)
             },
+            run_id: session.run_id.clone(),
+            lease_key: session.lease_key.clone().into(),
         },
         max_payload_bytes: max_payload as usize,
         queue: hs_tx,

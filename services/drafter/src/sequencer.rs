@@ -287,6 +287,7 @@ mod tests {
                 sample_ids: vec![id],
                 target_top_k: 0,
                 trace_context: Default::default(),
+                lease_token: Vec::new(),
             };
             let payload = vec![0u8; meta.payload_bytes()].into();
             let batch = dflash_wire::HostBatch::new(meta, payload).unwrap();

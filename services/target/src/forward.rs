@@ -320,6 +320,7 @@ mod tests {
             loss_mask: samples.iter().flat_map(|s| vec![1u8; s.1.len()]).collect(),
             trace: Default::default(),
             lease: Leases::new().hold(batch_id, Default::default()),
+            lease_token: Vec::new(),
         }
     }
 

@@ -156,6 +156,7 @@ impl Postprocessor {
             sample_ids: w.sample_ids,
             target_top_k: top_k,
             trace_context: dflash_telemetry::context_of(&span),
+            lease_token: w.lease_token,
         };
         Ok(OutboundBatch { batch: HostBatch::new(meta, payload)?, lease: w.lease })
     }

@@ -28,6 +28,8 @@ pub struct WorkItem {
     pub trace: dflash_telemetry::TraceContext,
     /// Renewed while the batch exists; given up when it is dropped.
     pub lease: Lease,
+    /// The lease's token, for the batch's header (the drafter checks it).
+    pub lease_token: Vec<u8>,
 }
 
 /// Loads the dataset the coordinator planned from, the same way it did.
@@ -58,6 +60,7 @@ pub fn work_item(ds: &Dataset, lease: &pb::WorkLease, held: Lease) -> anyhow::Re
         loss_mask: Vec::new(),
         trace: lease.trace_context.clone(),
         lease: held,
+        lease_token: lease.lease_token.to_vec(),
     };
     for (i, &id) in lease.sample_ids.iter().enumerate() {
         let s = ds

@@ -88,7 +88,9 @@ impl dflash_wire::PayloadBuffer for HostPayload {
     }
 }
 
-/// One message of a batch, whichever way it was decoded.
+/// One message of a batch, whichever way it was decoded. (Not boxed: one
+/// lives at a time, on the landing thread's stack.)
+#[allow(clippy::large_enum_variant)]
 enum Part {
     Hello,
     Header(pb::BatchHeader),

@@ -57,6 +57,10 @@ pub struct Expected {
     /// Rows of the target's embedding: every token id must be below it.
     pub vocab_size: u32,
     pub plan: Arc<Plan>,
+    /// The run and its lease key: a batch is taken only from the target
+    /// instance it is leased to (`dflash_proto::lease_token`).
+    pub run_id: String,
+    pub lease_key: Arc<[u8]>,
 }
 
 /// Why a batch is refused, and whether the ledger should hear of it as
@@ -105,6 +109,15 @@ impl Expected {
             return refuse(format!(
                 "header names target {:?} but the stream is {stream_target}'s",
                 m.target_instance.escape_debug().to_string()
+            ));
+        }
+        if !dflash_proto::lease_token::verify(&self.lease_key, &self.run_id, m.batch_id, stream_target, &m.lease_token)
+        {
+            // Counted here: nothing else sees a batch that nobody leased.
+            dflash_telemetry::metrics().batches.with_label_values(&["unleased"]).inc();
+            return refuse(format!(
+                "batch {} carries no valid lease token for target {stream_target}: it is not leased to that instance",
+                m.batch_id
             ));
         }
         let Some(p) = self.plan.get(&m.batch_id) else {

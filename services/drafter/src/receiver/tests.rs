@@ -29,6 +29,14 @@ fn service(queue: flume::Sender<Arrival>) -> HiddenStateService<DrafterService> 
     service_with(queue, 4, Duration::from_secs(10)).0
 }
 
+/// The run's lease key in these tests.
+const KEY: [u8; 32] = [5; 32];
+
+/// The token of a batch leased to an instance in run-1.
+fn token(batch_id: u64, target: &str) -> Vec<u8> {
+    dflash_proto::lease_token::lease_token(&KEY, "run-1", batch_id, target)
+}
+
 /// A service whose plan holds batch 11 (sample 3, 10 tokens), vocabulary 16.
 fn service_with(
     queue: flume::Sender<Arrival>,
@@ -54,6 +62,8 @@ fn service_with(
             hidden_size: 8,
             vocab_size: 16,
             plan: Arc::new(plan),
+            run_id: "run-1".into(),
+            lease_key: KEY.as_slice().into(),
         },
         max_payload_bytes: 1 << 20,
         queue,
@@ -85,7 +95,8 @@ fn batch() -> HostBatch {
     batch_with(|_| {})
 }
 
-/// Batch 11 of the plan, changed by `edit`.
+/// Batch 11 of the plan, changed by `edit`; with the token of its lease
+/// (batch and instance as edited) unless the edit set one.
 fn batch_with(edit: impl FnOnce(&mut BatchMeta)) -> HostBatch {
     let mut meta = BatchMeta {
         batch_id: 11,
@@ -101,8 +112,12 @@ fn batch_with(edit: impl FnOnce(&mut BatchMeta)) -> HostBatch {
         sample_ids: vec![3],
         target_top_k: 0,
         trace_context: Default::default(),
+        lease_token: Vec::new(),
     };
     edit(&mut meta);
+    if meta.lease_token.is_empty() {
+        meta.lease_token = token(meta.batch_id, &meta.target_instance);
+    }
     let payload: Vec<u8> = (0..meta.payload_bytes()).map(|i| (i * 13 % 251) as u8).collect();
     HostBatch::new(meta, payload.into()).unwrap()
 }
@@ -230,6 +245,11 @@ async fn batches_that_are_not_the_plans_are_rejected_and_bad_contents_reported_a
         (batch_with(|m| m.batch_id = 12), false, "not in the run's plan"),
         (batch_with(|m| m.sample_ids = vec![4]), false, "but the plan has [3]"),
         (batch_with(|m| m.target_instance = "target-9".into()), false, "stream is target-0's"),
+        // Features for a planned batch from a stream that holds no lease on
+        // it: a made-up token, another instance's token, none.
+        (batch_with(|m| m.lease_token = vec![7; 16]), false, "not leased to that instance"),
+        (batch_with(|m| m.lease_token = token(11, "target-1")), false, "not leased to that instance"),
+        (batch_with(|m| m.lease_token = vec![0; 0].into_iter().chain([1]).collect()), false, "no valid lease token"),
         (
             batch_with(|m| m.input_ids[7] = 999_999),
             true,
