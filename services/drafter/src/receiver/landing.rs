@@ -105,8 +105,9 @@ pub(super) struct Lander {
     target: String,
     assembler: Assembler,
     landing: Landing,
-    /// A corrupt batch whose remaining messages are skipped until its end.
-    discarding: Option<u64>,
+    /// A batch whose remaining messages are skipped until its end, and the
+    /// answer its end gets (corrupt: resend; not leased: rejected).
+    discarding: Option<(u64, pb::AckStatus, String)>,
     expected: Expected,
     queue: flume::Sender<Arrival>,
     stop: Stop,
@@ -161,15 +162,27 @@ impl Lander {
             Part::End(e) => Some(e.batch_id),
             Part::Hello => None,
         };
-        if let Some(bad) = self.discarding {
-            if batch_of(&m) == Some(bad) {
+        if let Some((bad, status, reason)) = &self.discarding {
+            if batch_of(&m) == Some(*bad) {
                 if matches!(m, Part::End(_)) {
+                    let answer = ack(*bad, *status, reason.clone());
                     self.discarding = None;
-                    return self.send(ack(bad, pb::AckStatus::Resend, "corrupt in transit".into()));
+                    return self.send(answer);
                 }
                 return true;
             }
             self.discarding = None;
+        }
+        // A batch this stream holds no lease on takes no landing buffer: its
+        // messages are skipped and its end refused (a peer without leases
+        // cannot hold the buffers the leased batches need).
+        if let Part::Header(h) = &m
+            && let Err(reason) = self.expected.leased(h.batch_id, &self.target, &h.lease_token)
+        {
+            tracing::error!("batch {} from target {} refused: {reason}", h.batch_id, self.target);
+            dflash_telemetry::metrics().batches.with_label_values(&["unleased"]).inc();
+            self.discarding = Some((h.batch_id, pb::AckStatus::Rejected, reason));
+            return true;
         }
         let is_end = matches!(m, Part::End(_));
         if let Part::Header(h) = &m {
@@ -197,7 +210,7 @@ impl Lander {
                 if is_end {
                     self.send(ack(id, pb::AckStatus::Resend, e.to_string()))
                 } else {
-                    self.discarding = Some(id);
+                    self.discarding = Some((id, pb::AckStatus::Resend, "corrupt in transit".into()));
                     true
                 }
             }

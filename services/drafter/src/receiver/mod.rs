@@ -101,6 +101,18 @@ fn ack(batch_id: u64, status: pb::AckStatus, reason: String) -> Result<pb::Draft
 }
 
 impl Expected {
+    /// Whether `token` shows batch `batch_id` leased to `target` (the
+    /// refusal's reason otherwise).
+    pub fn leased(&self, batch_id: u64, target: &str, token: &[u8]) -> Result<(), String> {
+        if dflash_proto::lease_token::verify(&self.lease_key, &self.run_id, batch_id, target, token) {
+            Ok(())
+        } else {
+            Err(format!(
+                "batch {batch_id} carries no valid lease token for target {target}: it is not leased to that instance"
+            ))
+        }
+    }
+
     /// Checks a complete batch against the drafter's shape and the plan.
     pub fn check(&self, b: &HostBatch, stream_target: &str) -> Result<(), Rejection> {
         let m = &b.meta;
@@ -111,14 +123,11 @@ impl Expected {
                 m.target_instance.escape_debug().to_string()
             ));
         }
-        if !dflash_proto::lease_token::verify(&self.lease_key, &self.run_id, m.batch_id, stream_target, &m.lease_token)
-        {
-            // Counted here: nothing else sees a batch that nobody leased.
+        // Checked at the header already (the landing thread refuses such a
+        // batch before it takes a buffer); again here for any other caller.
+        if let Err(reason) = self.leased(m.batch_id, stream_target, &m.lease_token) {
             dflash_telemetry::metrics().batches.with_label_values(&["unleased"]).inc();
-            return refuse(format!(
-                "batch {} carries no valid lease token for target {stream_target}: it is not leased to that instance",
-                m.batch_id
-            ));
+            return refuse(reason);
         }
         let Some(p) = self.plan.get(&m.batch_id) else {
             return refuse(format!("batch {} is not in the run's plan", m.batch_id));

@@ -244,7 +244,17 @@ async fn batches_that_are_not_the_plans_are_rejected_and_bad_contents_reported_a
     let cases: Vec<(HostBatch, bool, &str)> = vec![
         (batch_with(|m| m.batch_id = 12), false, "not in the run's plan"),
         (batch_with(|m| m.sample_ids = vec![4]), false, "but the plan has [3]"),
-        (batch_with(|m| m.target_instance = "target-9".into()), false, "stream is target-0's"),
+        // Another instance's batch on this stream: its token is not this
+        // stream's (refused at the header, before it takes a buffer).
+        (batch_with(|m| m.target_instance = "target-9".into()), false, "not leased to that instance"),
+        (
+            batch_with(|m| {
+                m.target_instance = "target-9".into();
+                m.lease_token = token(11, "target-0");
+            }),
+            false,
+            "stream is target-0's",
+        ),
         // Features for a planned batch from a stream that holds no lease on
         // it: a made-up token, another instance's token, none.
         (batch_with(|m| m.lease_token = vec![7; 16]), false, "not leased to that instance"),
