@@ -361,6 +361,48 @@ fn a_second_coordinator_on_a_live_ledger_is_refused() {
     assert!(log.contains(&format!("pid {}", first.child.id())), "{log}");
 }
 
+/// The coordinator's status, from its RPC.
+fn status(cluster: &Cluster) -> pb::StatusResponse {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = pb::coordinator_client::CoordinatorClient::connect(cluster.coordinator_url.clone()).await.unwrap();
+        c.status(pb::StatusRequest {}).await.unwrap().into_inner()
+    })
+}
+
+/// A target that stops producing while it holds leases (SIGSTOP) raises
+/// the `supply_stalled` alarm, in the status and in the coordinator's log,
+/// within the configured bound; it clears once the target produces again,
+/// and the run completes with every batch committed once.
+#[test]
+fn supply_that_stops_while_batches_are_outstanding_raises_a_named_alarm() {
+    let ws = Workspace::synthetic(600, 3);
+    let extra =
+        format!("{SMALL}\n[run]\nmax_steps = 40\n[faults]\nsupply_stall_alarm_ms = 1500\nlease_timeout_ms = 60000\n");
+    let cluster = Cluster::new(&ws, ws.config("supply-alarm", &extra));
+    let mut coord = cluster.coordinator(&[]);
+    let mut drafter = cluster.drafter("drafter");
+    let target = cluster.target("target-0");
+    assert!(drafter.wait_for_log("step 8/40", Duration::from_secs(120)), "{}", drafter.log_text());
+    assert!(status(&cluster).alarms.is_empty(), "no alarm while the target produces");
+    target.signal(Signal::SIGSTOP);
+    let t0 = Instant::now();
+    let mut alarm = None;
+    while t0.elapsed() < Duration::from_secs(20) && alarm.is_none() {
+        alarm = status(&cluster).alarms.into_iter().find(|a| a.starts_with("supply_stalled:"));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let raised_after = t0.elapsed();
+    target.signal(Signal::SIGCONT);
+    let alarm = alarm.expect("the alarm is raised");
+    assert!(alarm.contains("leased") && alarm.contains("supply_stall_alarm_ms"), "{alarm}");
+    assert!(raised_after >= Duration::from_millis(1400) && raised_after < Duration::from_secs(10), "{raised_after:?}");
+    assert!(coord.wait_for_log("ALARM supply_stalled", Duration::from_secs(5)), "{}", coord.log_text());
+    assert!(coord.wait_for_log("alarm supply_stalled cleared", Duration::from_secs(30)), "{}", coord.log_text());
+    assert!(drafter.expect_exit(Duration::from_secs(180)).success(), "{}", drafter.log_text());
+    assert_exactly_once(&cluster.ledger, 40);
+}
+
 /// A request body that sends the start of a message and then nothing.
 struct HalfSent(Option<bytes::Bytes>);
 

@@ -39,7 +39,7 @@ fn promtool(args: &[&str]) -> String {
 fn the_shipped_scrape_config_and_alerting_rules_pass_promtool_and_their_unit_tests() {
     assert!(promtool(&["check", "config", "prometheus.yml"]).contains("SUCCESS"));
     let rules = promtool(&["check", "rules", "rules.yml"]);
-    assert!(rules.contains("SUCCESS: 5 rules found"), "{rules}");
+    assert!(rules.contains("SUCCESS: 6 rules found"), "{rules}");
     // Each alert pending, firing and cleared at the minutes the test names.
     assert!(promtool(&["test", "rules", "rules.test.yml"]).contains("SUCCESS"));
 }
@@ -245,7 +245,7 @@ fn a_real_prometheus_scrapes_every_role_and_sees_a_drafter_restart() {
         .iter()
         .map(|r| (r["name"].as_str().unwrap().to_string(), r["health"].as_str().unwrap_or("").to_string()))
         .collect();
-    assert_eq!(evaluated.len(), 5, "{evaluated:?}");
+    assert_eq!(evaluated.len(), 6, "{evaluated:?}");
     assert!(evaluated.iter().all(|(_, h)| h == "ok"), "{evaluated:?}");
 
     assert!(coord.expect_exit(Duration::from_secs(300)).success(), "{}", coord.log_text());

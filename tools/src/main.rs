@@ -183,6 +183,9 @@ async fn status(coordinator: &str, security: &SecurityArgs) -> anyhow::Result<()
         "flow: supply {:.0} tokens/s, demand {:.0} tokens/s, bound by {}",
         s.supply_tokens_per_s, s.demand_tokens_per_s, s.bound_by
     );
+    for a in &s.alarms {
+        println!("ALARM {a}");
+    }
     for i in &s.instances {
         let role = pb::Role::try_from(i.role).unwrap_or(pb::Role::Unspecified);
         println!(

@@ -25,6 +25,9 @@ pub fn progress_line(s: &pb::StatusResponse) -> String {
     if !s.errors.is_empty() {
         line.push_str(&format!(" | {} error(s)", s.errors.len()));
     }
+    for a in &s.alarms {
+        line.push_str(&format!(" | ALARM {a}"));
+    }
     line
 }
 

@@ -55,6 +55,8 @@ pub struct Metrics {
     /// Coordinator: 1 for the run's state (`running`, `completed`,
     /// `failed`, `cancelled`), 0 for the others.
     pub run_state: IntGaugeVec,
+    /// Coordinator: 1 while the named alarm is raised (`supply_stalled`).
+    pub alarm: IntGaugeVec,
     pub up: IntCounter,
     /// Unix time this process started: a restart shows as a change.
     pub start_time: Gauge,
@@ -182,6 +184,7 @@ impl Metrics {
                 &mut names,
                 IntGaugeVec::new(Opts::new("run_state", "1 for the run's state"), &["state"]),
             ),
+            alarm: reg(&r, &mut names, IntGaugeVec::new(Opts::new("alarm", "1 while the alarm is raised"), &["name"])),
             up,
             start_time,
             resident_memory,

@@ -10,8 +10,9 @@ const WINDOW: Duration = Duration::from_secs(60);
 /// Samples kept (one per monitor tick at most; bounded).
 const MAX_SAMPLES: usize = 4096;
 
-#[derive(Default)]
 pub struct Flow {
+    /// When a target last produced a token (or the flow began).
+    last_supply: Instant,
     /// Last cumulative count each target reported (restarts start at 0).
     produced_by: BTreeMap<String, u64>,
     busy_by: BTreeMap<String, f32>,
@@ -31,11 +32,35 @@ pub struct FlowSummary {
     pub bound_by: &'static str,
 }
 
+impl Default for Flow {
+    fn default() -> Self {
+        Self {
+            last_supply: Instant::now(),
+            produced_by: BTreeMap::new(),
+            busy_by: BTreeMap::new(),
+            produced_total: 0,
+            trained_total: 0,
+            drafter_wait: 0.0,
+            samples: VecDeque::new(),
+        }
+    }
+}
+
 impl Flow {
+    /// How long no target has produced a token (since the flow began, if
+    /// none ever did).
+    pub fn supply_silent_for(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.last_supply)
+    }
+
     /// A target's heartbeat: its cumulative tokens and busy fraction.
     pub fn target_report(&mut self, instance: &str, tokens_produced: u64, busy: f32) {
         let last = self.produced_by.insert(instance.to_string(), tokens_produced).unwrap_or(0);
-        self.produced_total += tokens_produced.saturating_sub(last.min(tokens_produced));
+        let new = tokens_produced.saturating_sub(last.min(tokens_produced));
+        if new > 0 {
+            self.last_supply = Instant::now();
+        }
+        self.produced_total += new;
         self.busy_by.insert(instance.to_string(), busy);
     }
 

@@ -183,6 +183,7 @@ async fn run(args: Args) -> anyhow::Result<i32> {
     stages.spawn_task("monitor", async move {
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         let mut last_log = std::time::Instant::now();
+        let mut raised: Vec<String> = Vec::new();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -190,6 +191,16 @@ async fn run(args: Args) -> anyhow::Result<i32> {
             }
             let flow = monitor_run.sample_flow();
             monitor_run.export_metrics();
+            // Each alarm is logged when it is raised and when it clears.
+            let alarms = monitor_run.alarms();
+            let name = |a: &String| a.split(':').next().unwrap_or_default().to_string();
+            for a in alarms.iter().filter(|a| !raised.iter().any(|r| name(r) == name(a))) {
+                tracing::error!("ALARM {a}");
+            }
+            for r in raised.iter().filter(|r| !alarms.iter().any(|a| name(a) == name(r))) {
+                tracing::info!("alarm {} cleared", name(r));
+            }
+            raised = alarms;
             if let Err(e) = monitor_run.check_liveness() {
                 monitor_run.end(dflash_proto::RunState::Failed, format!("ledger failure: {e}"));
             }

@@ -678,6 +678,28 @@ impl Run {
         Ok(())
     }
 
+    /// The alarms raised now, each `name: what`. `supply_stalled`: the run
+    /// is running, batches are leased or sent, and no target produced a
+    /// feature token for `faults.supply_stall_alarm_ms`: training waits on
+    /// work that does not come (a stalled stream, a hung target).
+    pub fn alarms(&self) -> Vec<String> {
+        let c = self.counts();
+        let silent = self.flow().supply_silent_for(Instant::now());
+        let limit = Duration::from_millis(self.config.faults.supply_stall_alarm_ms);
+        let mut alarms = Vec::new();
+        if self.is_running() && c.leased + c.sent > 0 && silent >= limit {
+            alarms.push(format!(
+                "supply_stalled: no target produced a token for {} s while {} batches are leased and {} sent \
+                 (faults.supply_stall_alarm_ms = {})",
+                silent.as_secs(),
+                c.leased,
+                c.sent,
+                limit.as_millis()
+            ));
+        }
+        alarms
+    }
+
     /// Mirrors the ledger, the registry and the flow into the metrics.
     pub fn export_metrics(&self) {
         let m = dflash_telemetry::metrics();
@@ -717,6 +739,9 @@ impl Run {
         m.loss.set(f64::from(p.loss));
         m.accuracy.set(f64::from(p.accuracy));
         m.acceptance_length.with_label_values(&["simulated"]).set(f64::from(p.acceptance_length));
+        let alarms = self.alarms();
+        let raised = alarms.iter().any(|a| a.starts_with("supply_stalled:"));
+        m.alarm.with_label_values(&["supply_stalled"]).set(i64::from(raised));
     }
 
     pub fn counts(&self) -> Counts {
@@ -750,6 +775,7 @@ impl Run {
         let history = self.ledger().progress_history(STATUS_HISTORY_POINTS).unwrap_or_default();
         pb::StatusResponse {
             history,
+            alarms: self.alarms(),
             supply_tokens_per_s: flow.supply_tokens_per_s,
             demand_tokens_per_s: flow.demand_tokens_per_s,
             bound_by: flow.bound_by.to_string(),
