@@ -78,25 +78,11 @@ impl AttentionKernel {
                 Err(e) => tracing::warn!("variable-length flash attention failed, computing it directly: {e}"),
             }
         }
-        let (qs, ks, vs) = (q.split_with_sizes(lens, 0), k.split_with_sizes(lens, 0), v.split_with_sizes(lens, 0));
-        let outs: Vec<Tensor> = qs
-            .iter()
-            .zip(&ks)
-            .zip(&vs)
-            .map(|((q, k), v)| {
-                let l = q.size()[0];
-                let causal = causal_mask(l, l, q.device());
-                // [1, nh, l, d] against [1, nkv, l, d].
-                let o = self.direct(
-                    &q.transpose(0, 1).unsqueeze(0),
-                    &k.transpose(0, 1).unsqueeze(0),
-                    &v.transpose(0, 1).unsqueeze(0),
-                    &self.windowed(causal, l, l).unsqueeze(0).unsqueeze(0),
-                );
-                o.squeeze_dim(0).transpose(0, 1).reshape([l, nh * dv])
-            })
-            .collect();
-        Tensor::cat(&outs, 0)
+        per_sequence(q, k, v, lens, |q, k, v| {
+            let l = q.size()[2];
+            let mask = self.windowed(causal_mask(l, l, q.device()), l, l);
+            self.direct(q, k, v, &mask.unsqueeze(0).unsqueeze(0))
+        })
     }
 
     /// Queries `q` `[B, nh, t, d]` (the newest `t` positions) against the
@@ -206,19 +192,31 @@ impl AttentionKernel {
 
 /// Plain causal attention, one flash SDPA call per sequence.
 fn plain_packed(q: &Tensor, k: &Tensor, v: &Tensor, lens: &[i64]) -> Tensor {
+    per_sequence(q, k, v, lens, |q, k, v| {
+        // Grouped-query attention inside the (flash) kernel: no copy of the
+        // kv heads per query head.
+        Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, true, None, true)
+    })
+}
+
+/// `attend` over each packed sequence alone, heads first (`[1, heads, l,
+/// d]`), the outputs back in token order as `[T, nh * dv]`.
+fn per_sequence(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lens: &[i64],
+    attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
+) -> Tensor {
     let (nh, dv) = (q.size()[1], v.size()[2]);
     let (qs, ks, vs) = (q.split_with_sizes(lens, 0), k.split_with_sizes(lens, 0), v.split_with_sizes(lens, 0));
+    let heads_first = |t: &Tensor| t.transpose(0, 1).unsqueeze(0);
     let outs: Vec<Tensor> = qs
         .iter()
         .zip(&ks)
         .zip(&vs)
         .map(|((q, k), v)| {
-            let q = q.transpose(0, 1).unsqueeze(0);
-            let k = k.transpose(0, 1).unsqueeze(0);
-            let v = v.transpose(0, 1).unsqueeze(0);
-            // Grouped-query attention inside the (flash) kernel: no copy
-            // of the kv heads per query head.
-            let o = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, true);
+            let o = attend(&heads_first(q), &heads_first(k), &heads_first(v));
             o.squeeze_dim(0).transpose(0, 1).reshape([-1, nh * dv])
         })
         .collect();

@@ -49,6 +49,22 @@ pub enum RopeScaling {
     },
 }
 
+impl RopeScaling {
+    /// gpt-oss's YaRN (transformers' default for it): x32 over 4096
+    /// positions, betas 32/1, not truncated, the attention factor derived.
+    pub fn gpt_oss_default() -> Self {
+        RopeScaling::Yarn {
+            factor: 32.0,
+            original_max_position_embeddings: 4096.0,
+            attention_factor: yarn_mscale(32.0, 1.0),
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: false,
+            mscale_all_dim: 0.0,
+        }
+    }
+}
+
 /// A target's RoPE: base, scaling, and the share of each head that rotates.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeConfig {

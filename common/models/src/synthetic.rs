@@ -306,18 +306,7 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
                 num_heads: 64,
                 num_kv_heads: 8,
                 head_dim: 64,
-                rope: RopeConfig {
-                    scaling: RopeScaling::Yarn {
-                        factor: 32.0,
-                        original_max_position_embeddings: 4096.0,
-                        attention_factor: 0.1 * 32f64.ln() + 1.0,
-                        beta_fast: 32.0,
-                        beta_slow: 1.0,
-                        truncate: false,
-                        mscale_all_dim: 0.0,
-                    },
-                    ..RopeConfig::plain(150_000.0)
-                },
+                rope: RopeConfig { scaling: RopeScaling::gpt_oss_default(), ..RopeConfig::plain(150_000.0) },
                 vocab_size: 201_088,
                 tie_word_embeddings: false,
                 max_position_embeddings: 131_072,

@@ -16,28 +16,27 @@ pub const KEY_BYTES: usize = 32;
 /// Bytes of a token.
 pub const TOKEN_BYTES: usize = 16;
 
-/// The token of `batch_id` leased to `target_instance` in `run_id`.
-pub fn lease_token(key: &[u8], run_id: &str, batch_id: u64, target_instance: &str) -> Vec<u8> {
+/// The MAC over (run, batch, instance), lengths first so that no two
+/// (run, instance) pairs share a message.
+fn mac(key: &[u8], run_id: &str, batch_id: u64, target_instance: &str) -> Hmac<Sha256> {
     let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
-    // Lengths first, so that no two (run, instance) pairs share a message.
     mac.update(&(run_id.len() as u64).to_le_bytes());
     mac.update(run_id.as_bytes());
     mac.update(&batch_id.to_le_bytes());
     mac.update(&(target_instance.len() as u64).to_le_bytes());
     mac.update(target_instance.as_bytes());
-    mac.finalize().into_bytes()[..TOKEN_BYTES].to_vec()
+    mac
+}
+
+/// The token of `batch_id` leased to `target_instance` in `run_id`.
+pub fn lease_token(key: &[u8], run_id: &str, batch_id: u64, target_instance: &str) -> Vec<u8> {
+    mac(key, run_id, batch_id, target_instance).finalize().into_bytes()[..TOKEN_BYTES].to_vec()
 }
 
 /// Whether `token` is the token of `batch_id` leased to `target_instance`
 /// (compared in constant time).
 pub fn verify(key: &[u8], run_id: &str, batch_id: u64, target_instance: &str, token: &[u8]) -> bool {
-    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
-    mac.update(&(run_id.len() as u64).to_le_bytes());
-    mac.update(run_id.as_bytes());
-    mac.update(&batch_id.to_le_bytes());
-    mac.update(&(target_instance.len() as u64).to_le_bytes());
-    mac.update(target_instance.as_bytes());
-    token.len() == TOKEN_BYTES && mac.verify_truncated_left(token).is_ok()
+    token.len() == TOKEN_BYTES && mac(key, run_id, batch_id, target_instance).verify_truncated_left(token).is_ok()
 }
 
 #[cfg(test)]

@@ -61,18 +61,7 @@ impl Architecture for GptOss {
         )?;
         if !rope_given {
             // transformers' default: YaRN x32 over 4096 positions, not truncated.
-            c.rope = RopeConfig {
-                scaling: RopeScaling::Yarn {
-                    factor: 32.0,
-                    original_max_position_embeddings: 4096.0,
-                    attention_factor: 0.1 * 32f64.ln() + 1.0,
-                    beta_fast: 32.0,
-                    beta_slow: 1.0,
-                    truncate: false,
-                    mscale_all_dim: 0.0,
-                },
-                ..c.rope
-            };
+            c.rope = RopeConfig { scaling: RopeScaling::gpt_oss_default(), ..c.rope };
         }
         if !eps_given {
             c.rms_norm_eps = 1e-5;
