@@ -580,6 +580,11 @@ pub struct FaultSection {
     /// A hidden-state stream in the middle of a batch that brings nothing
     /// for this long is ended, and the batch's landing buffer freed.
     pub stream_stall_timeout_ms: u64,
+    /// A batch the drafter acknowledged and has not trained within this
+    /// goes back to pending and is sent again. It must exceed the longest a
+    /// batch waits in the drafter's queues (queue, prefetch and reorder
+    /// window in steps, plus a checkpoint pause).
+    pub sent_timeout_ms: u64,
     /// The coordinator raises the `supply_stalled` alarm (metric, status)
     /// when no target produced a feature token for this long while batches
     /// are leased or sent.
@@ -597,6 +602,7 @@ impl Default for FaultSection {
             rpc_timeout_ms: 10_000,
             shutdown_grace_ms: 20_000,
             stream_stall_timeout_ms: 30_000,
+            sent_timeout_ms: 600_000,
             supply_stall_alarm_ms: 180_000,
         }
     }

@@ -295,6 +295,7 @@ impl RunConfig {
             ("faults.rpc_timeout_ms", f.rpc_timeout_ms),
             ("faults.shutdown_grace_ms", f.shutdown_grace_ms),
             ("faults.stream_stall_timeout_ms", f.stream_stall_timeout_ms),
+            ("faults.sent_timeout_ms", f.sent_timeout_ms),
             ("faults.supply_stall_alarm_ms", f.supply_stall_alarm_ms),
         ] {
             c.require(v >= 1, name, || "must be at least 1".into());

@@ -309,12 +309,22 @@ impl Ledger {
     }
 
     /// Batches the drafter acknowledged to `holder`.
-    pub fn mark_sent(&mut self, holder: &str, batch_ids: &[u64]) -> Result<(), LedgerError> {
-        self.update_each(
-            batch_ids,
-            "UPDATE batches SET state = 'sent', lease_expires_ms = NULL WHERE batch_id = ?1 AND state = 'leased' AND holder = ?2",
-            Some(holder),
-        )
+    /// Batches `holder` leased that the drafter acknowledged; each must be
+    /// trained by `train_by_ms` or it goes back to pending
+    /// ([`Ledger::expire_sent`]).
+    pub fn mark_sent(&mut self, holder: &str, batch_ids: &[u64], train_by_ms: u64) -> Result<(), LedgerError> {
+        let path = self.path.clone();
+        let wrap = |source| LedgerError::Sqlite { path: path.clone(), source };
+        let tx = self.conn.transaction().map_err(wrap)?;
+        for id in batch_ids {
+            tx.execute(
+                "UPDATE batches SET state = 'sent', lease_expires_ms = ?3 WHERE batch_id = ?1 AND state = 'leased' \
+                 AND holder = ?2",
+                params![*id as i64, holder, train_by_ms.min(i64::MAX as u64) as i64],
+            )
+            .map_err(wrap)?;
+        }
+        tx.commit().map_err(wrap)
     }
 
     /// Batches an optimizer step of drafter `by` used (or skipped as bad data).
@@ -656,6 +666,20 @@ impl Ledger {
             .map_err(|e| self.err(e))
     }
 
+    /// Acknowledged batches not trained by their deadline go back to
+    /// pending, to be leased and sent again (a drafter that took a batch and
+    /// lost it would otherwise hold up every step after it). Returns how many.
+    pub fn expire_sent(&mut self, now_ms: u64) -> Result<u64, LedgerError> {
+        self.conn
+            .execute(
+                "UPDATE batches SET state = 'pending', holder = NULL, lease_expires_ms = NULL \
+                 WHERE state = 'sent' AND lease_expires_ms IS NOT NULL AND lease_expires_ms < ?1",
+                [now_ms as i64],
+            )
+            .map(|n| n as u64)
+            .map_err(|e| self.err(e))
+    }
+
     /// Expired leases go back to pending. Returns how many.
     pub fn expire_leases(&mut self, now_ms: u64) -> Result<u64, LedgerError> {
         self.conn
@@ -831,7 +855,7 @@ mod tests {
         let leases = l.lease("t0", 3, 1000, 50, 0).unwrap();
         assert_eq!(leases.iter().map(|l| l.batch_id).collect::<Vec<_>>(), vec![0, 1, 2]);
         assert_eq!(leases[1].sample_ids, vec![2, 3]);
-        l.mark_sent("t0", &[0, 1]).unwrap();
+        l.mark_sent("t0", &[0, 1], FAR).unwrap();
         l.mark_trained("d", &[0], 1).unwrap();
         l.commit_checkpoint("d", &ckpt(1, "h1"), &[0]).unwrap();
         assert_eq!(l.counts().unwrap(), Counts { pending: 1, leased: 1, sent: 1, trained: 0, committed: 1 });
@@ -852,7 +876,7 @@ mod tests {
         assert_eq!(ids(l.lease("t0", 10, 0, 50, 3).unwrap()), vec![0, 1, 2]);
         assert!(l.lease("t1", 10, 0, 50, 3).unwrap().is_empty(), "0..3 are out; 3 is past the window");
         // Batch 1 and 2 trained: 0 is still the first untrained one.
-        l.mark_sent("t0", &[0, 1, 2]).unwrap();
+        l.mark_sent("t0", &[0, 1, 2], FAR).unwrap();
         l.mark_trained("d", &[1, 2], 2).unwrap();
         assert!(l.lease("t1", 10, 0, 50, 3).unwrap().is_empty());
         l.mark_trained("d", &[0], 3).unwrap();
@@ -880,13 +904,13 @@ mod tests {
         let ids: Vec<u64> = two_epochs.iter().map(|b| b.batch_id).collect();
         let leased = |v: Vec<Lease>| v.into_iter().map(|l| l.batch_id).collect::<Vec<_>>();
         assert_eq!(leased(l.lease("t", 3, 0, 50, 3).unwrap()), ids[..3].to_vec());
-        l.mark_sent("t", &ids[..3]).unwrap();
+        l.mark_sent("t", &ids[..3], FAR).unwrap();
         l.mark_trained("d", &ids[..3], 3).unwrap();
         // The last batch of epoch 0 is out (a group member holds it and
         // waits for its partner's next batch): the window still reaches
         // into epoch 1, whose ids are 2^32 further on.
         assert_eq!(leased(l.lease("t", 1, 0, 50, 3).unwrap()), vec![ids[3]]);
-        l.mark_sent("t", &ids[3..4]).unwrap();
+        l.mark_sent("t", &ids[3..4], FAR).unwrap();
         assert_eq!(leased(l.lease("t", 10, 0, 50, 3).unwrap()), ids[4..6].to_vec(), "positions 4 and 5 of 3..6");
     }
 
@@ -903,6 +927,28 @@ mod tests {
         assert_eq!(l.shorten_leases(9000).unwrap(), 2, "a later start shortens them again");
     }
 
+    /// A deadline no test reaches.
+    const FAR: u64 = 1 << 50;
+
+    #[test]
+    fn an_acknowledged_batch_not_trained_by_its_deadline_goes_back_to_pending() {
+        let (_d, mut l) = ledger(4);
+        l.lease("t0", 3, 1000, 50, 0).unwrap();
+        l.mark_sent("t0", &[0, 1], 5000).unwrap();
+        l.mark_sent("t0", &[2], 9000).unwrap();
+        l.mark_trained("d", &[1], 1).unwrap();
+        assert_eq!(l.expire_sent(5000).unwrap(), 0, "not before the deadline");
+        assert_eq!(l.expire_sent(5001).unwrap(), 1, "batch 0: acknowledged, never trained");
+        let c = l.counts().unwrap();
+        assert_eq!((c.pending, c.sent, c.trained), (2, 1, 1), "0 and 3 pending, 2 still in time, 1 trained");
+        // Leased again first, and trained once the replay arrives.
+        assert_eq!(l.lease("t1", 1, 6000, 50, 0).unwrap()[0].batch_id, 0);
+        l.mark_sent("t1", &[0], 20_000).unwrap();
+        l.mark_trained("d", &[0], 2).unwrap();
+        assert_eq!(l.audit().unwrap()[0].leases, 2);
+        assert_eq!(l.audit().unwrap()[0].trains, 1);
+    }
+
     #[test]
     fn failures_return_work_to_pending() {
         let (_d, mut l) = ledger(6);
@@ -912,7 +958,7 @@ mod tests {
         assert_eq!(l.expire_leases(1060).unwrap(), 1, "batch 1 expired");
 
         assert_eq!(l.release_holder("t1").unwrap(), 2, "dead target's leases");
-        l.mark_sent("t0", &[0]).unwrap();
+        l.mark_sent("t0", &[0], FAR).unwrap();
         l.mark_trained("d", &[0], 1).unwrap();
         let r = l.resume("d2", None, &[]).unwrap();
         assert_eq!(r.redo, 1, "drafter restart from nothing, nothing committed yet");
@@ -999,7 +1045,7 @@ mod tests {
         l.lease("t0", 5, 0, 50, 0).unwrap();
         l.mark_trained("d", &[0, 1], 1).unwrap();
         l.commit_checkpoint("d", &ckpt(1, "h1"), &[0, 1]).unwrap();
-        l.mark_sent("t0", &[2, 3]).unwrap();
+        l.mark_sent("t0", &[2, 3], FAR).unwrap();
         // Step 2's training and checkpoint reports were lost: 2 and 3 stay
         // sent. It must hold every committed batch.
         let err = l.resume("d2", Some(&ckpt(2, "h2")), &[0, 2, 3]).unwrap_err();

@@ -186,7 +186,8 @@ impl Run {
     }
 
     pub fn mark_sent(&self, holder: &str, batch_ids: &[u64]) -> Result<(), LedgerError> {
-        self.ledger().mark_sent(holder, batch_ids)
+        let train_by = now_ms() + self.config.faults.sent_timeout_ms;
+        self.ledger().mark_sent(holder, batch_ids, train_by)
     }
 
     /// A drafter's step: its batches trained, its figures recorded.
@@ -625,6 +626,13 @@ impl Run {
         let expired = self.ledger.lock().expect("ledger lock").expire_leases(now_ms())?;
         if expired > 0 {
             tracing::warn!("{expired} lease(s) expired; their batches are pending again");
+        }
+        let lost = self.ledger.lock().expect("ledger lock").expire_sent(now_ms())?;
+        if lost > 0 {
+            tracing::warn!(
+                "{lost} acknowledged batch(es) not trained within {} ms (faults.sent_timeout_ms): pending again",
+                f.sent_timeout_ms
+            );
         }
         let timeout = Duration::from_millis(f.instance_timeout_ms);
         let mut dead_targets = Vec::new();
