@@ -430,6 +430,8 @@ pub fn planned_batch(
         std::iter::repeat_n(value.to_le_bytes(), header.token_count as usize * hidden as usize).flatten().collect();
     header.payload_bytes = payload.len() as u64;
     let batch_id = header.batch_id;
+    // A header the drafter refuses at its arrival needs no checksum.
+    let header_crc = dflash_wire::BatchMeta::from_header(header.clone()).map_or(0, |m| m.header_crc());
     let chunk = 4096;
     let mut out = vec![pb::TargetMessage { msg: Some(pb::target_message::Msg::Header(header)) }];
     for (i, c) in payload.chunks(chunk).enumerate() {
@@ -446,6 +448,7 @@ pub fn planned_batch(
             batch_id,
             chunk_count: payload.len().div_ceil(chunk) as u32,
             crc32c: crc32c::crc32c(&payload),
+            header_crc32c: header_crc,
         })),
     });
     out

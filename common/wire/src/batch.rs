@@ -70,6 +70,44 @@ pub struct BatchMeta {
 }
 
 impl BatchMeta {
+    /// CRC32C of every field but the trace context, little-endian, each
+    /// list preceded by its length (what `BatchEnd.header_crc32c` carries).
+    pub fn header_crc(&self) -> u32 {
+        let mut crc = 0u32;
+        let mut put = |bytes: &[u8]| crc = crc32c::crc32c_append(crc, bytes);
+        let list = |put: &mut dyn FnMut(&[u8]), n: usize| put(&(n as u64).to_le_bytes());
+        put(&self.batch_id.to_le_bytes());
+        put(&self.epoch.to_le_bytes());
+        list(&mut put, self.target_instance.len());
+        put(self.target_instance.as_bytes());
+        // The enums as the proto numbers them.
+        let layout = match self.layout {
+            Layout::Packed => 1u8,
+            Layout::Split => 2,
+        };
+        let dtype = match self.dtype {
+            DType::F32 => 1u8,
+            DType::Bf16 => 2,
+            DType::F16 => 3,
+        };
+        put(&[layout, dtype]);
+        list(&mut put, self.seq_lengths.len());
+        self.seq_lengths.iter().for_each(|v| put(&v.to_le_bytes()));
+        list(&mut put, self.input_ids.len());
+        self.input_ids.iter().for_each(|v| put(&v.to_le_bytes()));
+        list(&mut put, self.loss_mask.len());
+        put(&self.loss_mask);
+        list(&mut put, self.layer_ids.len());
+        self.layer_ids.iter().for_each(|v| put(&v.to_le_bytes()));
+        put(&self.hidden_size.to_le_bytes());
+        list(&mut put, self.sample_ids.len());
+        self.sample_ids.iter().for_each(|v| put(&v.to_le_bytes()));
+        put(&self.target_top_k.to_le_bytes());
+        list(&mut put, self.lease_token.len());
+        put(&self.lease_token);
+        crc
+    }
+
     pub fn token_count(&self) -> usize {
         self.input_ids.len()
     }

@@ -230,7 +230,9 @@ mod tests {
     }
 
     fn end(batch_id: u64) -> pb::TargetMessage {
-        pb::TargetMessage { msg: Some(Msg::End(pb::BatchEnd { batch_id, chunk_count: 2, crc32c: 7 })) }
+        pb::TargetMessage {
+            msg: Some(Msg::End(pb::BatchEnd { batch_id, chunk_count: 2, crc32c: 7, header_crc32c: 0 })),
+        }
     }
 
     /// Feeds `stream` in frames of `frame` bytes and collects every message.

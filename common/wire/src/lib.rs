@@ -155,6 +155,34 @@ mod tests {
     }
 
     #[test]
+    fn a_header_changed_in_flight_is_caught_at_the_end_and_resent() {
+        let b = batch(37, 3, 16);
+        // Changes that keep the header consistent (the payload's size and
+        // CRC stay right): a token id, a loss-mask byte, a sample id, the
+        // lease token. The trace context is not covered (a hop may rewrite it).
+        let edits: [fn(&mut dflash_proto::BatchHeader); 5] = [
+            |h| h.input_ids[3] += 1,
+            |h| h.loss_mask = h.loss_mask.iter().map(|&m| 1 - m).collect::<Vec<u8>>().into(),
+            |h| h.sample_ids[1] = 8,
+            |h| h.lease_token = vec![1u8; 16].into(),
+            |h| h.epoch = 2,
+        ];
+        for edit in edits {
+            let mut msgs = messages_of(&b, 1000);
+            if let Some(Msg::Header(h)) = &mut msgs[0].msg {
+                edit(h);
+            }
+            let err = assemble(&mut Assembler::new(1 << 20), msgs).unwrap_err();
+            assert!(err.is_retryable() && err.to_string().contains("header CRC32C"), "{err}");
+        }
+        let mut msgs = messages_of(&b, 1000);
+        if let Some(Msg::Header(h)) = &mut msgs[0].msg {
+            h.trace_context.insert("tracestate".into(), "x=1".into());
+        }
+        assert!(assemble(&mut Assembler::new(1 << 20), msgs).unwrap().is_some(), "the trace context may change");
+    }
+
+    #[test]
     fn bytes_round_trip_through_chunks() {
         let b = batch(37, 3, 16);
         let msgs = messages_of(&b, 1000);

@@ -113,7 +113,9 @@ pub(crate) mod tests {
             }
             assert_eq!(concat(pieces), generic(&m), "batch {batch_id} index {index}");
         }
-        let end = pb::TargetMessage { msg: Some(Msg::End(pb::BatchEnd { batch_id: 3, chunk_count: 2, crc32c: 9 })) };
+        let end = pb::TargetMessage {
+            msg: Some(Msg::End(pb::BatchEnd { batch_id: 3, chunk_count: 2, crc32c: 9, header_crc32c: 0 })),
+        };
         assert_eq!(concat(grpc_pieces(end.clone())), generic(&end));
     }
 

@@ -69,7 +69,12 @@ impl Iterator for BatchMessages<'_> {
             }
             Next::End => {
                 self.next = Next::Done;
-                Msg::End(pb::BatchEnd { batch_id: id, chunk_count: self.chunk_count() as u32, crc32c: self.crc })
+                Msg::End(pb::BatchEnd {
+                    batch_id: id,
+                    chunk_count: self.chunk_count() as u32,
+                    crc32c: self.crc,
+                    header_crc32c: self.batch.meta.header_crc(),
+                })
             }
             Next::Done => return None,
         };
@@ -229,6 +234,13 @@ impl Assembler {
             return Err(WireError::Corrupt {
                 batch_id: end.batch_id,
                 what: format!("CRC32C {crc:#010x} != announced {:#010x}", end.crc32c),
+            });
+        }
+        let header_crc = p.meta.header_crc();
+        if header_crc != end.header_crc32c {
+            return Err(WireError::Corrupt {
+                batch_id: end.batch_id,
+                what: format!("header CRC32C {header_crc:#010x} != announced {:#010x}", end.header_crc32c),
             });
         }
         let p = self.partial.take().expect("checked above");
