@@ -30,13 +30,7 @@ pub fn synthetic_target_config(num_layers: i64) -> TargetConfig {
         rope: RopeConfig::plain(10_000.0),
         vocab_size: (dflash_data::SYNTHETIC_SPECIALS + 256) as i64,
         tie_word_embeddings: true,
-        qkv_bias: false,
-        o_bias: false,
-        mlp_bias: false,
-        qk_norm: false,
         max_position_embeddings: 4096,
-        moe: None,
-        quant: None,
         layer_types: TargetConfig::all_attention(num_layers),
         ..TargetConfig::default()
     }

@@ -157,6 +157,50 @@ fn decode_in_pieces(t: &TargetModel, ids: &[i64], pieces: &[usize]) -> Tensor {
     Tensor::cat(&out, 0)
 }
 
+/// Decodes `ids[..prefix]`, then a verified block of `ids[prefix..kept]`
+/// followed by `wrong` wrong guesses, goes back to `kept` and decodes
+/// `ids[kept..end]`: the logits of those last tokens.
+fn after_rejected_draft(t: &TargetModel, ids: &[i64], prefix: usize, kept: usize, wrong: usize, end: usize) -> Tensor {
+    let run = |cache: &mut dflash_models::KvCache, from: usize, ids: &[i64]| {
+        let n = ids.len() as i64;
+        let pos = (Tensor::arange(n, (Kind::Int64, Device::Cpu)) + from as i64).unsqueeze(0);
+        let valid = Tensor::ones([1, from as i64 + n], (Kind::Bool, Device::Cpu));
+        let (h, _) = t.forward_cached(&Tensor::from_slice(ids).view([1, n]), &pos, &valid, cache, &[]);
+        t.logits(&h).squeeze_dim(0)
+    };
+    let mut cache = t.new_cache(1);
+    let _ = run(&mut cache, 0, &ids[..prefix]);
+    let mut guess = ids[prefix..kept].to_vec();
+    guess.extend(std::iter::repeat_n(3i64, wrong));
+    let _ = run(&mut cache, prefix, &guess);
+    cache.truncate(kept as i64);
+    run(&mut cache, kept, &ids[kept..end])
+}
+
+/// `ids[..long]` and a left-padded `ids[..short]` prefilled in one batch,
+/// then each row's next token: the last prefill position's logits and the
+/// step's, `[2, vocab]` each.
+fn left_padded_pair(t: &TargetModel, ids: &[i64], long: i64, short: i64) -> (Tensor, Tensor) {
+    let pad = long - short;
+    let mut batch = ids[..long as usize].to_vec();
+    batch.extend(std::iter::repeat_n(0, pad as usize));
+    batch.extend_from_slice(&ids[..short as usize]);
+    let batch = Tensor::from_slice(&batch).view([2, long]);
+    let b = (Kind::Bool, Device::Cpu);
+    let valid = Tensor::cat(
+        &[Tensor::ones([1, long], b), Tensor::cat(&[Tensor::zeros([1, pad], b), Tensor::ones([1, short], b)], 1)],
+        0,
+    );
+    let pos = (valid.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0);
+    let mut cache = t.new_cache(2);
+    let (h, _) = t.forward_cached(&batch, &pos, &valid, &mut cache, &[]);
+    let first = t.logits(&h.select(1, long - 1));
+    let step = Tensor::from_slice(&[ids[long as usize], ids[short as usize]]).view([2, 1]);
+    let valid = Tensor::cat(&[valid, Tensor::ones([2, 1], b)], 1);
+    let (h2, _) = t.forward_cached(&step, &Tensor::from_slice(&[long, short]).view([2, 1]), &valid, &mut cache, &[]);
+    (first, t.logits(&h2.select(1, 0)))
+}
+
 #[test]
 fn hybrid_decoding_step_by_step_and_through_rejected_blocks_equals_the_full_forward() {
     for name in HYBRIDS {
@@ -171,21 +215,7 @@ fn hybrid_decoding_step_by_step_and_through_rejected_blocks_equals_the_full_forw
 
         // Speculative decoding's pattern: a block of 16 is verified and only
         // a prefix kept; the cache goes back to it and decoding continues.
-        let mut cache = t.new_cache(1);
-        let run = |cache: &mut dflash_models::KvCache, from: usize, ids: &[i64]| {
-            let n = ids.len() as i64;
-            let pos = (Tensor::arange(n, (Kind::Int64, Device::Cpu)) + from as i64).unsqueeze(0);
-            let valid = Tensor::ones([1, from as i64 + n], (Kind::Bool, Device::Cpu));
-            let (h, _) = t.forward_cached(&Tensor::from_slice(ids).view([1, n]), &pos, &valid, cache, &[]);
-            t.logits(&h).squeeze_dim(0)
-        };
-        let _ = run(&mut cache, 0, &r.ids[..60]);
-        // A block whose last 11 tokens are wrong guesses.
-        let mut guess = r.ids[60..65].to_vec();
-        guess.extend([3i64; 11]);
-        let _ = run(&mut cache, 60, &guess);
-        cache.truncate(65);
-        let next = run(&mut cache, 65, &r.ids[65..90]);
+        let next = after_rejected_draft(&t, &r.ids, 60, 65, 11, 90);
         let err = max_rel_err(&next, &r.logits.narrow(0, 65, 25));
         assert!(err < TOLERANCE, "{name}: after going back inside a verified block: {err}");
     }
@@ -199,33 +229,7 @@ fn hybrid_batched_decoding_with_left_padding_equals_each_prompt_alone() {
         let t = TargetModel::load(&dir, Device::Cpu, Kind::Float, LoadScope::Full).unwrap();
         // Two prompts, the shorter left-padded, then two decode steps.
         let (long, short) = (90i64, 41i64);
-        let mut ids = r.ids[..long as usize].to_vec();
-        let pad = long - short;
-        ids.extend(std::iter::repeat_n(0, pad as usize));
-        ids.extend_from_slice(&r.ids[..short as usize]);
-        let ids = Tensor::from_slice(&ids).view([2, long]);
-        let valid = Tensor::cat(
-            &[
-                Tensor::ones([1, long], (Kind::Bool, Device::Cpu)),
-                Tensor::cat(
-                    &[
-                        Tensor::zeros([1, pad], (Kind::Bool, Device::Cpu)),
-                        Tensor::ones([1, short], (Kind::Bool, Device::Cpu)),
-                    ],
-                    1,
-                ),
-            ],
-            0,
-        );
-        let pos = (valid.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0);
-        let mut cache = t.new_cache(2);
-        let (h, _) = t.forward_cached(&ids, &pos, &valid, &mut cache, &[]);
-        let first = t.logits(&h.select(1, long - 1));
-        let next = Tensor::from_slice(&[r.ids[long as usize], r.ids[short as usize]]).view([2, 1]);
-        let next_pos = Tensor::from_slice(&[long, short]).view([2, 1]);
-        let valid = Tensor::cat(&[valid, Tensor::ones([2, 1], (Kind::Bool, Device::Cpu))], 1);
-        let (h2, _) = t.forward_cached(&next, &next_pos, &valid, &mut cache, &[]);
-        let second = t.logits(&h2.select(1, 0));
+        let (first, second) = left_padded_pair(&t, &r.ids, long, short);
         for (row, n) in [(0i64, long), (1, short)] {
             let err = max_rel_err(&first.get(row), &r.logits.get(n - 1));
             assert!(err < TOLERANCE, "{name}: row {row} prefill: {err}");
@@ -254,44 +258,13 @@ fn windowed_sinked_and_latent_decoding_in_pieces_and_batches_equals_the_full_for
         assert!(err < TOLERANCE, "{name}: decoded in pieces: {err}");
 
         // A verified block of which only a prefix is kept.
-        let mut cache = t.new_cache(1);
-        let run = |cache: &mut dflash_models::KvCache, from: usize, ids: &[i64]| {
-            let k = ids.len() as i64;
-            let pos = (Tensor::arange(k, (Kind::Int64, Device::Cpu)) + from as i64).unsqueeze(0);
-            let valid = Tensor::ones([1, from as i64 + k], (Kind::Bool, Device::Cpu));
-            let (h, _) = t.forward_cached(&Tensor::from_slice(ids).view([1, k]), &pos, &valid, cache, &[]);
-            t.logits(&h).squeeze_dim(0)
-        };
-        let _ = run(&mut cache, 0, &r.ids[..20]);
-        let mut guess = r.ids[20..23].to_vec();
-        guess.extend([3i64; 5]);
-        let _ = run(&mut cache, 20, &guess);
-        cache.truncate(23);
-        let next = run(&mut cache, 23, &r.ids[23..n]);
+        let next = after_rejected_draft(&t, &r.ids, 20, 23, 5, n);
         let err = max_rel_err(&next, &r.logits.narrow(0, 23, n as i64 - 23));
         assert!(err < TOLERANCE, "{name}: after going back inside a verified block: {err}");
 
         // The prompt and a left-padded shorter one in one batch, then a step.
         let (long, short) = (n as i64 - 1, 25i64);
-        let pad = long - short;
-        let mut ids = r.ids[..long as usize].to_vec();
-        ids.extend(std::iter::repeat_n(0, pad as usize));
-        ids.extend_from_slice(&r.ids[..short as usize]);
-        let ids = Tensor::from_slice(&ids).view([2, long]);
-        let b = (Kind::Bool, Device::Cpu);
-        let valid = Tensor::cat(
-            &[Tensor::ones([1, long], b), Tensor::cat(&[Tensor::zeros([1, pad], b), Tensor::ones([1, short], b)], 1)],
-            0,
-        );
-        let pos = (valid.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0);
-        let mut cache = t.new_cache(2);
-        let (h, _) = t.forward_cached(&ids, &pos, &valid, &mut cache, &[]);
-        let first = t.logits(&h.select(1, long - 1));
-        let step = Tensor::from_slice(&[r.ids[long as usize], r.ids[short as usize]]).view([2, 1]);
-        let valid = Tensor::cat(&[valid, Tensor::ones([2, 1], b)], 1);
-        let (h2, _) =
-            t.forward_cached(&step, &Tensor::from_slice(&[long, short]).view([2, 1]), &valid, &mut cache, &[]);
-        let second = t.logits(&h2.select(1, 0));
+        let (first, second) = left_padded_pair(&t, &r.ids, long, short);
         for (row, len) in [(0i64, long), (1, short)] {
             let err = max_rel_err(&first.get(row), &r.logits.get(len - 1));
             assert!(err < TOLERANCE, "{name}: row {row} prefill: {err}");

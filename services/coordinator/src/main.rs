@@ -190,9 +190,8 @@ async fn run(args: Args) -> anyhow::Result<i32> {
                 _ = monitor_stop.stopped() => return Ok(()),
             }
             let flow = monitor_run.sample_flow();
-            monitor_run.export_metrics();
             // Each alarm is logged when it is raised and when it clears.
-            let alarms = monitor_run.alarms();
+            let alarms = monitor_run.export_metrics();
             let name = |a: &String| a.split(':').next().unwrap_or_default().to_string();
             for a in alarms.iter().filter(|a| !raised.iter().any(|r| name(r) == name(a))) {
                 tracing::error!("ALARM {a}");

@@ -691,7 +691,10 @@ impl Run {
     /// feature token for `faults.supply_stall_alarm_ms`: training waits on
     /// work that does not come (a stalled stream, a hung target).
     pub fn alarms(&self) -> Vec<String> {
-        let c = self.counts();
+        self.alarms_for(&self.counts())
+    }
+
+    fn alarms_for(&self, c: &Counts) -> Vec<String> {
         let silent = self.flow().supply_silent_for(Instant::now());
         let limit = Duration::from_millis(self.config.faults.supply_stall_alarm_ms);
         let mut alarms = Vec::new();
@@ -708,8 +711,9 @@ impl Run {
         alarms
     }
 
-    /// Mirrors the ledger, the registry and the flow into the metrics.
-    pub fn export_metrics(&self) {
+    /// Mirrors the ledger, the registry and the flow into the metrics;
+    /// returns the alarms raised now (as [`Run::alarms`]).
+    pub fn export_metrics(&self) -> Vec<String> {
         let m = dflash_telemetry::metrics();
         let c = self.counts();
         for (state, n) in [
@@ -747,9 +751,10 @@ impl Run {
         m.loss.set(f64::from(p.loss));
         m.accuracy.set(f64::from(p.accuracy));
         m.acceptance_length.with_label_values(&["simulated"]).set(f64::from(p.acceptance_length));
-        let alarms = self.alarms();
+        let alarms = self.alarms_for(&c);
         let raised = alarms.iter().any(|a| a.starts_with("supply_stalled:"));
         m.alarm.with_label_values(&["supply_stalled"]).set(i64::from(raised));
+        alarms
     }
 
     pub fn counts(&self) -> Counts {

@@ -113,7 +113,8 @@ impl Expected {
         }
     }
 
-    /// Checks a complete batch against the drafter's shape and the plan.
+    /// Checks a complete batch against the drafter's shape and the plan
+    /// (its lease was checked at its header: [`Expected::leased`]).
     pub fn check(&self, b: &HostBatch, stream_target: &str) -> Result<(), Rejection> {
         let m = &b.meta;
         let refuse = |reason: String| Err(Rejection { reason, skip: false });
@@ -122,12 +123,6 @@ impl Expected {
                 "header names target {:?} but the stream is {stream_target}'s",
                 m.target_instance.escape_debug().to_string()
             ));
-        }
-        // Checked at the header already (the landing thread refuses such a
-        // batch before it takes a buffer); again here for any other caller.
-        if let Err(reason) = self.leased(m.batch_id, stream_target, &m.lease_token) {
-            dflash_telemetry::metrics().batches.with_label_values(&["unleased"]).inc();
-            return refuse(reason);
         }
         let Some(p) = self.plan.get(&m.batch_id) else {
             return refuse(format!("batch {} is not in the run's plan", m.batch_id));
