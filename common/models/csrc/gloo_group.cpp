@@ -93,6 +93,19 @@ extern "C" int dflash_group_store_set(DflashGroup* g, const char* prefix, const 
   }
 }
 
+// Adds `delta` to the counter `key` under the group's prefix and tells its
+// new value (delta 0 reads it); never waits for another member.
+extern "C" int dflash_group_store_add(DflashGroup* g, const char* prefix, const char* key, int64_t delta,
+                                      int64_t* value, char* err, int err_len) {
+  try {
+    *value = g->tcp->add(std::string(prefix) + "/" + key, delta);
+    return 0;
+  } catch (const std::exception& e) {
+    fail(err, err_len, e);
+    return 1;
+  }
+}
+
 // Waits (up to the store's timeout) for a value another member set;
 // copies at most `cap` bytes and tells the full length.
 extern "C" int dflash_group_store_get(DflashGroup* g, const char* prefix, const char* key, uint8_t* out, size_t cap,

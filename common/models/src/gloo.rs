@@ -4,12 +4,14 @@
 //! store to hand rank 0's NCCL unique id to the others.
 
 use std::ffi::{CString, c_char, c_void};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use tch::{Kind, Tensor};
 
 use crate::ModelError;
 use crate::collective::{Collective, Reduce};
+use crate::dp::Cancel;
 
 unsafe extern "C" {
     fn dflash_group_open_store(
@@ -49,6 +51,15 @@ unsafe extern "C" {
         out: *mut u8,
         cap: usize,
         len: *mut usize,
+        err: *mut c_char,
+        err_len: i32,
+    ) -> i32;
+    fn dflash_group_store_add(
+        g: *mut c_void,
+        prefix: *const c_char,
+        key: *const c_char,
+        delta: i64,
+        value: *mut i64,
         err: *mut c_char,
         err_len: i32,
     ) -> i32;
@@ -188,6 +199,32 @@ impl GroupStore {
     }
 }
 
+impl GroupStore {
+    /// Adds `delta` to the shared counter `key` and returns its new value
+    /// (0 reads it); never waits for another member.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, ModelError> {
+        let k = c_string("key", key)?;
+        let mut err = [0u8; ERR_LEN];
+        let mut value = 0i64;
+        // SAFETY: every pointer outlives the call.
+        let rc = unsafe {
+            dflash_group_store_add(
+                self.raw,
+                self.generation.as_ptr(),
+                k.as_ptr(),
+                delta,
+                &mut value,
+                err.as_mut_ptr().cast(),
+                ERR_LEN as i32,
+            )
+        };
+        if rc != 0 {
+            return Err(ModelError::Device(format!("group store add {key}: {}", message(&err))));
+        }
+        Ok(value)
+    }
+}
+
 impl Drop for GroupStore {
     fn drop(&mut self) {
         // SAFETY: `raw` came from the shim and is freed once, here.
@@ -195,18 +232,31 @@ impl Drop for GroupStore {
     }
 }
 
+/// The store counter of the ranks' arrivals at between-steps collectives.
+const ARRIVALS_KEY: &str = "between-steps-arrivals";
+
 /// A member of a CPU group: libtorch's Gloo process group over the store.
 pub struct GlooGroup {
     store: GroupStore,
     rank: usize,
     world: usize,
+    cancel: Cancel,
+    /// Between-steps collectives this rank has entered.
+    between: AtomicI64,
 }
 
 impl GlooGroup {
     /// Forms the group (collective: every rank calls it). Gloo listens on
     /// the interface `own_host` resolves to; every collective fails after
-    /// `timeout` if a member does not take part.
-    pub fn join(store: GroupStore, own_host: &str, rank: usize, world: usize) -> Result<Self, ModelError> {
+    /// `timeout` if a member does not take part. A wait between steps
+    /// ends early when `cancel` says so.
+    pub fn join(
+        store: GroupStore,
+        own_host: &str,
+        rank: usize,
+        world: usize,
+        cancel: Cancel,
+    ) -> Result<Self, ModelError> {
         let h = c_string("host", own_host)?;
         let mut err = [0u8; ERR_LEN];
         // SAFETY: every pointer outlives the call; the store is live.
@@ -229,7 +279,35 @@ impl GlooGroup {
                 message(&err)
             )));
         }
-        Ok(Self { store, rank, world })
+        Ok(Self { store, rank, world, cancel, between: AtomicI64::new(0) })
+    }
+
+    /// Waits, without the collective timeout, until every rank has entered
+    /// this rank's current between-steps collective: each adds one to a
+    /// shared counter and polls it (1 ms, doubling to 20 ms). Gloo's own
+    /// timeout would count rank 0's work between steps (an evaluation, a
+    /// checkpoint) against the others, and a Gloo timeout breaks the group.
+    /// Ends with an error when `cancel` fires.
+    fn wait_for_arrivals(&self) -> Result<(), ModelError> {
+        let n = self.between.fetch_add(1, Ordering::Relaxed) + 1;
+        let everyone = n * self.world as i64;
+        let mut arrived = self.store.add(ARRIVALS_KEY, 1)?;
+        let mut pause = Duration::from_millis(1);
+        while arrived < everyone {
+            if (self.cancel)() {
+                return Err(ModelError::Device(format!(
+                    "Gloo group (rank {} of {}): cancelled while waiting for the others between steps ({} of {} arrived)",
+                    self.rank,
+                    self.world,
+                    arrived - (n - 1) * self.world as i64,
+                    self.world
+                )));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(20));
+            arrived = self.store.add(ARRIVALS_KEY, 0)?;
+        }
+        Ok(())
     }
 
     pub fn store(&self) -> &GroupStore {
@@ -240,6 +318,11 @@ impl GlooGroup {
 impl Collective for GlooGroup {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn all_reduce_between_steps(&self, t: &Tensor, op: Reduce) -> Result<(), ModelError> {
+        self.wait_for_arrivals()?;
+        self.all_reduce(t, op)
     }
 
     fn world(&self) -> usize {
@@ -301,7 +384,7 @@ mod tests {
             .enumerate()
             .map(|(rank, store)| {
                 std::thread::spawn(move || {
-                    let g = GlooGroup::join(store, "127.0.0.1", rank, 3).unwrap();
+                    let g = GlooGroup::join(store, "127.0.0.1", rank, 3, crate::dp::never_cancelled()).unwrap();
                     let t = Tensor::from_slice(&[rank as f32, 1.0]);
                     g.all_reduce(&t, Reduce::Sum).unwrap();
                     let sum = Vec::<f32>::try_from(&t).unwrap();
@@ -326,11 +409,11 @@ mod tests {
         let store0 = GroupStore::serve("127.0.0.1", 2, 3, timeout).unwrap();
         let store1 = GroupStore::connect(&store0.address, 3, timeout).unwrap();
         let leaver = std::thread::spawn(move || {
-            let g = GlooGroup::join(store1, "127.0.0.1", 1, 2).unwrap();
+            let g = GlooGroup::join(store1, "127.0.0.1", 1, 2, crate::dp::never_cancelled()).unwrap();
             g.all_reduce(&Tensor::from_slice(&[1f32]), Reduce::Sum).unwrap();
             // Dropped: its connections close, as a killed process's do.
         });
-        let g = GlooGroup::join(store0, "127.0.0.1", 0, 2).unwrap();
+        let g = GlooGroup::join(store0, "127.0.0.1", 0, 2, crate::dp::never_cancelled()).unwrap();
         g.all_reduce(&Tensor::from_slice(&[1f32]), Reduce::Sum).unwrap();
         leaver.join().unwrap();
         let t0 = std::time::Instant::now();
@@ -339,11 +422,50 @@ mod tests {
         assert!(err.to_string().contains("Gloo all-reduce (rank 0 of 2)"), "{err}");
     }
 
+    /// Rank 0 works between steps for longer than the collective timeout
+    /// (an evaluation, a checkpoint): the others wait for it, then the
+    /// step's collective runs; a wait that is cancelled ends with an error.
+    #[test]
+    fn a_pause_between_steps_longer_than_the_timeout_is_waited_for_and_can_be_cancelled() {
+        let timeout = Duration::from_millis(1500);
+        let store0 = GroupStore::serve("127.0.0.1", 2, 5, timeout).unwrap();
+        let store1 = GroupStore::connect(&store0.address, 5, timeout).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = stop.clone();
+        let other = std::thread::spawn(move || {
+            let cancel: Cancel = std::sync::Arc::new(move || seen.load(Ordering::Relaxed));
+            let g = GlooGroup::join(store1, "127.0.0.1", 1, 2, cancel).unwrap();
+            let mut sums = Vec::new();
+            for _ in 0..2 {
+                let t = Tensor::from_slice(&[1f32]);
+                g.all_reduce_between_steps(&t, Reduce::Sum).unwrap();
+                sums.push(f32::try_from(&t).unwrap());
+            }
+            let t0 = std::time::Instant::now();
+            let err = g.all_reduce_between_steps(&Tensor::from_slice(&[1f32]), Reduce::Sum).expect_err("cancelled");
+            (sums, t0.elapsed(), err.to_string())
+        });
+        let g = GlooGroup::join(store0, "127.0.0.1", 0, 2, crate::dp::never_cancelled()).unwrap();
+        for pause in [3000, 2000] {
+            std::thread::sleep(Duration::from_millis(pause));
+            let t = Tensor::from_slice(&[2f32]);
+            g.all_reduce_between_steps(&t, Reduce::Sum).unwrap();
+            assert_eq!(f32::try_from(&t).unwrap(), 3.0);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        stop.store(true, Ordering::Relaxed);
+        let (sums, waited, err) = other.join().unwrap();
+        assert_eq!(sums, vec![3.0, 3.0]);
+        assert!(waited < Duration::from_secs(5), "cancel took {waited:?}");
+        assert!(err.contains("cancelled while waiting for the others between steps (1 of 2 arrived)"), "{err}");
+    }
+
     #[test]
     fn a_member_that_never_comes_is_an_error_after_the_timeout() {
         let store = GroupStore::serve("127.0.0.1", 2, 1, Duration::from_millis(1500)).unwrap();
         let t0 = std::time::Instant::now();
-        let err = GlooGroup::join(store, "127.0.0.1", 0, 2).err().expect("rank 1 never joins");
+        let err =
+            GlooGroup::join(store, "127.0.0.1", 0, 2, crate::dp::never_cancelled()).err().expect("rank 1 never joins");
         assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
         assert!(err.to_string().contains("forming the Gloo group"), "{err}");
     }

@@ -38,9 +38,10 @@ impl Collective for NcclMember {
 
 /// Forms the collective of `rank` in a group of `world` over `store`
 /// (collective: every rank calls it): NCCL on a GPU, Gloo on the CPU
-/// (reached by the others at `own_host`). Every wait is bounded by the
-/// store's timeout (`group.collective_timeout_ms`); an NCCL wait also ends
-/// when `cancel` fires. A group of one forms too: that is what
+/// (reached by the others at `own_host`). Every wait within a step is
+/// bounded by the store's timeout (`group.collective_timeout_ms`); the wait
+/// for the others between steps is not (rank 0 may evaluate or checkpoint
+/// there) and ends when `cancel` fires, on Gloo as on NCCL. A group of one forms too: that is what
 /// `dflash bench-step --collective group-of-one` measures.
 pub fn join(
     store: GroupStore,
@@ -65,6 +66,6 @@ pub fn join(
             let comm = NcclReplica::join(&id, rank, world, ordinal, store.timeout(), cancel)?;
             Ok(Box::new(NcclMember { comm, _store: store }))
         }
-        _ => Ok(Box::new(GlooGroup::join(store, own_host, rank, world)?)),
+        _ => Ok(Box::new(GlooGroup::join(store, own_host, rank, world, cancel)?)),
     }
 }
