@@ -94,7 +94,7 @@ impl AttentionKernel {
         let (l, dv) = (k.size()[2], v.size()[3]);
         let o = if self.is_plain(d, dv) {
             let n_rep = nh / k.size()[1];
-            let (k, v) = (crate::layers::repeat_kv(k, n_rep), crate::layers::repeat_kv(v, n_rep));
+            let (k, v) = (repeat_kv(k, n_rep), repeat_kv(v, n_rep));
             Tensor::scaled_dot_product_attention(q, &k, &v, Some(mask), 0.0, false, None, false)
         } else {
             let all = Tensor::ones([t, l], (Kind::Bool, q.device()));
@@ -117,7 +117,7 @@ impl AttentionKernel {
     /// key gives zeros (padding rows of a batch).
     fn direct(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Tensor {
         let n_rep = q.size()[1] / k.size()[1];
-        let (k, v) = (crate::layers::repeat_kv(k, n_rep), crate::layers::repeat_kv(v, n_rep));
+        let (k, v) = (repeat_kv(k, n_rep), repeat_kv(v, n_rep));
         let f = |t: &Tensor| t.to_kind(Kind::Float);
         let scores = f(q).matmul(&f(&k).transpose(-1, -2)) * self.scale;
         let scores = scores.masked_fill(&mask.logical_not(), f64::NEG_INFINITY);
@@ -221,6 +221,12 @@ fn per_sequence(
         })
         .collect();
     Tensor::cat(&outs, 0)
+}
+
+/// Repeats key/value heads for grouped-query attention: `[B, kv, S, d]` to
+/// `[B, kv * n_rep, S, d]`.
+fn repeat_kv(x: &Tensor, n_rep: i64) -> Tensor {
+    if n_rep == 1 { x.shallow_clone() } else { x.repeat_interleave_self_int(n_rep, 1, None::<i64>) }
 }
 
 /// `[tq, tk]`: query i (position `tk - tq + i`) sees keys up to itself.

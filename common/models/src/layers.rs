@@ -1,7 +1,7 @@
 //! Building blocks shared by the targets and the drafter: RMSNorm, linear
-//! layers, the SwiGLU MLP, the targets' attention projections, and
-//! grouped-query key/value repetition. RoPE lives in `rope.rs`, the MoE
-//! block in `moe.rs`.
+//! layers, the SwiGLU MLP and the targets' attention projections. RoPE lives
+//! in `rope.rs`, the MoE block in `moe.rs`, the softmax itself (with the
+//! grouped-query key/value repetition) in `attention.rs`.
 
 use tch::Tensor;
 
@@ -129,12 +129,6 @@ impl Attention {
             None => self.o_proj.forward(attended),
         }
     }
-}
-
-/// Repeats key/value heads for grouped-query attention: `[B, kv, S, d]` to
-/// `[B, kv * n_rep, S, d]`.
-pub fn repeat_kv(x: &Tensor, n_rep: i64) -> Tensor {
-    if n_rep == 1 { x.shallow_clone() } else { x.repeat_interleave_self_int(n_rep, 1, None::<i64>) }
 }
 
 #[cfg(test)]
