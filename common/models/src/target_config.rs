@@ -1,16 +1,13 @@
-//! The target's shape and settings, read from its Hugging Face
-//! `config.json` by the family's file in `zoo/`.
+//! The target's shape and settings: plain data. The zoo (`zoo/mod.rs`) reads
+//! it from the Hugging Face `config.json` by the family's file and writes it
+//! back (`TargetConfig::from_dir`, `from_hf`, `to_hf_json`); nothing here
+//! knows the families' files.
 
-use std::path::Path;
-
-use crate::ModelError;
 use crate::gated_deltanet::{DeltaNetShape, ProjectionLayout};
-use crate::hf_config::HfConfig;
 use crate::moe::{ExpertActivation, Routing};
 use crate::quant::Quantization;
 use crate::rope::RopeConfig;
 use crate::weights::TensorNames;
-use crate::zoo;
 
 /// Architectures this crate can run as a target (one file each in `zoo/`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -269,28 +266,6 @@ impl Default for TargetConfig {
 }
 
 impl TargetConfig {
-    /// Reads `dir/config.json`. Unsupported architectures and settings, and
-    /// fields this code does not read, are errors that name the file and
-    /// the field.
-    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
-        Self::from_hf(HfConfig::from_dir(dir)?)
-    }
-
-    /// Reads a parsed config.json.
-    pub fn from_hf(mut cfg: HfConfig) -> Result<Self, ModelError> {
-        let arch = zoo::resolve(&cfg.architecture).ok_or_else(|| ModelError::Config {
-            path: cfg.path().to_path_buf(),
-            message: format!(
-                "architecture \"{}\" is not supported (supported: {})",
-                cfg.architecture,
-                zoo::supported_names().join(", ")
-            ),
-        })?;
-        let c = arch.read_config(&mut cfg)?;
-        cfg.finish()?;
-        Ok(c)
-    }
-
     /// Shorthand: the RoPE base.
     pub fn rope_theta(&self) -> f64 {
         self.rope.theta
@@ -404,12 +379,6 @@ impl TargetConfig {
     pub fn parameter_count(&self) -> i64 {
         let embeddings = self.vocab_size * self.hidden_size * if self.tie_word_embeddings { 1 } else { 2 };
         embeddings + self.hidden_size + (0..self.num_layers).map(|i| self.layer_parameters(i)).sum::<i64>()
-    }
-
-    /// config.json for a model of this shape (when the project writes a
-    /// model directory itself), in the layout transformers 4.x writes.
-    pub fn to_hf_json(&self) -> serde_json::Value {
-        zoo::architecture(self.family).to_hf_json(self)
     }
 }
 

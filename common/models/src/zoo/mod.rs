@@ -3,8 +3,11 @@
 //! decoder layer loads by its Hugging Face tensor names. The layers
 //! themselves (attention, MLP, MoE block, norms, RoPE) are shared
 //! (`layers.rs`, `moe.rs`, `rope.rs`, `decoder.rs`), and so is the stack
-//! that runs them ([`crate::TargetModel`]). A new family is one file here,
-//! one line in [`ARCHITECTURES`] and a fixture made by
+//! that runs them ([`crate::TargetModel`]). The zoo owns the family
+//! registry ([`ARCHITECTURES`]) and reads a `config.json` into the plain
+//! [`TargetConfig`] (`TargetConfig::from_dir`) and writes it back
+//! (`to_hf_json`); the config imports nothing of the zoo. A new family is one
+//! file here, one line in [`ARCHITECTURES`] and a fixture made by
 //! `tests/fixtures/make_fixtures.py`.
 
 mod deepseek_v3;
@@ -19,6 +22,8 @@ mod qwen3_5;
 mod qwen3_5_moe;
 mod qwen3_moe;
 mod qwen3_next;
+
+use std::path::Path;
 
 use serde_json::{Value, json};
 
@@ -130,6 +135,36 @@ pub fn architecture(family: Family) -> &'static dyn Architecture {
 /// The `architectures` names accepted, for messages.
 pub fn supported_names() -> Vec<&'static str> {
     ARCHITECTURES.iter().flat_map(|a| std::iter::once(a.hf_architecture()).chain(a.aliases().iter().copied())).collect()
+}
+
+impl TargetConfig {
+    /// Reads `dir/config.json`. Unsupported architectures and settings, and
+    /// fields this code does not read, are errors that name the file and
+    /// the field.
+    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+        Self::from_hf(HfConfig::from_dir(dir)?)
+    }
+
+    /// Reads a parsed config.json with the family's file it names.
+    pub fn from_hf(mut cfg: HfConfig) -> Result<Self, ModelError> {
+        let arch = resolve(&cfg.architecture).ok_or_else(|| ModelError::Config {
+            path: cfg.path().to_path_buf(),
+            message: format!(
+                "architecture \"{}\" is not supported (supported: {})",
+                cfg.architecture,
+                supported_names().join(", ")
+            ),
+        })?;
+        let c = arch.read_config(&mut cfg)?;
+        cfg.finish()?;
+        Ok(c)
+    }
+
+    /// config.json for a model of this shape (when the project writes a
+    /// model directory itself), in the layout transformers 4.x writes.
+    pub fn to_hf_json(&self) -> Value {
+        architecture(self.family).to_hf_json(self)
+    }
 }
 
 /// What differs between families in the fields every one of them has.
