@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::errors::{device_of, format_chain, kind_of};
 use crate::security::{ClientAuth, Security, SecurityArgs};
 use crate::{Stages, Stop, StopCause};
 
@@ -462,59 +463,6 @@ impl Session {
     }
 }
 
-/// An error with its policy kind attached (see [`ErrorKind`]). Displays
-/// as the error it wraps, so cause chains do not repeat it.
-#[derive(Debug)]
-pub struct RoleError {
-    pub kind: ErrorKind,
-    pub source: anyhow::Error,
-}
-
-impl std::fmt::Display for RoleError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.source.fmt(f)
-    }
-}
-
-impl std::error::Error for RoleError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.source()
-    }
-}
-
-/// The policy kind of an error: the outermost [`RoleError`] in its chain,
-/// else `internal`.
-pub fn kind_of(e: &anyhow::Error) -> ErrorKind {
-    links(e).into_iter().find_map(|c| c.downcast_ref::<RoleError>()).map_or(ErrorKind::Internal, |r| r.kind)
-}
-
-/// Every error in `e`'s chain, the errors the tags ([`RoleError`],
-/// [`DeviceError`]) wrap included: a tag stands in for the error it wraps,
-/// so the plain chain skips that error.
-fn links(e: &anyhow::Error) -> Vec<&(dyn std::error::Error + 'static)> {
-    let mut out = Vec::new();
-    for c in e.chain() {
-        out.push(c);
-        let inner = c.downcast_ref::<RoleError>().map(|r| &r.source);
-        if let Some(inner) = inner.or_else(|| c.downcast_ref::<DeviceError>().map(|d| &d.source)) {
-            out.extend(links(inner));
-            break;
-        }
-    }
-    out
-}
-
-/// Tags an error with its kind for the coordinator's policy.
-pub trait KindExt<T> {
-    fn kind(self, kind: ErrorKind) -> anyhow::Result<T>;
-}
-
-impl<T, E: Into<anyhow::Error>> KindExt<T> for Result<T, E> {
-    fn kind(self, kind: ErrorKind) -> anyhow::Result<T> {
-        self.map_err(|e| RoleError { kind, source: e.into() }.into())
-    }
-}
-
 /// The stop cause of a run that is over in `state`.
 pub fn run_over_cause(state: pb::RunState, message: String) -> StopCause {
     match state {
@@ -539,53 +487,6 @@ pub fn registration_failed(e: &anyhow::Error, stop: &Stop) -> i32 {
     }
 }
 
-/// `outer: inner: innermost` for logs.
-pub fn format_chain(e: &anyhow::Error) -> String {
-    dflash_telemetry::cause_chain(e.as_ref()).join(": ")
-}
-
-/// An error that happened on one device (a GPU's forward, a replica's
-/// step). Displays as the error it wraps; the device goes into the
-/// coordinator's error report.
-#[derive(Debug)]
-pub struct DeviceError {
-    pub device: String,
-    pub source: anyhow::Error,
-}
-
-impl std::fmt::Display for DeviceError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.source.fmt(f)
-    }
-}
-
-impl std::error::Error for DeviceError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.source()
-    }
-}
-
-/// The device an error happened on: the innermost [`DeviceError`] in its
-/// chain, else empty.
-pub fn device_of(e: &anyhow::Error) -> String {
-    links(e)
-        .into_iter()
-        .filter_map(|c| c.downcast_ref::<DeviceError>())
-        .last()
-        .map_or_else(String::new, |d| d.device.clone())
-}
-
-/// Tags an error with the device it happened on.
-pub trait DeviceExt<T> {
-    fn on_device(self, device: impl std::fmt::Display) -> anyhow::Result<T>;
-}
-
-impl<T, E: Into<anyhow::Error>> DeviceExt<T> for Result<T, E> {
-    fn on_device(self, device: impl std::fmt::Display) -> anyhow::Result<T> {
-        self.map_err(|e| DeviceError { device: device.to_string(), source: e.into() }.into())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -603,20 +504,5 @@ mod tests {
         assert_eq!(over(pb::RunState::Failed), StopCause::RunFailed("bad sample".into()));
         assert_eq!(over(pb::RunState::Completed), StopCause::RunCompleted);
         assert!(matches!(over(pb::RunState::Cancelled), StopCause::RunCancelled(_)));
-    }
-
-    #[test]
-    fn kind_and_device_are_found_through_each_other_and_contexts() {
-        use anyhow::Context;
-        let e = Err::<(), _>(anyhow::anyhow!("CUDA out of memory"))
-            .kind(ErrorKind::Device)
-            .context("forward of batch 7")
-            .on_device("cuda:1")
-            .context("stage forward-cuda:1")
-            .unwrap_err();
-        assert_eq!((kind_of(&e), device_of(&e).as_str()), (ErrorKind::Device, "cuda:1"));
-        assert_eq!(format_chain(&e), "stage forward-cuda:1: forward of batch 7: CUDA out of memory");
-        let plain = anyhow::anyhow!("no device");
-        assert_eq!((kind_of(&plain), device_of(&plain).as_str()), (ErrorKind::Internal, ""));
     }
 }

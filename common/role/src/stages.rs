@@ -6,7 +6,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::{Stop, StopCause, format_chain};
+use crate::errors::format_chain;
+use crate::{Stop, StopCause};
 
 /// Join handles with the stage names they belong to.
 type Named<T> = Arc<Mutex<Vec<(String, T)>>>;
