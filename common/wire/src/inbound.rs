@@ -223,6 +223,7 @@ mod tests {
     use super::*;
     use pb::target_message::Msg;
 
+    use crate::outbound::grpc_pieces;
     use crate::outbound::tests::generic as framed;
 
     fn chunk(batch_id: u64, index: u32, data: Vec<u8>) -> pb::TargetMessage {
@@ -323,5 +324,22 @@ mod tests {
         let mut frames = InboundFrames::new(100);
         frames.push(Bytes::from_static(&[0, 0, 0, 0, 2, 0xff, 0xff]));
         assert!(matches!(frames.next_message(), Err(InboundError::Decode(_))));
+    }
+
+    #[test]
+    fn the_inbound_side_reads_what_the_outbound_side_writes() {
+        let data = Bytes::from(vec![7u8; 70_000]);
+        let m = pb::TargetMessage { msg: Some(Msg::Chunk(pb::BatchChunk { batch_id: 9, index: 4, data })) };
+        let mut frames = InboundFrames::new(1 << 20);
+        let (a, b) = grpc_pieces(m).split();
+        frames.push(a);
+        frames.push(b.expect("a chunk has two pieces"));
+        match frames.next_message().unwrap() {
+            Some(Inbound::Chunk(c)) => {
+                assert_eq!((c.batch_id, c.index, c.len()), (9, 4, 70_000));
+                assert!(c.parts.iter().all(|p| p.iter().all(|&x| x == 7)));
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -118,21 +118,4 @@ pub(crate) mod tests {
         };
         assert_eq!(concat(grpc_pieces(end.clone())), generic(&end));
     }
-
-    #[test]
-    fn the_inbound_side_reads_what_the_outbound_side_writes() {
-        let data = Bytes::from(vec![7u8; 70_000]);
-        let m = pb::TargetMessage { msg: Some(Msg::Chunk(pb::BatchChunk { batch_id: 9, index: 4, data })) };
-        let mut frames = crate::InboundFrames::new(1 << 20);
-        let (a, b) = grpc_pieces(m).split();
-        frames.push(a);
-        frames.push(b.expect("a chunk has two pieces"));
-        match frames.next_message().unwrap() {
-            Some(crate::Inbound::Chunk(c)) => {
-                assert_eq!((c.batch_id, c.index, c.len()), (9, 4, 70_000));
-                assert!(c.parts.iter().all(|p| p.iter().all(|&x| x == 7)));
-            }
-            other => panic!("{other:?}"),
-        }
-    }
 }
