@@ -396,7 +396,7 @@ impl Ledger {
         }
         tx.execute(
             "INSERT OR REPLACE INTO checkpoints (step, name, content_hash, committed_ms) VALUES (?1, ?2, ?3, ?4)",
-            params![record.step as i64, record.name, record.content_hash, crate::run::now_ms() as i64],
+            params![record.step as i64, record.name, record.content_hash, crate::clock::now_ms() as i64],
         )
         .map_err(wrap)?;
         tx.commit().map_err(wrap)?;
@@ -513,7 +513,7 @@ impl Ledger {
                 }
                 tx.execute(
                     "INSERT OR REPLACE INTO checkpoints (step, name, content_hash, committed_ms) VALUES (?1, ?2, ?3, ?4)",
-                    params![s.step as i64, s.name, s.content_hash, crate::run::now_ms() as i64],
+                    params![s.step as i64, s.name, s.content_hash, crate::clock::now_ms() as i64],
                 )
                 .map_err(wrap)?;
                 tx.commit().map_err(wrap)?;

@@ -109,7 +109,7 @@ async fn run(args: Args) -> anyhow::Result<i32> {
         // Leases of targets that do not come back end after an instance
         // timeout, as a target that falls silent loses its leases; a live
         // target may first take its longest retry delay to find us again.
-        let deadline = dflash_coordinator::run::now_ms()
+        let deadline = dflash_coordinator::clock::now_ms()
             + plan.config.faults.instance_timeout_ms
             + dflash_telemetry::RETRY_DELAY_CAP.as_millis() as u64;
         let n = ledger.shorten_leases(deadline)?;

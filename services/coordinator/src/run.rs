@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use dflash_config::RunConfig;
 use dflash_proto as pb;
@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use dflash_data::PlannedBatch;
 
+use crate::clock::now_ms;
 use crate::group::{Change, GroupBook, Member};
 use crate::ledger::{CheckpointRecord, Counts, Lease, Ledger, LedgerError, Resumed};
 
@@ -20,11 +21,6 @@ const STATUS_HISTORY_POINTS: u64 = 64;
 
 /// Errors kept for the status (the newest).
 const MAX_ERRORS: usize = 100;
-
-/// Milliseconds since the Unix epoch (lease expiries survive restarts).
-pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
 
 /// A registered role instance.
 pub struct Instance {
