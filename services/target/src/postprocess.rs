@@ -9,7 +9,7 @@ use dflash_role::{Stop, recv_until_stop, send_until_stop};
 use dflash_wire::{BatchMeta, FeatureSpec, HostBatch, Layout};
 use tch::Tensor;
 
-use crate::forward::CapturedBatch;
+use crate::captured::CapturedBatch;
 use crate::leases::Lease;
 
 /// Turns captured batches into host batches.
