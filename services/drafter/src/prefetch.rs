@@ -9,15 +9,7 @@ use dflash_role::Stop;
 use dflash_wire::{FeatureSpec, HostBatch, Layout};
 use tch::{Device, Kind, Tensor};
 
-use crate::receiver::ReceivedBatch;
-use crate::sequencer::Arrival;
-
-/// What the train step takes, in the plan's order: a batch on the device,
-/// or the plan's batch the receiver rejected (reported as skipped).
-pub enum Prepared {
-    Batch(DeviceBatch),
-    Rejected(dflash_proto::TrainedBatch),
-}
+use crate::pipeline::{Arrival, Prepared, ReceivedBatch};
 
 /// Converts host batches into device batches.
 pub struct Prefetcher {

@@ -18,27 +18,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use dflash_proto as pb;
 use dflash_role::{Stop, recv_until_stop, send_until_stop};
 
-use crate::receiver::ReceivedBatch;
-use crate::train_loop::TrainedSet;
-
-/// What the receiver hands on: a batch, or the plan's batch it rejected.
-#[allow(clippy::large_enum_variant, reason = "moved by value through bounded queues; no allocation per batch")]
-pub enum Arrival {
-    Batch(ReceivedBatch),
-    Rejected(pb::TrainedBatch),
-}
-
-impl Arrival {
-    pub fn batch_id(&self) -> u64 {
-        match self {
-            Arrival::Batch(b) => b.batch.meta.batch_id,
-            Arrival::Rejected(r) => r.batch_id,
-        }
-    }
-}
+use crate::pipeline::{Arrival, TrainedSet};
 
 /// Where the ordered batches go: one lane per replica of this drafter.
 /// A group member's replicas each train the batches dealt to their rank;
@@ -217,7 +199,10 @@ impl Sequencer {
 
 #[cfg(test)]
 mod tests {
+    use dflash_proto as pb;
+
     use super::*;
+    use crate::pipeline::ReceivedBatch;
 
     fn rejected(id: u64) -> Arrival {
         Arrival::Rejected(pb::TrainedBatch {

@@ -10,9 +10,8 @@
 //! [`Reporter`], off this thread; the coordinator gets them again until it
 //! has taken them.
 
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -28,37 +27,8 @@ use dflash_role::{KindExt, Session, StopCause, with_timeout};
 use dflash_telemetry::ErrorKind;
 
 use crate::periodic_eval::PeriodicEval;
-use crate::prefetch::Prepared;
+use crate::pipeline::{Arrival, Prepared, TrainedSet};
 use crate::reporter::{Report, Reporter};
-use crate::sequencer::Arrival;
-
-/// Batch ids trained in this checkpoint lineage, as every stage that must
-/// know reads it: the replicas (a batch trained already is a duplicate)
-/// and the sequencer (it does not wait for one). The train loop's leader
-/// writes it, as it trains and when it resumes.
-#[derive(Clone, Default)]
-pub struct TrainedSet(Arc<Mutex<BTreeSet<u64>>>);
-
-impl TrainedSet {
-    fn ids(&self) -> std::sync::MutexGuard<'_, BTreeSet<u64>> {
-        // A panicking holder cannot leave the set half-written: every
-        // write is one insert or one replacement.
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub fn contains(&self, id: u64) -> bool {
-        self.ids().contains(&id)
-    }
-
-    pub fn insert(&self, id: u64) {
-        self.ids().insert(id);
-    }
-
-    /// The lineage resumed from a checkpoint: exactly what it trained.
-    pub fn reset_to(&self, ids: impl IntoIterator<Item = u64>) {
-        *self.ids() = ids.into_iter().collect();
-    }
-}
 
 /// What happened to one replica's batch in one step.
 pub enum ReplicaOutcome {

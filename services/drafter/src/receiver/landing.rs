@@ -12,8 +12,8 @@ use dflash_wire::rpc::AckSender;
 use dflash_wire::{Assembled, Assembler, ChunkParts, HostBatch, Inbound, WireError};
 use tonic::Status;
 
-use super::{DrafterService, Expected, ReceivedBatch, ack, stopping};
-use crate::sequencer::Arrival;
+use super::{DrafterService, Expected, ack, stopping};
+use crate::pipeline::{Arrival, ReceivedBatch};
 
 /// Pinned landing buffers for received payloads (GPU drafters).
 pub type LandingPool = dflash_models::gpu::Pool<dflash_models::gpu::PinnedMem>;

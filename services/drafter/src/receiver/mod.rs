@@ -19,9 +19,10 @@ use dflash_role::Stop;
 use dflash_wire::rpc::{AckReceiver, AckSender, InboundStream, StreamHandler};
 use dflash_wire::{FeatureSpec, HostBatch, Inbound, WireError};
 
-use crate::sequencer::Arrival;
 use tokio::sync::mpsc;
 use tonic::Status;
+
+use crate::pipeline::Arrival;
 
 mod landing;
 #[cfg(test)]
@@ -29,13 +30,6 @@ mod tests;
 
 use landing::Lander;
 pub use landing::{Landing, LandingPool};
-
-/// A verified batch waiting in the HS queue.
-pub struct ReceivedBatch {
-    pub batch: HostBatch,
-    /// Open while the batch waits in the queue; prefetch closes it.
-    pub queue_wait: tracing::Span,
-}
 
 /// One planned batch: what a batch of this id must hold.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use tonic::body::Body;
 use tower::ServiceExt;
 
 use super::*;
-use crate::sequencer::Arrival;
+use crate::pipeline::Arrival;
 
 /// The service's parts a test looks at afterwards.
 struct Probe {
