@@ -367,7 +367,9 @@ impl Run {
         if replicas != configured {
             return Err(LedgerError::Refused(format!(
                 "drafter {instance_id} joins with {replicas} replica(s), but devices.drafter ({}) gives every member \
-                 of this run's drafter group {configured}",
+                 of this run's drafter group {configured}: members of different device counts are refused, because \
+                 the one run config names the drafter devices for every member and a step deals one batch per rank \
+                 (a member with other devices runs another config)",
                 self.config.devices.drafter
             )));
         }
