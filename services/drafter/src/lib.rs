@@ -1,14 +1,12 @@
 //! The drafter service: the receiver of hidden-state streams (`receiver`,
 //! served by [`dflash_wire::rpc`]), the plan's order (`sequencer`),
 //! prefetch onto the training device (`prefetch`), the train loop with its
-//! checkpoints (`train_loop`), its reports to the coordinator (`reporter`),
-//! evaluation during training (`periodic_eval`), and this drafter's
-//! membership in the drafter group (`group`). The stages hand on the
-//! messages of `pipeline`: each imports them from there, none from another
-//! stage.
+//! checkpoints and evaluation during training (`train_loop`), its reports
+//! to the coordinator (`reporter`), and this drafter's membership in the
+//! drafter group (`group`). The stages hand on the messages of `pipeline`:
+//! each imports them from there, none from another stage.
 
 pub mod group;
-pub mod periodic_eval;
 pub mod pipeline;
 pub mod prefetch;
 pub mod receiver;

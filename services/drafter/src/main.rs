@@ -20,12 +20,11 @@ use dflash_telemetry::ErrorKind;
 use tonic_health::ServingStatus;
 
 use dflash_drafter::group;
-use dflash_drafter::periodic_eval;
 use dflash_drafter::prefetch::{self, Prefetcher};
 use dflash_drafter::receiver::{self, DrafterService, Expected, Landing};
 use dflash_drafter::reporter::Reporter;
 use dflash_drafter::sequencer::{Lanes, Sequencer};
-use dflash_drafter::train_loop::{GroupMember, ReplicaStep, TrainLoop, follow_member};
+use dflash_drafter::train_loop::{GroupMember, PeriodicEval, ReplicaStep, TrainLoop, follow_member};
 use dflash_models::features::kind_of;
 use dflash_wire::rpc::{HiddenStateService, transport};
 use dflash_wire::{DType, FeatureSpec};
@@ -362,8 +361,7 @@ async fn start(
     let rt = tokio::runtime::Handle::current();
     let mut leader = None;
     if membership.leads() {
-        let eval = tokio::task::block_in_place(|| periodic_eval::PeriodicEval::load(c, device, kind))
-            .kind(ErrorKind::Config)?;
+        let eval = tokio::task::block_in_place(|| PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
         let (reporter, delivery) = Reporter::start(Arc::clone(session));
         stages.spawn_task("report-progress", delivery);
         let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone(), eval, reporter);

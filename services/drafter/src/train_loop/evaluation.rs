@@ -1,5 +1,6 @@
 //! Evaluation during training: held-out prompts decoded by real
-//! speculative decoding with the drafter being trained.
+//! speculative decoding with the drafter being trained, on its interval
+//! and before the final checkpoint.
 
 use std::path::Path;
 
@@ -8,6 +9,8 @@ use dflash_data::ChatTokenizer;
 use dflash_models::evaluation::{EvalPrompt, EvalReport, PromptPick, evaluate, read_prompts};
 use dflash_models::{LoadScope, TargetModel};
 use tch::{Device, Kind};
+
+use super::TrainLoop;
 
 /// Evaluation during training: every `eval.interval_steps` steps (and at
 /// the end) the drafter being trained decodes held-out prompts with the
@@ -81,5 +84,28 @@ impl PeriodicEval {
             cats.join(", ")
         );
         r
+    }
+}
+
+impl TrainLoop {
+    /// The evaluation on its interval, after a step that trained something
+    /// (not once the run is trained: the final one comes with the final
+    /// checkpoint).
+    pub(super) fn evaluate_on_interval(&self, step: u64, trained_something: bool) {
+        if let Some(e) = &self.eval
+            && trained_something
+            && e.every > 0
+            && step.is_multiple_of(e.every)
+            && !self.reporter.all_trained()
+        {
+            e.run(step, &self.trainer);
+        }
+    }
+
+    /// The evaluation of the trained drafter, before the final checkpoint.
+    pub(super) fn evaluate_final(&self) {
+        if let Some(e) = self.eval.as_ref().filter(|e| e.every > 0) {
+            e.run(self.trainer.step(), &self.trainer);
+        }
     }
 }
