@@ -7,7 +7,9 @@
 # (carried as wheels in .whl). Binaries come prebuilt in .device/bin, the
 # model tests' binary in .device/bin/deps/families.
 #   scripts/device/hybrid-gpu.sh [shapes...]   (default: qwen3.5-27b qwen3.5-35b-a3b)
-# HF=0 skips transformers' forwards, FIXTURES=0 the fixture checks.
+# HF=0 skips transformers' forwards, FIXTURES=0 the fixture checks;
+# BEFORE=1 also runs each shape with the delta rule and convolution as
+# libtorch ops (DFLASH_DELTA_RULE=torch), before the fused kernels.
 set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
@@ -16,6 +18,7 @@ shapes=${*:-qwen3.5-27b qwen3.5-35b-a3b}
 HF_BATCHES=${HF_BATCHES:-3}
 HF=${HF:-1}
 FIXTURES=${FIXTURES:-1}
+BEFORE=${BEFORE:-0}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 mkdir -p /tmp/fla && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla .whl/*.whl \
@@ -31,8 +34,15 @@ mkdir -p /tmp/fla && python3 -m pip install -q --no-index --no-deps --no-compile
 done
 [ "$FIXTURES" = 1 ] && echo "== packed capture on cuda:0 (f32, bf16) vs transformers"
 [ "$FIXTURES" = 1 ] && [ -x .device/bin/deps/families ] && DFLASH_FIXTURES=$PWD/tests/fixtures timeout 120 .device/bin/deps/families --ignored --test-threads 1 2>&1 \
-  | grep -E "^test |test result|panicked|layer" | head -20
+  | grep -E "^test |test result|panicked|layer|outputs|states|fused|unavailable" | head -20
 for s in $shapes; do
+  if [ "$BEFORE" = 1 ]; then
+    echo "== capture $s (dflash, rule as libtorch ops)"
+    DFLASH_DELTA_RULE=torch timeout 240 $B/dflash bench-capture --shape "$s" --device 0 --layers 5 --batches 4 --warmup 1 \
+      --modes async --profile --json "$OUT/capture-ops-$s.json" > "$OUT/capture-ops-$s.log" 2>&1; echo "exit $?"
+    grep -A 40 "where a forward" "$OUT/capture-ops-$s.log" | grep -E "rule|conv|total" | head -12
+    tail -3 "$OUT/capture-ops-$s.log"
+  fi
   echo "== capture $s (dflash)"
   timeout 240 $B/dflash bench-capture --shape "$s" --device 0 --layers 5 --batches 4 --warmup 1 \
     --modes off,async --profile --json "$OUT/capture-$s.json" > "$OUT/capture-$s.log" 2>&1; echo "exit $?"

@@ -25,9 +25,10 @@ use tch::{Device, Kind, Tensor};
 /// Tokens per chunk (what transformers and flash-linear-attention use).
 pub const CHUNK: i64 = 64;
 
-/// The per-token inputs of one layer, heads matched (`q`, `k` repeated to
-/// the value heads): `q`, `k` `[T, H, dk]`, `v` `[T, H, dv]`, `g` (log
-/// decay, <= 0) and `beta` `[T, H]`, all f32.
+/// The per-token inputs of one layer: `q`, `k` `[T, HK, dk]`, `v` `[T, H,
+/// dv]`, `g` (log decay, <= 0) and `beta` `[T, H]`. Each of the `HK` key
+/// heads serves `H / HK` consecutive value heads (as the layer's
+/// projections make them).
 pub struct RuleInputs<'a> {
     pub q: &'a Tensor,
     pub k: &'a Tensor,
@@ -71,6 +72,10 @@ pub struct ChunkPlan {
     /// Per sequence in the order, the row of its last chunk.
     last_rows: Tensor,
     chunks: i64,
+    /// The same chunks in sequence order, for the fused kernels
+    /// (`delta_rule_cuda`): each chunk's first token and token count, each
+    /// sequence's first chunk and chunk count.
+    kernel_table: [Tensor; 4],
 }
 
 impl ChunkPlan {
@@ -111,8 +116,16 @@ impl ChunkPlan {
             unsort[s] = rank as i64;
         }
         let order: Vec<i64> = order.iter().map(|&s| s as i64).collect();
+        let (mut chunk_tok, mut chunk_len, mut seq_chunk0) = (Vec::new(), Vec::new(), Vec::new());
+        for (&start, &len) in starts.iter().zip(lens) {
+            seq_chunk0.push(chunk_tok.len() as i64);
+            for at in (0..len).step_by(CHUNK as usize) {
+                chunk_tok.push(start + at);
+                chunk_len.push(CHUNK.min(len - at));
+            }
+        }
         // One copy to the device, cut into its parts there.
-        let parts = [&gather, &scatter, &order, &unsort, &last_rows];
+        let parts = [&gather, &scatter, &order, &unsort, &last_rows, &chunk_tok, &chunk_len, &seq_chunk0, &n_chunks];
         let all =
             Tensor::from_slice(&parts.iter().flat_map(|p| p.iter().copied()).collect::<Vec<_>>()).to_device(device);
         let mut at = 0;
@@ -123,6 +136,7 @@ impl ChunkPlan {
         };
         let (g, sc, o, u, l) =
             (cut(gather.len()), cut(scatter.len()), cut(order.len()), cut(unsort.len()), cut(last_rows.len()));
+        let kernel_table = [cut(chunk_tok.len()), cut(chunk_len.len()), cut(seq_chunk0.len()), cut(n_chunks.len())];
         ChunkPlan {
             lens: lens.to_vec(),
             active,
@@ -133,12 +147,23 @@ impl ChunkPlan {
             unsort: u,
             last_rows: l,
             chunks: gather.len() as i64 / CHUNK,
+            kernel_table,
         }
     }
 
     /// The sequences' lengths.
     pub fn lens(&self) -> &[i64] {
         &self.lens
+    }
+
+    /// Chunks of all sequences.
+    pub fn chunks(&self) -> i64 {
+        self.chunks
+    }
+
+    /// The chunk table of the fused kernels, on the plan's device.
+    pub(crate) fn kernel_table(&self) -> &[Tensor; 4] {
+        &self.kernel_table
     }
 }
 
@@ -211,10 +236,10 @@ pub fn chunked_with(
     let _guard = tch::no_grad_guard();
     let dev = x.q.device();
     let kind = x.v.kind();
-    let (h, dk, dv) = (x.k.size()[1], x.k.size()[2], x.v.size()[2]);
+    let (h, dk, dv) = (x.v.size()[1], x.k.size()[2], x.v.size()[2]);
     let f = (Kind::Float, dev);
-    let q = to_chunks(&x.q.to_kind(kind), p);
-    let k = to_chunks(&x.k.to_kind(kind), p);
+    let q = to_chunks(&matched_heads(x.q, h).to_kind(kind), p);
+    let k = to_chunks(&matched_heads(x.k, h).to_kind(kind), p);
     let v = to_chunks(x.v, p);
     let beta = to_chunks(&x.beta.to_kind(Kind::Float).unsqueeze(-1), p); // [C, H, L, 1]
     let g = to_chunks(&x.g.to_kind(Kind::Float).unsqueeze(-1), p).squeeze_dim(-1); // [C, H, L]
@@ -289,13 +314,20 @@ pub fn chunked_with(
     RuleOutput { out, final_state, states }
 }
 
-/// One token of the recurrence for a batch: `q`, `k` `[B, H, dk]`, `v`
+/// `[T, HK, d]` with each key head repeated for the `h / HK` value heads it serves.
+fn matched_heads(x: &Tensor, h: i64) -> Tensor {
+    let per = h / x.size()[1];
+    if per == 1 { x.shallow_clone() } else { x.repeat_interleave_self_int(per, 1, None::<i64>) }
+}
+
+/// One token of the recurrence for a batch: `q`, `k` `[B, HK, dk]`, `v`
 /// `[B, H, dv]`, `g`, `beta` `[B, H]`, `state` `[B, H, dk, dv]`. Returns
 /// the output `[B, H, dv]` and the new state.
 pub fn step(x: &RuleInputs, state: &Tensor) -> (Tensor, Tensor) {
     let _guard = tch::no_grad_guard();
     let wide = state.kind();
-    let (q, k, v) = (x.q.to_kind(wide), x.k.to_kind(wide), x.v.to_kind(wide));
+    let h = x.v.size()[1];
+    let (q, k, v) = (matched_heads(x.q, h).to_kind(wide), matched_heads(x.k, h).to_kind(wide), x.v.to_kind(wide));
     let s = state * x.g.to_kind(wide).exp().unsqueeze(-1).unsqueeze(-1);
     let remembered = k.unsqueeze(-2).matmul(&s).squeeze_dim(-2); // S^T k: [B, H, dv]
     let delta = (v - remembered) * x.beta.to_kind(wide).unsqueeze(-1);

@@ -18,6 +18,7 @@ use tch::{Kind, Tensor};
 
 use crate::ModelError;
 use crate::delta_rule::{self, ChunkPlan, RuleInputs};
+use crate::delta_rule_cuda;
 use crate::kv_cache::{Recorded, RecurrentState};
 use crate::layers::Linear;
 use crate::weights::Weights;
@@ -102,6 +103,9 @@ pub struct PackedLayout {
     fix_sources: Tensor,
     fix_seen: Tensor,
     kernel: i64,
+    /// Each token's position in its sequence `[T]` (the fused convolution's
+    /// boundaries).
+    positions: Tensor,
 }
 
 impl PackedLayout {
@@ -120,7 +124,8 @@ impl PackedLayout {
             }
             start += len;
         }
-        let all = Tensor::from_slice(&[rows.as_slice(), &sources, &seen].concat()).to_device(device);
+        let positions: Vec<i64> = lens.iter().flat_map(|&l| 0..l).collect();
+        let all = Tensor::from_slice(&[rows.as_slice(), &sources, &seen, &positions].concat()).to_device(device);
         let (r, rk) = (rows.len() as i64, sources.len() as i64);
         Self {
             chunks: ChunkPlan::new(lens, device),
@@ -128,6 +133,7 @@ impl PackedLayout {
             fix_sources: all.narrow(0, r, rk),
             fix_seen: all.narrow(0, r + rk, rk).to_kind(Kind::Float).view([r, kernel, 1]),
             kernel,
+            positions: all.narrow(0, r + 2 * rk, positions.len() as i64),
         }
     }
 }
@@ -217,7 +223,11 @@ impl GatedDeltaNet {
         mark("linear attn: conv");
         let rule = self.rule_inputs(&conv, &proj);
         mark("linear attn: q/k norm, gates");
-        let out = delta_rule::chunked_with(&rule.inputs(), &layout.chunks, None, false, mark).out;
+        let inputs = rule.inputs();
+        let out = match delta_rule_cuda::chunked(&inputs, &layout.chunks, None, mark) {
+            Some(fused) => fused.out,
+            None => delta_rule::chunked_with(&inputs, &layout.chunks, None, false, mark).out,
+        };
         let y = self.out_proj.forward(&self.gated_norm(&out, &proj, x.kind()));
         mark("linear attn: gated norm + out_proj");
         y
@@ -255,7 +265,10 @@ impl GatedDeltaNet {
             }
             _ => {
                 let lens = vec![t; b as usize];
-                let r = delta_rule::chunked(&rule.inputs(), &lens, prev.map(|p| &p.state), record);
+                let (x, initial) = (rule.inputs(), prev.map(|p| &p.state));
+                let plan = ChunkPlan::new(&lens, x.v.device());
+                let fused = (!record).then(|| delta_rule_cuda::chunked(&x, &plan, initial, &mut |_| {})).flatten();
+                let r = fused.unwrap_or_else(|| delta_rule::chunked_with(&x, &plan, initial, record, &mut |_| {}));
                 (r.out, r.final_state, r.states)
             }
         };
@@ -278,6 +291,12 @@ impl GatedDeltaNet {
     fn conv_packed(&self, mixed: &Tensor, layout: &PackedLayout) -> Tensor {
         let k = self.shape.conv_kernel;
         assert_eq!(k, layout.kernel, "the layout was made for this convolution");
+        let s = self.shape;
+        if let Some(y) =
+            delta_rule_cuda::causal_conv_silu(mixed, &self.conv, &layout.positions, s.key_head_dim, s.value_head_dim)
+        {
+            return y;
+        }
         let (t, c) = (mixed.size()[0], mixed.size()[1]);
         // Each position's window of K inputs is a strided view of the
         // zero-padded stream (no copy); the taps are summed in f32. (A
@@ -319,17 +338,13 @@ impl GatedDeltaNet {
         let s = self.shape;
         let n = conv.size()[0];
         let (kd, vd, nv) = (s.key_dim(), s.value_dim(), s.num_value_heads);
-        let per_key = nv / s.num_key_heads;
         let heads = |x: Tensor, h: i64, d: i64| x.reshape([n, h, d]);
         // q and k normalised in f32, then in the model's kind like v.
         let unit =
             |x: Tensor| delta_rule::l2_normalize(&heads(x.to_kind(Kind::Float), s.num_key_heads, s.key_head_dim));
-        let mut q = (unit(conv.narrow(1, 0, kd)) * (s.key_head_dim as f64).powf(-0.5)).to_kind(conv.kind());
-        let mut k = unit(conv.narrow(1, kd, kd)).to_kind(conv.kind());
-        if per_key > 1 {
-            q = q.repeat_interleave_self_int(per_key, 1, None::<i64>);
-            k = k.repeat_interleave_self_int(per_key, 1, None::<i64>);
-        }
+        // Key heads stay unrepeated: the rule maps each to its value heads.
+        let q = (unit(conv.narrow(1, 0, kd)) * (s.key_head_dim as f64).powf(-0.5)).to_kind(conv.kind());
+        let k = unit(conv.narrow(1, kd, kd)).to_kind(conv.kind());
         let v = heads(conv.narrow(1, 2 * kd, vd), nv, s.value_head_dim);
         let gates = s.conv_dim() + vd;
         let b = proj.narrow(1, gates, nv).to_kind(Kind::Float);

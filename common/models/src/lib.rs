@@ -11,6 +11,7 @@ pub mod collective;
 pub mod cuda;
 pub mod decoder;
 pub mod delta_rule;
+pub mod delta_rule_cuda;
 pub mod dflash2;
 pub mod distill;
 pub mod dp;

@@ -630,3 +630,66 @@ fn hybrid_capture_on_cuda_matches_transformers() {
         }
     }
 }
+
+/// The delta rule's fused CUDA kernels against the recurrence, token by
+/// token in f64 on the CPU: Qwen3.5's head shape (dk = dv = 128, each key
+/// head serving three value heads), packed sequences inside one chunk, at a
+/// chunk's edge and across several, from zero and from given states; f32
+/// inputs and bf16 ones (whose recurrence is run on the same rounded inputs).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_delta_rule_on_cuda_matches_the_recurrence() {
+    use dflash_models::delta_rule::{self, RuleInputs};
+    dflash_models::cuda::ensure_cuda(&[0]).unwrap();
+    let gpu = Device::Cuda(0);
+    tch::manual_seed(21);
+    let lens = [5i64, 64, 130, 1, 200, 63];
+    let total: i64 = lens.iter().sum();
+    let (hk, h, d) = (2i64, 6i64, 128i64);
+    let f = (Kind::Float, Device::Cpu);
+    let q = delta_rule::l2_normalize(&Tensor::randn([total, hk, d], f)) * (d as f64).powf(-0.5);
+    let k = delta_rule::l2_normalize(&Tensor::randn([total, hk, d], f));
+    let v = Tensor::randn([total, h, d], f);
+    let g = -(Tensor::rand([total, h], f) * 4.0 + 0.01) * (Tensor::randn([total, h], f) + 1.0).softplus();
+    let beta = Tensor::randn([total, h], f).sigmoid();
+    let initial = Tensor::randn([lens.len() as i64, h, d, d], f) * 0.1;
+    for (kind, tolerance) in [(Kind::Float, 2e-5), (Kind::BFloat16, 2e-5)] {
+        assert!(dflash_models::delta_rule_cuda::available(gpu, d, d, kind), "fused kernels for {kind:?}");
+        // The inputs as the kernels see them (bf16 rounding included).
+        let (q, k, v) = (q.to_kind(kind), k.to_kind(kind), v.to_kind(kind));
+        let on = |t: &Tensor| t.to_device(gpu);
+        for init in [None, Some(&initial)] {
+            let got = dflash_models::delta_rule_cuda::chunked(
+                &RuleInputs { q: &on(&q), k: &on(&k), v: &on(&v), g: &on(&g), beta: &on(&beta) },
+                &delta_rule::ChunkPlan::new(&lens, gpu),
+                init.map(on).as_ref(),
+                &mut |_| {},
+            )
+            .expect("the fused kernels run");
+            // The recurrence in f64, sequence by sequence.
+            let dd = |t: &Tensor| t.to_kind(Kind::Double);
+            let (mut outs, mut finals, mut start) = (Vec::new(), Vec::new(), 0);
+            for (s, &l) in lens.iter().enumerate() {
+                let mut state = match init {
+                    Some(i) => dd(&i.narrow(0, s as i64, 1)),
+                    None => Tensor::zeros([1, h, d, d], (Kind::Double, Device::Cpu)),
+                };
+                for t in start..start + l {
+                    let one = |x: &Tensor| dd(&x.narrow(0, t, 1));
+                    let x = RuleInputs { q: &one(&q), k: &one(&k), v: &one(&v), g: &one(&g), beta: &one(&beta) };
+                    let (o, s1) = delta_rule::step(&x, &state);
+                    state = s1;
+                    outs.push(o);
+                }
+                finals.push(state);
+                start += l;
+            }
+            let want = Tensor::cat(&outs, 0);
+            let want_final = Tensor::cat(&finals, 0);
+            let err = max_rel_err(&got.out.to_device(Device::Cpu), &want);
+            assert!(err < tolerance, "{kind:?} outputs (initial {}): {err}", init.is_some());
+            let err = max_rel_err(&got.final_state.to_device(Device::Cpu), &want_final);
+            assert!(err < tolerance, "{kind:?} final states (initial {}): {err}", init.is_some());
+        }
+    }
+}

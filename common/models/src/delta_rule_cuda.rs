@@ -1,0 +1,351 @@
+//! The delta rule's chunked form on a GPU as three fused kernels
+//! (`csrc/delta_rule.cu`: UT prep, state scan, outputs) in place of the
+//! chain of libtorch ops of [`crate::delta_rule`] (about thirty passes over
+//! `[chunks, heads, 64, d]` tensors per layer, and two small products per
+//! chunk step). Same math, same chunks, every product accumulated in f32.
+//! Beside them, the layer's packed causal convolution and SiLU as one
+//! kernel ([`causal_conv_silu`]).
+//!
+//! The kernels are compiled once per process, device and head shape by
+//! NVRTC (the `libnvrtc.so.13` that PyTorch's CUDA wheel ships, found next
+//! to libtorch), so the release binary stays one build for every GPU. When
+//! NVRTC cannot be loaded or compiling fails, the rule runs as libtorch ops
+//! and the reason is logged once. `DFLASH_DELTA_RULE=torch` selects the
+//! libtorch ops (for comparing the two on one machine).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::CompileOptions;
+use tch::{Device, Kind, Tensor};
+
+use crate::delta_rule::{CHUNK, ChunkPlan, RuleInputs, RuleOutput};
+
+const SOURCE: &str = include_str!("../csrc/delta_rule.cu");
+/// Threads of the UT-prep and output blocks.
+const BLOCK: u32 = 256;
+
+/// One head shape's kernels on one device.
+struct Kernels {
+    ctx: Arc<CudaContext>,
+    ut_prep: CudaFunction,
+    scan: CudaFunction,
+    output: CudaFunction,
+    conv: CudaFunction,
+    /// Value columns per scan block.
+    bv: i64,
+    shared: [u32; 3],
+}
+
+/// (device ordinal, dk, dv, bf16 inputs)
+type Key = (usize, i64, i64, bool);
+
+fn cache() -> &'static Mutex<HashMap<Key, Option<Arc<Kernels>>>> {
+    static CACHE: OnceLock<Mutex<HashMap<Key, Option<Arc<Kernels>>>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// Whether the fused kernels may be used (`DFLASH_DELTA_RULE` unset or
+/// `fused`; `torch` selects the libtorch ops; anything else is named and
+/// the default kept).
+fn selected() -> bool {
+    static SELECTED: OnceLock<bool> = OnceLock::new();
+    *SELECTED.get_or_init(|| match std::env::var("DFLASH_DELTA_RULE").as_deref() {
+        Err(_) | Ok("fused") => true,
+        Ok("torch") => false,
+        Ok(other) => {
+            tracing::warn!("DFLASH_DELTA_RULE={other} is not fused or torch; using the fused kernels");
+            true
+        }
+    })
+}
+
+/// Makes `libnvrtc.so.13` loadable by name: PyTorch's CUDA wheel keeps it
+/// in `site-packages/nvidia/cu13/lib`, beside the `torch/lib` folder that
+/// LD_LIBRARY_PATH names. Once loaded by path, a load by name finds it.
+fn preload_nvrtc() -> Result<(), String> {
+    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            // SAFETY: only probes whether the library can be loaded.
+            if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                return Ok(());
+            }
+            let dirs = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+            for dir in dirs.split(':').filter(|d| !d.is_empty()) {
+                let dir = std::path::Path::new(dir);
+                for lib in
+                    [dir.to_path_buf(), dir.join("../../nvidia/cu13/lib"), dir.join("../../nvidia/cuda_nvrtc/lib")]
+                {
+                    let path = lib.join("libnvrtc.so.13");
+                    if !path.exists() {
+                        continue;
+                    }
+                    // SAFETY: loading NVRTC runs no initialisers that need
+                    // anything of us; the library stays loaded for good.
+                    match unsafe { libloading::Library::new(&path) } {
+                        Ok(l) => {
+                            std::mem::forget(l);
+                            return Ok(());
+                        }
+                        Err(e) => return Err(format!("{}: {e}", path.display())),
+                    }
+                }
+            }
+            Err("libnvrtc.so.13 is not on LD_LIBRARY_PATH nor beside torch/lib in nvidia/cu13/lib".into())
+        })
+        .clone()
+}
+
+fn compile(ordinal: usize, dk: i64, dv: i64, bf16: bool) -> Result<Kernels, String> {
+    preload_nvrtc()?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| format!("CUDA context: {e:?}"))?;
+    let (major, minor) = ctx.compute_capability().map_err(|e| format!("compute capability: {e:?}"))?;
+    let bv = dv.min(32);
+    let options = vec![
+        format!("--gpu-architecture=compute_{major}{minor}"),
+        format!("-DDK={dk}"),
+        format!("-DDV={dv}"),
+        format!("-DBV={bv}"),
+        format!("-DIN_BF16={}", i32::from(bf16)),
+        "--std=c++17".into(),
+    ];
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+        SOURCE,
+        CompileOptions { options, name: Some("delta_rule.cu".into()), ..Default::default() },
+    )
+    .map_err(|e| format!("NVRTC: {e:?}"))?;
+    let module = ctx.load_module(ptx).map_err(|e| format!("loading the module: {e:?}"))?;
+    let f = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
+    let (ut_prep, scan, output, conv) = (f("ut_prep")?, f("scan")?, f("output")?, f("causal_conv_silu")?);
+    // The shared tiles of each kernel (see the .cu file): row strides
+    // LP = 68 and KP = dk + 4.
+    let (l, lp, kp) = (CHUNK, 68, dk + 4);
+    let floats = [dk * lp + l * lp + 2 * l, 2 * l * kp + dk * bv + l * bv + l, 2 * dk * lp + l * lp + l];
+    let shared = floats.map(|n| (n * 4) as u32);
+    let limit = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(|e| format!("shared memory limit: {e:?}"))?;
+    for (func, bytes) in [(&ut_prep, shared[0]), (&scan, shared[1]), (&output, shared[2])] {
+        if bytes as i32 > limit {
+            return Err(format!(
+                "head dims {dk}x{dv} need {bytes} bytes of shared memory a block; the device has {limit}"
+            ));
+        }
+        func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+            .map_err(|e| format!("shared memory attribute: {e:?}"))?;
+    }
+    Ok(Kernels { ctx, ut_prep, scan, output, conv, bv, shared })
+}
+
+/// The kernels for a shape, compiled on first use; None (logged once per
+/// shape) when they cannot be.
+fn kernels(ordinal: usize, dk: i64, dv: i64, bf16: bool) -> Option<Arc<Kernels>> {
+    let mut cache = cache().lock().unwrap_or_else(|p| p.into_inner());
+    cache
+        .entry((ordinal, dk, dv, bf16))
+        .or_insert_with(|| match compile(ordinal, dk, dv, bf16) {
+            Ok(k) => {
+                tracing::info!(dk, dv, bf16, "delta rule: fused CUDA kernels compiled");
+                Some(Arc::new(k))
+            }
+            Err(e) => {
+                tracing::warn!("delta rule: fused CUDA kernels unavailable ({e}); using libtorch ops");
+                None
+            }
+        })
+        .clone()
+}
+
+/// Whether the kernels take these head dims: every thread layout divides
+/// evenly (dk a multiple of 8; dv a divisor of 256, at least 4, and a
+/// multiple of its scan tile, whose thread count divides `16 dk`).
+fn supported(dk: i64, dv: i64) -> bool {
+    let bv = dv.min(32);
+    dk % 8 == 0 && dk > 0 && (4..=256).contains(&dv) && 256 % dv == 0 && dv % bv == 0 && (2 * dk) % bv == 0
+}
+
+/// `t` contiguous and 16-byte aligned (the kernels read four elements a load).
+fn aligned(t: Tensor) -> Tensor {
+    let t = t.contiguous();
+    if (t.data_ptr() as usize).is_multiple_of(16) { t } else { t.copy() }
+}
+
+/// Whether the fused kernels run for this device, head shape and input
+/// kind (compiling them if they were not yet).
+pub fn available(device: Device, dk: i64, dv: i64, kind: Kind) -> bool {
+    let Device::Cuda(ordinal) = device else { return false };
+    let bf16 = match kind {
+        Kind::BFloat16 => true,
+        Kind::Float => false,
+        _ => return false,
+    };
+    selected() && supported(dk, dv) && kernels(ordinal, dk, dv, bf16).is_some()
+}
+
+fn ptr(t: &Tensor) -> u64 {
+    t.data_ptr() as u64
+}
+
+/// The chunked rule through the fused kernels; None where they do not
+/// apply (not a CUDA tensor, an input kind or head shape they do not take,
+/// the kernels unavailable or deselected), and the caller runs the ops.
+/// `q` and `k` may have fewer heads than `v` (each serving `H / HK` value
+/// heads, as the layer's projections make them).
+pub fn chunked(
+    x: &RuleInputs,
+    p: &ChunkPlan,
+    initial: Option<&Tensor>,
+    mark: &mut dyn FnMut(&'static str),
+) -> Option<RuleOutput> {
+    let Device::Cuda(ordinal) = x.v.device() else { return None };
+    let kind = x.v.kind();
+    let bf16 = match kind {
+        Kind::BFloat16 => true,
+        Kind::Float => false,
+        _ => return None,
+    };
+    let (t, h, dv) = (x.v.size()[0], x.v.size()[1], x.v.size()[2]);
+    let (hk, dk) = (x.k.size()[1], x.k.size()[2]);
+    if !selected() || !supported(dk, dv) || h % hk != 0 || x.q.size()[1] != hk || t == 0 {
+        return None;
+    }
+    let kern = kernels(ordinal, dk, dv, bf16)?;
+    let _guard = tch::no_grad_guard();
+    let c = |t: &Tensor| aligned(t.to_kind(kind));
+    let f32c = |t: &Tensor| t.to_kind(Kind::Float).contiguous();
+    let (q, k, v, g, beta) = (c(x.q), c(x.k), c(x.v), f32c(x.g), f32c(x.beta));
+    let init = initial.map(f32c);
+    let (chunks, n) = (p.chunks(), p.lens().len() as i64);
+    let fo = (Kind::Float, x.v.device());
+    let u = Tensor::empty([chunks, h, CHUNK, dv], fo);
+    let w = Tensor::empty([chunks, h, CHUNK, dk], fo);
+    let gc = Tensor::empty([chunks, h, CHUNK], fo);
+    let s_in = Tensor::empty([chunks, h, dk, dv], fo);
+    let final_state = Tensor::empty([n, h, dk, dv], fo);
+    let out = Tensor::empty([t, h, dv], fo);
+    let table = p.kernel_table();
+    let (tok, len, first, count) = (ptr(&table[0]), ptr(&table[1]), ptr(&table[2]), ptr(&table[3]));
+    let (hi, hki) = (h as i32, hk as i32);
+    let init_ptr = init.as_ref().map_or(0u64, ptr);
+    let stream = kern.ctx.default_stream(); // libtorch's stream: ordered with its ops
+    let grid = |x: i64, z: i64| (x as u32, h as u32, z as u32);
+    let cfg = |grid, block, shared| LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: shared };
+    let launched = (|| {
+        let (pq, pk, pv, pg, pb) = (ptr(&q), ptr(&k), ptr(&v), ptr(&g), ptr(&beta));
+        let (pu, pw, pgc, ps, pf, po) = (ptr(&u), ptr(&w), ptr(&gc), ptr(&s_in), ptr(&final_state), ptr(&out));
+        // SAFETY: every pointer is a live, contiguous tensor of the shape the
+        // kernel indexes (made or checked above); the tensors outlive the
+        // launches in stream order (libtorch frees into its stream-ordered
+        // cache on this same stream).
+        unsafe {
+            stream
+                .launch_builder(&kern.ut_prep)
+                .arg(&pk)
+                .arg(&pv)
+                .arg(&pg)
+                .arg(&pb)
+                .arg(&tok)
+                .arg(&len)
+                .arg(&hi)
+                .arg(&hki)
+                .arg(&pu)
+                .arg(&pw)
+                .arg(&pgc)
+                .launch(cfg(grid(chunks, 1), BLOCK, kern.shared[0]))?;
+        }
+        mark("rule: UT prep (fused)");
+        unsafe {
+            stream
+                .launch_builder(&kern.scan)
+                .arg(&pk)
+                .arg(&pu)
+                .arg(&pw)
+                .arg(&pgc)
+                .arg(&tok)
+                .arg(&len)
+                .arg(&first)
+                .arg(&count)
+                .arg(&init_ptr)
+                .arg(&hi)
+                .arg(&hki)
+                .arg(&ps)
+                .arg(&pf)
+                .launch(cfg(grid(n, dv / kern.bv), (kern.bv * 8) as u32, kern.shared[1]))?;
+        }
+        mark("rule: state scan (fused)");
+        unsafe {
+            stream
+                .launch_builder(&kern.output)
+                .arg(&pq)
+                .arg(&pk)
+                .arg(&pu)
+                .arg(&pgc)
+                .arg(&ps)
+                .arg(&tok)
+                .arg(&len)
+                .arg(&hi)
+                .arg(&hki)
+                .arg(&po)
+                .launch(cfg(grid(chunks, 1), BLOCK, kern.shared[2]))?;
+        }
+        mark("rule: outputs (fused)");
+        Ok::<(), cudarc::driver::DriverError>(())
+    })();
+    if let Err(e) = launched {
+        // A launch that fails leaves the device in error; libtorch's next op
+        // would fail less clearly.
+        panic!("delta rule: launching the fused CUDA kernels on GPU {ordinal} failed: {e:?}");
+    }
+    Some(RuleOutput { out, final_state, states: None })
+}
+
+/// The Gated DeltaNet layer's causal depthwise convolution and SiLU over
+/// packed sequences through one kernel: `mixed` `[T, C]` (rows may be a
+/// slice of a wider projection), `weight` `[C, K]`, `positions` `[T]` each
+/// token's position in its sequence (int64). The kernels are those of the
+/// layer's head shape `(dk, dv)`. None where the fused kernels do not apply.
+pub fn causal_conv_silu(mixed: &Tensor, weight: &Tensor, positions: &Tensor, dk: i64, dv: i64) -> Option<Tensor> {
+    let Device::Cuda(ordinal) = mixed.device() else { return None };
+    let kind = mixed.kind();
+    let bf16 = match kind {
+        Kind::BFloat16 => true,
+        Kind::Float => false,
+        _ => return None,
+    };
+    let (t, c) = (mixed.size()[0], mixed.size()[1]);
+    if !selected() || !supported(dk, dv) || t == 0 || t > i64::from(u32::MAX) || mixed.stride()[1] != 1 {
+        return None;
+    }
+    let kern = kernels(ordinal, dk, dv, bf16)?;
+    let _guard = tch::no_grad_guard();
+    let w = weight.to_kind(kind).contiguous();
+    let k = w.size()[1];
+    let y = Tensor::empty([t, c], (kind, mixed.device()));
+    let (px, pw, pp, py) = (ptr(mixed), ptr(&w), ptr(positions), ptr(&y));
+    let (stride, ci, ki) = (mixed.stride()[0], c as i32, k as i32);
+    let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let stream = kern.ctx.default_stream();
+    // SAFETY: `mixed` rows are `stride` elements apart with unit column
+    // stride (checked), `w` is a contiguous [C, K], `positions` [T] int64
+    // and `y` a fresh [T, C]; stream order keeps them alive (see `chunked`).
+    let launched = unsafe {
+        stream
+            .launch_builder(&kern.conv)
+            .arg(&px)
+            .arg(&stride)
+            .arg(&pw)
+            .arg(&pp)
+            .arg(&t)
+            .arg(&ci)
+            .arg(&ki)
+            .arg(&py)
+            .launch(cfg)
+    };
+    if let Err(e) = launched {
+        panic!("linear attention: launching the fused convolution on GPU {ordinal} failed: {e:?}");
+    }
+    Some(y)
+}
