@@ -312,3 +312,73 @@ fn members_with_two_replicas_each_train_as_one_group_of_four_ranks() {
     assert_eq!(by_member.len(), 4, "{by_member:?}");
     assert!(by_member.values().all(|&n| n > 0 && n % 10 == 0), "{by_member:?}");
 }
+
+/// A member whose device breaks for good (the device-fault hook, from a
+/// file, makes its probe fail from mid-run on) leaves the group with a named
+/// error and exit 76 -- at once, or after one re-formation, whichever way
+/// its generation ended first -- and a supervisor that starts it again sees
+/// it leave at start, before it joins: no loop of re-formations. The group
+/// goes on without it and the run completes, every batch once.
+#[test]
+fn a_member_whose_device_breaks_for_good_leaves_and_the_group_goes_on_without_it() {
+    let ws = Workspace::synthetic(600, 3);
+    let group = "[group]\nsize = 2\nmin_size = 1\nwait_ms = 1500\ncollective_timeout_ms = 20000\n";
+    let steps = GROUP.replace("max_steps = 30", "max_steps = 75");
+    let cluster = Cluster::new(&ws, ws.config("device-lost", &format!("{steps}{group}")));
+    let fault = ws.path("b-device-fault");
+    let hook = format!("@{}", fault.display());
+    let mut coord = cluster.coordinator(&[]);
+    let (port_a, port_b) = (free_port(), free_port());
+    let start_b = |n: u32| {
+        let cmd = cluster.local.drafter(&cluster.coordinator_url, &format!("127.0.0.1:{port_b}"));
+        Proc::start_command(&format!("drafter-b-{n}"), &cmd, &[("DFLASH_FAULT_DEVICE", hook.as_str())], &ws.path(""))
+    };
+    let mut a = Slot { port: port_a, name: "drafter-a", proc: None, starts: 0 };
+    a.start(&cluster);
+    let mut b = start_b(1);
+    let _t0 = cluster.target("target-0");
+    let _t1 = cluster.target("target-1");
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while !coord.log_text().contains("checkpoint at step 10 committed") {
+        assert!(Instant::now() < deadline, "{}", coord.log_text());
+        a.supervise(&cluster);
+        assert!(b.child.try_wait().unwrap().is_none(), "{}", b.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // b's device breaks; a is lost at the same moment, which ends the
+    // generation and sends b through its failure path.
+    std::fs::write(&fault, "cpu").unwrap();
+    a.proc.as_ref().unwrap().signal(Signal::SIGKILL);
+    a.proc.as_mut().unwrap().expect_exit(Duration::from_secs(5));
+    a.proc = None;
+    let mut b_starts = 1;
+    let status = loop {
+        let st = b.expect_exit(Duration::from_secs(60));
+        if st.code() == Some(75) && b_starts == 1 {
+            // Its generation ended before it probed: a supervisor starts it
+            // again, and it leaves at start.
+            b_starts += 1;
+            b = start_b(b_starts);
+            continue;
+        }
+        break st;
+    };
+    assert_eq!(status.code(), Some(76), "{}", b.log_text());
+    assert!(b.log_text().contains("cpu: injected device fault"), "{}", b.log_text());
+    // A supervisor that starts it once more: it leaves before joining.
+    let mut again = start_b(b_starts + 1);
+    assert_eq!(again.expect_exit(Duration::from_secs(60)).code(), Some(76));
+    assert!(again.log_text().contains("fails its probe at start"), "{}", again.log_text());
+    // a comes back; the group goes on with one member and completes.
+    a.start(&cluster);
+    while coord.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "{}", coord.log_text());
+        a.supervise(&cluster);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = coord.log_text();
+    assert!(coord.expect_exit(Duration::from_secs(1)).success(), "{log}");
+    assert!(log.contains("formed with 1 member(s)"), "{log}");
+    let by_member = audit(&cluster.ledger, 150);
+    assert!(by_member.len() >= 2, "{by_member:?}");
+}

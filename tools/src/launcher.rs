@@ -416,9 +416,10 @@ impl Launcher {
     /// Waits for the roles. The coordinator ends the run; every other role
     /// follows it. A drafter or target killed by a signal (SIGKILL, the OOM
     /// killer) is started again, at most [`MAX_RESTARTS`] times: it resumes
-    /// from its checkpoint or its leases. A role that fails (exits with an
-    /// error it reported), or Ctrl-C, stops all of them (SIGTERM, then
-    /// SIGKILL after `grace`).
+    /// from its checkpoint or its leases. A drafter group member that lost
+    /// its device (exit 76) is not; the others go on. A role that fails
+    /// (exits with an error it reported), or Ctrl-C, stops all of them
+    /// (SIGTERM, then SIGKILL after `grace`).
     async fn supervise(&self, mut roles: Vec<Role>, grace: Duration) -> anyhow::Result<i32> {
         let mut failed = false;
         let mut stopping: Option<tokio::time::Instant> = None;
@@ -475,6 +476,14 @@ impl Launcher {
                     continue;
                 }
                 let r = roles.remove(i);
+                if status.code() == Some(dflash_role::EXIT_DEVICE_LOST) {
+                    // A group member whose device is lost: not started
+                    // again; the group goes on without it (the coordinator
+                    // fails the run if too few members remain).
+                    eprintln!("[dflash     ] {name} lost its device and left the drafter group: not starting it again");
+                    drop(r);
+                    continue;
+                }
                 if status.success() {
                     eprintln!("[dflash     ] {name} exited");
                 } else {

@@ -95,3 +95,47 @@ pub fn cudnn_attention_enabled() -> bool {
     // SAFETY: plain getter on libtorch's global context.
     unsafe { dflash_cudnn_sdp_enabled() != 0 }
 }
+
+/// The environment variable of the device-fault hook: a comma-separated
+/// list of device names (`cpu`, `cuda:1`) whose [`probe_device`] fails, as
+/// a broken GPU's would, or `@<file>`: the list is read from that file at
+/// each probe (no file, no fault), so a fault can begin mid-run. For
+/// fault-injection tests and chaos runs; unset in production.
+pub const FAULT_DEVICE_ENV: &str = "DFLASH_FAULT_DEVICE";
+
+/// Whether the device-fault hook names `device`.
+fn fault_injected(device: &str) -> bool {
+    let Ok(v) = std::env::var(FAULT_DEVICE_ENV) else { return false };
+    let list = match v.strip_prefix('@') {
+        Some(file) => std::fs::read_to_string(file).unwrap_or_default(),
+        None => v,
+    };
+    list.split(',').any(|d| d.trim() == device)
+}
+
+/// Whether the device still computes: a small product on it, read back and
+/// checked. A member whose training failed with a device error probes its
+/// devices to tell its own broken device (the probe fails) from a peer's
+/// failure seen through a collective (the probe passes).
+pub fn probe_device(device: tch::Device) -> Result<(), String> {
+    let name = match device {
+        tch::Device::Cpu => "cpu".to_string(),
+        tch::Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}"),
+    };
+    if fault_injected(&name) {
+        return Err(format!("{name}: injected device fault ({FAULT_DEVICE_ENV})"));
+    }
+    let run = || -> Result<f64, tch::TchError> {
+        let t = tch::Tensor::f_ones([64, 64], (tch::Kind::Float, device))?;
+        let sum = t.f_matmul(&t)?.f_sum(tch::Kind::Float)?.f_to_device(tch::Device::Cpu)?;
+        sum.f_double_value(&[])
+    };
+    // A CUDA error may surface as a panic inside libtorch's bindings.
+    match std::panic::catch_unwind(run) {
+        Ok(Ok(v)) if v == 64.0 * 64.0 * 64.0 => Ok(()),
+        Ok(Ok(v)) => Err(format!("{name}: a probe product gave {v}, not {}", 64 * 64 * 64)),
+        Ok(Err(e)) => Err(format!("{name}: {e}")),
+        Err(_) => Err(format!("{name}: the probe panicked")),
+    }
+}

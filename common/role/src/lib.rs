@@ -20,4 +20,4 @@ pub use session::{
     run_over_cause, with_timeout,
 };
 pub use stages::Stages;
-pub use stop::{EXIT_GROUP_REFORM, Stop, StopCause, recv_until_stop, send_until_stop};
+pub use stop::{EXIT_DEVICE_LOST, EXIT_GROUP_REFORM, Stop, StopCause, recv_until_stop, send_until_stop};

@@ -405,6 +405,11 @@ impl Session {
     /// on ([`DeviceExt`]). Best effort: a coordinator that cannot be
     /// reached is logged, not waited for.
     pub async fn report_error(&self, kind: ErrorKind, err: &anyhow::Error) {
+        self.report_error_as(kind, err, !kind.is_retryable()).await
+    }
+
+    /// Reports an error to the coordinator; a `fatal` one ends the run.
+    async fn report_error_as(&self, kind: ErrorKind, err: &anyhow::Error, fatal: bool) {
         let causes = dflash_telemetry::cause_chain(err.as_ref());
         let report = pb::ErrorReport {
             run_id: self.run_id.clone(),
@@ -414,7 +419,7 @@ impl Session {
             kind: dflash_proto::ErrorKind::from(kind) as i32,
             message: causes.first().cloned().unwrap_or_default(),
             causes,
-            fatal: !kind.is_retryable(),
+            fatal,
         };
         if let Err(s) = with_timeout(self.rpc_timeout, self.client().report_error(report)).await {
             tracing::warn!("could not report the error to the coordinator: {}", s.message());
@@ -437,6 +442,12 @@ impl Session {
             // run goes on.
             (Err(e), Some(StopCause::GroupReform(_))) => {
                 tracing::warn!("leaving the drafter group: {}", format_chain(e))
+            }
+            // Its own device is lost: reported (not as the run's end: the
+            // group goes on without this member).
+            (Err(e), Some(StopCause::DeviceLost(_))) => {
+                tracing::error!("{}", format_chain(e));
+                self.report_error_as(kind_of(e), e, false).await;
             }
             // The run ended while this role was still starting or waiting
             // on it (a replacement arriving after the last commit): that is

@@ -25,11 +25,20 @@ pub enum StopCause {
     /// one joining): the process exits to be started again and join the
     /// next generation from the last committed checkpoint.
     GroupReform(String),
+    /// This drafter group member's own device failed and fails a probe
+    /// since: it leaves the group for good (the others re-form without it)
+    /// and is not to be started again on that device.
+    DeviceLost(String),
 }
 
 /// Exit code of a drafter leaving a group that re-forms (EX_TEMPFAIL): a
 /// supervisor starts it again (`dflash up`, Compose, Kubernetes).
 pub const EXIT_GROUP_REFORM: i32 = 75;
+
+/// Exit code of a drafter group member whose device failed persistently: it
+/// left the group for good; a supervisor does not start it again on that
+/// device (`dflash up` does not; the run goes on with the other members).
+pub const EXIT_DEVICE_LOST: i32 = 76;
 
 impl StopCause {
     /// Process exit code for this cause: 0 for completion and signals.
@@ -37,6 +46,7 @@ impl StopCause {
         match self {
             StopCause::RunCompleted | StopCause::Signal(_) => 0,
             StopCause::GroupReform(_) => EXIT_GROUP_REFORM,
+            StopCause::DeviceLost(_) => EXIT_DEVICE_LOST,
             _ => 1,
         }
     }
@@ -52,6 +62,7 @@ impl std::fmt::Display for StopCause {
             StopCause::Fatal(m) => write!(f, "fatal error: {m}"),
             StopCause::GroupReform(m) => write!(f, "the drafter group re-forms: {m}"),
             StopCause::PeerLost(m) => write!(f, "peer lost: {m}"),
+            StopCause::DeviceLost(m) => write!(f, "this member's device is lost, it leaves the drafter group: {m}"),
         }
     }
 }

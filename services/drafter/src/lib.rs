@@ -6,6 +6,7 @@
 //! drafter group (`group`). The stages hand on the messages of `pipeline`:
 //! each imports them from there, none from another stage.
 
+pub mod device_health;
 pub mod group;
 pub mod pipeline;
 pub mod prefetch;

@@ -19,12 +19,12 @@ use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop,
 use dflash_telemetry::ErrorKind;
 use tonic_health::ServingStatus;
 
-use dflash_drafter::group;
 use dflash_drafter::prefetch::{self, Prefetcher};
 use dflash_drafter::receiver::{self, DrafterService, Expected, Landing};
 use dflash_drafter::reporter::Reporter;
 use dflash_drafter::sequencer::{Lanes, Sequencer};
 use dflash_drafter::train_loop::{GroupMember, PeriodicEval, ReplicaStep, TrainLoop, follow_member};
+use dflash_drafter::{device_health, group};
 use dflash_models::features::kind_of;
 use dflash_wire::rpc::{HiddenStateService, transport};
 use dflash_wire::{DType, FeatureSpec};
@@ -202,9 +202,14 @@ fn reform(session: &Session, e: anyhow::Error) -> anyhow::Error {
 /// How a member's training ended: a lost peer or a device error in a
 /// collective ends this generation (the role leaves to join the next);
 /// anything else is what it is.
-fn member_ends(session: &Session, result: anyhow::Result<()>) -> anyhow::Result<()> {
+fn member_ends(session: &Session, result: anyhow::Result<()>, device: tch::Device) -> anyhow::Result<()> {
     match result {
         Err(e) if matches!(dflash_role::kind_of(&e), ErrorKind::PeerLost | ErrorKind::Device) => {
+            // This member's own device failing is not the group's problem:
+            // it leaves for good (exit 76) instead of re-forming forever.
+            if let Some(lost) = device_health::lost_after_error(session, &[device], &e) {
+                return Err(lost);
+            }
             tracing::warn!("leaving the drafter group: {}", dflash_role::format_chain(&e));
             reform(session, e);
             Ok(())
@@ -339,6 +344,8 @@ async fn start(
             Device::Cuda(i) => tch::Device::Cuda(*i as usize),
         })
         .collect();
+    // A device that fails its probe keeps this member out of the group.
+    device_health::check_at_start(session, &tdevs).kind(ErrorKind::Device)?;
     // One trainer per replica; replica 0 leads (resumes, logs, checkpoints).
     let mut trainers = tdevs
         .iter()
@@ -552,7 +559,7 @@ async fn start(
             // collective ends this generation, not the run. A drafter alone
             // (however many devices) fails as any process does: its replicas
             // live and die together.
-            if m.members > 1 { member_ends(&sess, trained) } else { trained }.on_device(device_name(dev))
+            if m.members > 1 { member_ends(&sess, trained, dev) } else { trained }.on_device(device_name(dev))
         });
     }
     Ok(())
