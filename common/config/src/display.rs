@@ -198,14 +198,15 @@ impl fmt::Display for RunConfig {
         write!(
             f,
             "  Heartbeat: {} ms, instance timeout: {} ms, lease timeout: {} ms, drafter absence timeout: {} ms, \
-             stream stall timeout: {} ms, sent timeout: {} ms, supply stall alarm: {} ms",
+             stream stall timeout: {} ms, sent timeout: {} ms, supply stall alarm: {} ms, ack timeout: {} ms",
             fl.heartbeat_interval_ms,
             fl.instance_timeout_ms,
             fl.lease_timeout_ms,
             fl.drafter_absence_timeout_ms,
             fl.stream_stall_timeout_ms,
             fl.sent_timeout_ms,
-            fl.supply_stall_alarm_ms
+            fl.supply_stall_alarm_ms,
+            fl.ack_timeout_ms
         )
     }
 }

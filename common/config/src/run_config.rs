@@ -589,6 +589,12 @@ pub struct FaultSection {
     /// when no target produced a feature token for this long while batches
     /// are leased or sent.
     pub supply_stall_alarm_ms: u64,
+    /// A target whose drafter acknowledges nothing for this long while
+    /// batches are outstanding ends the stream and replays them on a new
+    /// one. Acknowledgements wait while the drafter's queue is full, so it
+    /// must exceed the longest the drafter pauses (a checkpoint, an
+    /// evaluation).
+    pub ack_timeout_ms: u64,
 }
 
 impl Default for FaultSection {
@@ -604,6 +610,7 @@ impl Default for FaultSection {
             stream_stall_timeout_ms: 30_000,
             sent_timeout_ms: 600_000,
             supply_stall_alarm_ms: 180_000,
+            ack_timeout_ms: 600_000,
         }
     }
 }

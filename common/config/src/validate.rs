@@ -297,6 +297,7 @@ impl RunConfig {
             ("faults.stream_stall_timeout_ms", f.stream_stall_timeout_ms),
             ("faults.sent_timeout_ms", f.sent_timeout_ms),
             ("faults.supply_stall_alarm_ms", f.supply_stall_alarm_ms),
+            ("faults.ack_timeout_ms", f.ack_timeout_ms),
         ] {
             c.require(v >= 1, name, || "must be at least 1".into());
         }

@@ -13,6 +13,7 @@ use dflash_telemetry::ErrorKind;
 use dflash_wire::rpc::{open_hidden_state_stream, transport};
 use dflash_wire::{HostBatch, batch_messages};
 use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 
 use crate::postprocess::OutboundBatch;
 
@@ -22,6 +23,38 @@ enum StreamEnd {
     Reconnect(String),
     /// The role is stopping.
     Stopped,
+}
+
+/// When a drafter that owes acknowledgements has been quiet too long
+/// (`faults.ack_timeout_ms`): the clock runs from the last
+/// acknowledgement, or from the send that left it owing after it owed
+/// nothing. A drafter that stops acknowledging without ending the stream
+/// (its process alive, keepalives answered) would otherwise hold this
+/// stream's batches for good.
+struct AckWatch {
+    timeout: Duration,
+    since: Option<Instant>,
+}
+
+impl AckWatch {
+    fn new(timeout: Duration) -> Self {
+        Self { timeout, since: None }
+    }
+
+    /// A batch went out.
+    fn sent(&mut self, now: Instant) {
+        self.since.get_or_insert(now);
+    }
+
+    /// An acknowledgement came; `outstanding` batches are still owed.
+    fn acked(&mut self, now: Instant, outstanding: usize) {
+        self.since = (outstanding > 0).then_some(now);
+    }
+
+    /// When the stream is to be given up, while anything is owed.
+    fn deadline(&self) -> Option<Instant> {
+        self.since.map(|s| s + self.timeout)
+    }
 }
 
 /// One stream to the drafter. A target runs `pipeline.streams_per_target`
@@ -160,10 +193,12 @@ impl Sender {
         if !replay.is_empty() {
             tracing::info!("replaying {} unacknowledged batch(es) to {drafter}", replay.len());
         }
+        let mut ack_watch = AckWatch::new(Duration::from_millis(self.session.config.faults.ack_timeout_ms));
         for b in &replay {
             if !send_batch(&tx, b, chunk).await {
                 return Ok(StreamEnd::Reconnect("stream closed during replay".into()));
             }
+            ack_watch.sent(Instant::now());
         }
         // Loop exits (`break`) are the role stopping; reconnects return.
         loop {
@@ -173,6 +208,7 @@ impl Sender {
                     let Ok(outbound) = b else { break };
                     let ok = send_batch(&tx, &outbound.batch, chunk).await;
                     self.unacked.push_back(outbound);
+                    ack_watch.sent(Instant::now());
                     self.export_gauges();
                     if !ok {
                         return Ok(StreamEnd::Reconnect("stream closed while sending".into()));
@@ -181,6 +217,7 @@ impl Sender {
                 m = responses.message() => match m {
                     Ok(Some(pb::DrafterMessage { msg: Some(Msg::Ack(ack)) })) => {
                         self.handle_ack(ack, &drafter, &tx, chunk).await?;
+                        ack_watch.acked(Instant::now(), self.unacked.len());
                     }
                     Ok(Some(_)) => {}
                     Ok(None) => return Ok(StreamEnd::Reconnect("drafter closed the stream".into())),
@@ -193,6 +230,14 @@ impl Sender {
                     if self.drafter_endpoint.borrow().as_deref() != Some(endpoint) {
                         return Ok(StreamEnd::Reconnect("drafter endpoint changed".into()));
                     }
+                }
+                _ = tokio::time::sleep_until(ack_watch.deadline().unwrap_or_else(Instant::now)), if ack_watch.deadline().is_some() => {
+                    return Ok(StreamEnd::Reconnect(format!(
+                        "drafter {drafter} acknowledged nothing for {} ms with {} batch(es) outstanding \
+                         (faults.ack_timeout_ms)",
+                        ack_watch.timeout.as_millis(),
+                        self.unacked.len()
+                    )));
                 }
                 _ = stop.stopped() => break,
             }
@@ -336,6 +381,23 @@ mod tests {
             Ok(StreamEnd::Stopped) => panic!("a status never means stopped"),
             Err(e) => Err(dflash_role::kind_of(&e)),
         }
+    }
+
+    #[test]
+    fn the_ack_watch_runs_from_the_last_acknowledgement_while_anything_is_owed() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut w = AckWatch::new(Duration::from_millis(1000));
+        assert_eq!(w.deadline(), None, "nothing owed, no deadline");
+        w.sent(at(10));
+        w.sent(at(20));
+        assert_eq!(w.deadline(), Some(at(1010)), "from the first send that left it owing");
+        w.acked(at(500), 1);
+        assert_eq!(w.deadline(), Some(at(1500)), "an acknowledgement restarts the clock");
+        w.acked(at(600), 0);
+        assert_eq!(w.deadline(), None, "all acknowledged");
+        w.sent(at(2000));
+        assert_eq!(w.deadline(), Some(at(3000)));
     }
 
     #[test]
