@@ -423,3 +423,54 @@ extern "C" __global__ void causal_conv_silu(const in_t* __restrict__ x, i64 stri
         y[t * C + c] = st(a / (1.f + expf(-a)));
     }
 }
+
+// The rule's inputs from the convolved channels, one warp per (token, head,
+// q or k): q and k L2-normalised in f32 (x rsqrt(sum x^2 + 1e-6), q also
+// scaled), stored in the input kind as [T, HK, DK] each. `conv` rows are
+// `stride` apart, q at channel 0, k at HK * DK.
+extern "C" __global__ void qk_norm(const in_t* __restrict__ conv, i64 stride, i64 T, int HK, float q_scale,
+                                   in_t* __restrict__ q_out, in_t* __restrict__ k_out) {
+    constexpr int PER = (DK + 31) / 32;
+    const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (w >= T * 2 * HK) return; // whole warps
+    const i64 t = w / (2 * HK);
+    const int r = (int)(w - t * 2 * HK);
+    const bool is_q = r < HK;
+    const int head = is_q ? r : r - HK;
+    const in_t* src = conv + t * stride + (is_q ? 0 : HK * DK) + head * DK;
+    float v[PER];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int d = lane + 32 * i;
+        v[i] = d < DK ? ld(src + d) : 0.f;
+        ss += v[i] * v[i];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float inv = rsqrtf(ss + 1e-6f);
+    in_t* dst = (is_q ? q_out : k_out) + (t * HK + head) * DK;
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int d = lane + 32 * i;
+        if (d < DK) dst[d] = st(is_q ? v[i] * inv * q_scale : v[i] * inv);
+    }
+}
+
+// The rule's gates per (token, value head), f32: g = neg_a * softplus(a +
+// dt_bias) (softplus linear above 20, as torch's), beta = sigmoid(b); a and
+// b are columns of the projection rows (`stride` apart).
+extern "C" __global__ void gates(const in_t* __restrict__ proj, i64 stride, i64 b_col, i64 a_col, i64 T, int NV,
+                                 const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
+                                 float* __restrict__ g, float* __restrict__ beta) {
+    const i64 t = blockIdx.x;
+    if (t >= T) return;
+    for (int h = threadIdx.x; h < NV; h += blockDim.x) {
+        const float b = ld(proj + t * stride + b_col + h);
+        const float a = ld(proj + t * stride + a_col + h) + dt_bias[h];
+        const float sp = a > 20.f ? a : log1pf(expf(a));
+        g[t * NV + h] = sp * neg_a[h];
+        beta[t * NV + h] = 1.f / (1.f + expf(-b));
+    }
+}

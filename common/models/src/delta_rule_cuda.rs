@@ -34,6 +34,8 @@ struct Kernels {
     scan: CudaFunction,
     output: CudaFunction,
     conv: CudaFunction,
+    qk_norm: CudaFunction,
+    gates: CudaFunction,
     /// Value columns per scan block.
     bv: i64,
     shared: [u32; 3],
@@ -120,6 +122,7 @@ fn compile(ordinal: usize, dk: i64, dv: i64, bf16: bool) -> Result<Kernels, Stri
     let module = ctx.load_module(ptx).map_err(|e| format!("loading the module: {e:?}"))?;
     let f = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
     let (ut_prep, scan, output, conv) = (f("ut_prep")?, f("scan")?, f("output")?, f("causal_conv_silu")?);
+    let (qk_norm, gates) = (f("qk_norm")?, f("gates")?);
     // The shared tiles of each kernel (see the .cu file): row strides
     // LP = 68 and KP = dk + 4.
     let (l, lp, kp) = (CHUNK, 68, dk + 4);
@@ -137,7 +140,7 @@ fn compile(ordinal: usize, dk: i64, dv: i64, bf16: bool) -> Result<Kernels, Stri
         func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
             .map_err(|e| format!("shared memory attribute: {e:?}"))?;
     }
-    Ok(Kernels { ctx, ut_prep, scan, output, conv, bv, shared })
+    Ok(Kernels { ctx, ut_prep, scan, output, conv, qk_norm, gates, bv, shared })
 }
 
 /// The kernels for a shape, compiled on first use; None (logged once per
@@ -348,4 +351,92 @@ pub fn causal_conv_silu(mixed: &Tensor, weight: &Tensor, positions: &Tensor, dk:
         panic!("linear attention: launching the fused convolution on GPU {ordinal} failed: {e:?}");
     }
     Some(y)
+}
+
+/// Where a Gated DeltaNet layer's rule inputs come from: the convolved
+/// channels `conv` `[N, C]` (q at channel 0, k after it) and the input
+/// projection `proj` `[N, P]` (b and a at columns `b_col`, `a_col`), both
+/// with unit column stride, and the layer's per-value-head `neg_a`
+/// (`-exp(A_log)`) and `dt_bias`, f32.
+pub struct GateSource<'a> {
+    pub conv: &'a Tensor,
+    pub proj: &'a Tensor,
+    pub key_heads: i64,
+    pub key_dim: i64,
+    pub value_heads: i64,
+    pub value_dim: i64,
+    pub b_col: i64,
+    pub a_col: i64,
+    pub neg_a: &'a Tensor,
+    pub dt_bias: &'a Tensor,
+}
+
+/// q and k L2-normalised (q scaled by `dk^-1/2`) in the input kind
+/// `[N, HK, DK]`, and the gates g, beta `[N, NV]` f32, through two kernels
+/// (one warp per head row; one block per token). None where the fused
+/// kernels do not apply.
+pub fn qk_norm_gates(x: &GateSource) -> Option<(Tensor, Tensor, Tensor, Tensor)> {
+    let Device::Cuda(ordinal) = x.conv.device() else { return None };
+    let kind = x.conv.kind();
+    let bf16 = match kind {
+        Kind::BFloat16 => true,
+        Kind::Float => false,
+        _ => return None,
+    };
+    let n = x.conv.size()[0];
+    let (hk, dk, nv) = (x.key_heads, x.key_dim, x.value_heads);
+    let unit_columns = x.conv.stride()[1] == 1 && x.proj.stride()[1] == 1 && x.proj.kind() == kind;
+    if !selected() || !supported(dk, x.value_dim) || n == 0 || n > i64::from(u32::MAX) / 64 || !unit_columns {
+        return None;
+    }
+    let kern = kernels(ordinal, dk, x.value_dim, bf16)?;
+    let _guard = tch::no_grad_guard();
+    let dev = x.conv.device();
+    let (q, k) = (Tensor::empty([n, hk, dk], (kind, dev)), Tensor::empty([n, hk, dk], (kind, dev)));
+    let (g, beta) = (Tensor::empty([n, nv], (Kind::Float, dev)), Tensor::empty([n, nv], (Kind::Float, dev)));
+    let (neg_a, dt_bias) = (x.neg_a.to_kind(Kind::Float).contiguous(), x.dt_bias.to_kind(Kind::Float).contiguous());
+    let (pc, pp, pq, pk, pg, pb, pn, pd) =
+        (ptr(x.conv), ptr(x.proj), ptr(&q), ptr(&k), ptr(&g), ptr(&beta), ptr(&neg_a), ptr(&dt_bias));
+    let (conv_stride, proj_stride) = (x.conv.stride()[0], x.proj.stride()[0]);
+    let (hki, nvi, scale) = (hk as i32, nv as i32, (dk as f64).powf(-0.5) as f32);
+    let warps = n * 2 * hk;
+    let norm_cfg =
+        LaunchConfig { grid_dim: (((warps + 7) / 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let gate_cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (64, 1, 1), shared_mem_bytes: 0 };
+    let stream = kern.ctx.default_stream();
+    // SAFETY: `conv` and `proj` rows are their row strides apart with unit
+    // column stride (checked) and hold the channels and columns read; the
+    // outputs are fresh tensors of the shapes written; stream order keeps
+    // every tensor alive (see `chunked`).
+    let launched = unsafe {
+        stream
+            .launch_builder(&kern.qk_norm)
+            .arg(&pc)
+            .arg(&conv_stride)
+            .arg(&n)
+            .arg(&hki)
+            .arg(&scale)
+            .arg(&pq)
+            .arg(&pk)
+            .launch(norm_cfg)
+            .and_then(|_| {
+                stream
+                    .launch_builder(&kern.gates)
+                    .arg(&pp)
+                    .arg(&proj_stride)
+                    .arg(&x.b_col)
+                    .arg(&x.a_col)
+                    .arg(&n)
+                    .arg(&nvi)
+                    .arg(&pn)
+                    .arg(&pd)
+                    .arg(&pg)
+                    .arg(&pb)
+                    .launch(gate_cfg)
+            })
+    };
+    if let Err(e) = launched {
+        panic!("linear attention: launching the fused q/k norm and gates on GPU {ordinal} failed: {e:?}");
+    }
+    Some((q, k, g, beta))
 }

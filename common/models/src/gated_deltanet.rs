@@ -339,6 +339,23 @@ impl GatedDeltaNet {
         let n = conv.size()[0];
         let (kd, vd, nv) = (s.key_dim(), s.value_dim(), s.num_value_heads);
         let heads = |x: Tensor, h: i64, d: i64| x.reshape([n, h, d]);
+        let gates = s.conv_dim() + vd;
+        let fused = delta_rule_cuda::qk_norm_gates(&delta_rule_cuda::GateSource {
+            conv,
+            proj,
+            key_heads: s.num_key_heads,
+            key_dim: s.key_head_dim,
+            value_heads: nv,
+            value_dim: s.value_head_dim,
+            b_col: gates,
+            a_col: gates + nv,
+            neg_a: &self.neg_a,
+            dt_bias: &self.dt_bias,
+        });
+        if let Some((q, k, g, beta)) = fused {
+            let v = heads(conv.narrow(1, 2 * kd, vd), nv, s.value_head_dim);
+            return Rule { q, k, v, g, beta };
+        }
         // q and k normalised in f32, then in the model's kind like v.
         let unit =
             |x: Tensor| delta_rule::l2_normalize(&heads(x.to_kind(Kind::Float), s.num_key_heads, s.key_head_dim));
@@ -346,7 +363,6 @@ impl GatedDeltaNet {
         let q = (unit(conv.narrow(1, 0, kd)) * (s.key_head_dim as f64).powf(-0.5)).to_kind(conv.kind());
         let k = unit(conv.narrow(1, kd, kd)).to_kind(conv.kind());
         let v = heads(conv.narrow(1, 2 * kd, vd), nv, s.value_head_dim);
-        let gates = s.conv_dim() + vd;
         let b = proj.narrow(1, gates, nv).to_kind(Kind::Float);
         let a = proj.narrow(1, gates + nv, nv).to_kind(Kind::Float);
         let g = (a + &self.dt_bias).softplus() * &self.neg_a;
