@@ -180,12 +180,18 @@ fn aligned(t: Tensor) -> Tensor {
 /// kind (compiling them if they were not yet).
 pub fn available(device: Device, dk: i64, dv: i64, kind: Kind) -> bool {
     let Device::Cuda(ordinal) = device else { return false };
-    let bf16 = match kind {
-        Kind::BFloat16 => true,
-        Kind::Float => false,
-        _ => return false,
-    };
+    let Some(bf16) = bf16_input(kind) else { return false };
     selected() && supported(dk, dv) && kernels(ordinal, dk, dv, bf16).is_some()
+}
+
+/// Whether the kernels read `kind` as bf16 (true) or f32 (false); None for
+/// a kind they do not take.
+fn bf16_input(kind: Kind) -> Option<bool> {
+    match kind {
+        Kind::BFloat16 => Some(true),
+        Kind::Float => Some(false),
+        _ => None,
+    }
 }
 
 fn ptr(t: &Tensor) -> u64 {
@@ -205,11 +211,7 @@ pub fn chunked(
 ) -> Option<RuleOutput> {
     let Device::Cuda(ordinal) = x.v.device() else { return None };
     let kind = x.v.kind();
-    let bf16 = match kind {
-        Kind::BFloat16 => true,
-        Kind::Float => false,
-        _ => return None,
-    };
+    let bf16 = bf16_input(kind)?;
     let (t, h, dv) = (x.v.size()[0], x.v.size()[1], x.v.size()[2]);
     let (hk, dk) = (x.k.size()[1], x.k.size()[2]);
     if !selected() || !supported(dk, dv) || h % hk != 0 || x.q.size()[1] != hk || t == 0 {
@@ -313,11 +315,7 @@ pub fn chunked(
 pub fn causal_conv_silu(mixed: &Tensor, weight: &Tensor, positions: &Tensor, dk: i64, dv: i64) -> Option<Tensor> {
     let Device::Cuda(ordinal) = mixed.device() else { return None };
     let kind = mixed.kind();
-    let bf16 = match kind {
-        Kind::BFloat16 => true,
-        Kind::Float => false,
-        _ => return None,
-    };
+    let bf16 = bf16_input(kind)?;
     let (t, c) = (mixed.size()[0], mixed.size()[1]);
     if !selected() || !supported(dk, dv) || t == 0 || t > i64::from(u32::MAX) || mixed.stride()[1] != 1 {
         return None;
@@ -378,11 +376,7 @@ pub struct GateSource<'a> {
 pub fn qk_norm_gates(x: &GateSource) -> Option<(Tensor, Tensor, Tensor, Tensor)> {
     let Device::Cuda(ordinal) = x.conv.device() else { return None };
     let kind = x.conv.kind();
-    let bf16 = match kind {
-        Kind::BFloat16 => true,
-        Kind::Float => false,
-        _ => return None,
-    };
+    let bf16 = bf16_input(kind)?;
     let n = x.conv.size()[0];
     let (hk, dk, nv) = (x.key_heads, x.key_dim, x.value_heads);
     let unit_columns = x.conv.stride()[1] == 1 && x.proj.stride()[1] == 1 && x.proj.kind() == kind;
