@@ -196,12 +196,13 @@ impl TrainLoop {
         for report in reports {
             let Some(id) = report.batch_id else { continue };
             let member = report.member.clone();
-            let done = |id| pb::TrainedBatch {
+            let entry = |id, skip_reason: Option<&String>| pb::TrainedBatch {
                 batch_id: id,
-                skipped: false,
-                skip_reason: String::new(),
+                skipped: skip_reason.is_some(),
+                skip_reason: skip_reason.cloned().unwrap_or_default(),
                 member: member.clone(),
             };
+            let done = |id| entry(id, None);
             match report.outcome {
                 ReplicaOutcome::Duplicate => {
                     tracing::info!("batch {id} was already trained; not training it again");
@@ -216,24 +217,14 @@ impl TrainLoop {
                 }
                 ReplicaOutcome::Skipped(reason) => {
                     self.record(id);
-                    r.batches.push(pb::TrainedBatch {
-                        batch_id: id,
-                        skipped: true,
-                        skip_reason: reason.clone(),
-                        member: member.clone(),
-                    });
+                    r.batches.push(entry(id, Some(&reason)));
                     dflash_telemetry::metrics().batches.with_label_values(&["skipped"]).inc();
                     dflash_telemetry::metrics().errors.with_label_values(&["non_finite"]).inc();
                     r.skipped.push((reason, ErrorKind::NonFinite));
                 }
                 ReplicaOutcome::Rejected(reason) => {
                     self.record(id);
-                    r.batches.push(pb::TrainedBatch {
-                        batch_id: id,
-                        skipped: true,
-                        skip_reason: reason.clone(),
-                        member: member.clone(),
-                    });
+                    r.batches.push(entry(id, Some(&reason)));
                     r.skipped.push((reason, ErrorKind::BadBatch));
                 }
             }
