@@ -50,17 +50,14 @@ fn cache() -> &'static Mutex<HashMap<Key, Option<Arc<Kernels>>>> {
 }
 
 /// Whether the fused kernels may be used (`DFLASH_DELTA_RULE` unset or
-/// `fused`; `torch` selects the libtorch ops; anything else is named and
-/// the default kept).
+/// `fused`; `torch` selects the libtorch ops). Any other value is refused:
+/// the process stops at its first hybrid forward, naming the variable.
 fn selected() -> bool {
     static SELECTED: OnceLock<bool> = OnceLock::new();
     *SELECTED.get_or_init(|| match std::env::var("DFLASH_DELTA_RULE").as_deref() {
         Err(_) | Ok("fused") => true,
         Ok("torch") => false,
-        Ok(other) => {
-            tracing::warn!("DFLASH_DELTA_RULE={other} is not fused or torch; using the fused kernels");
-            true
-        }
+        Ok(other) => panic!("DFLASH_DELTA_RULE={other} is neither `fused` nor `torch`"),
     })
 }
 
