@@ -402,6 +402,16 @@ __device__ __forceinline__ in_t st(float f) {
 __device__ __forceinline__ in_t st(float f) { return f; }
 #endif
 
+// f rounded to the input kind and widened back (what a libtorch op in that
+// kind leaves for the next one).
+__device__ __forceinline__ float rd(float f) {
+#if IN_BF16
+    return __uint_as_float(((unsigned)st(f)) << 16);
+#else
+    return f;
+#endif
+}
+
 // The layer's causal depthwise convolution and SiLU over packed sequences,
 // before the rule: y[t, c] = silu(sum_{b <= pos[t], b < K} x[t - b, c] w[c, K-1-b]),
 // x rows `stride` apart (a slice of the input projection), pos the token's
@@ -472,5 +482,46 @@ extern "C" __global__ void gates(const in_t* __restrict__ proj, i64 stride, i64 
         const float sp = a > 20.f ? a : log1pf(expf(a));
         g[t * NV + h] = sp * neg_a[h];
         beta[t * NV + h] = 1.f / (1.f + expf(-b));
+    }
+}
+
+// The rule's output normalised per (token, value head) and gated by
+// silu(z), one warp per row, rounded as the libtorch ops it replaces round
+// (rms_norm in f32, then the input kind for each product):
+//   y = rd(rd(x * rsqrt(mean(x^2) + eps)) * w) * rd(silu(z))
+// `out` [T, NV, DV] f32 contiguous; z at column z_col of the projection
+// rows (`stride` apart, value head h at z_col + h * DV); w [DV] in the
+// input kind; y [T, NV * DV] in the input kind.
+extern "C" __global__ void gated_norm(const float* __restrict__ out, const in_t* __restrict__ proj, i64 stride,
+                                      i64 z_col, i64 T, int NV, const in_t* __restrict__ w, float eps,
+                                      in_t* __restrict__ y) {
+    constexpr int PER = (DV + 31) / 32;
+    const i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (r >= T * NV) return; // whole warps
+    const i64 t = r / NV;
+    const int h = (int)(r - t * NV);
+    const float* src = out + r * DV;
+    float v[PER];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int d = lane + 32 * i;
+        v[i] = d < DV ? src[d] : 0.f;
+        ss += v[i] * v[i];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float inv = rsqrtf(ss / DV + eps);
+    const in_t* z = proj + t * stride + z_col + (i64)h * DV;
+    in_t* dst = y + r * DV;
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int d = lane + 32 * i;
+        if (d < DV) {
+            const float zz = ld(z + d);
+            const float gate = rd(zz / (1.f + expf(-zz)));
+            dst[d] = st(rd(rd(v[i] * inv) * ld(w + d)) * gate);
+        }
     }
 }

@@ -36,6 +36,7 @@ struct Kernels {
     conv: CudaFunction,
     qk_norm: CudaFunction,
     gates: CudaFunction,
+    gated_norm: CudaFunction,
     /// Value columns per scan block.
     bv: i64,
     shared: [u32; 3],
@@ -119,7 +120,7 @@ fn compile(ordinal: usize, dk: i64, dv: i64, bf16: bool) -> Result<Kernels, Stri
     let module = ctx.load_module(ptx).map_err(|e| format!("loading the module: {e:?}"))?;
     let f = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
     let (ut_prep, scan, output, conv) = (f("ut_prep")?, f("scan")?, f("output")?, f("causal_conv_silu")?);
-    let (qk_norm, gates) = (f("qk_norm")?, f("gates")?);
+    let (qk_norm, gates, gated_norm) = (f("qk_norm")?, f("gates")?, f("gated_norm")?);
     // The shared tiles of each kernel (see the .cu file): row strides
     // LP = 68 and KP = dk + 4.
     let (l, lp, kp) = (CHUNK, 68, dk + 4);
@@ -137,7 +138,7 @@ fn compile(ordinal: usize, dk: i64, dv: i64, bf16: bool) -> Result<Kernels, Stri
         func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
             .map_err(|e| format!("shared memory attribute: {e:?}"))?;
     }
-    Ok(Kernels { ctx, ut_prep, scan, output, conv, qk_norm, gates, bv, shared })
+    Ok(Kernels { ctx, ut_prep, scan, output, conv, qk_norm, gates, gated_norm, bv, shared })
 }
 
 /// The kernels for a shape, compiled on first use; None (logged once per
@@ -430,4 +431,52 @@ pub fn qk_norm_gates(x: &GateSource) -> Option<(Tensor, Tensor, Tensor, Tensor)>
         panic!("linear attention: launching the fused q/k norm and gates on GPU {ordinal} failed: {e:?}");
     }
     Some((q, k, g, beta))
+}
+
+/// The rule's output `out` `[N, NV, DV]` (f32) RMS-normalised per head
+/// (`eps`), scaled by `weight` `[DV]` and gated by `silu(z)`, z at column
+/// `z_col` of `proj` `[N, P]` (unit column stride, the model's kind), as
+/// `[N, NV * DV]` in that kind: one kernel in place of six libtorch passes,
+/// rounding where they round. `dk` names the layer's kernels. None where
+/// the fused kernels do not apply.
+pub fn gated_norm(out: &Tensor, proj: &Tensor, z_col: i64, weight: &Tensor, eps: f64, dk: i64) -> Option<Tensor> {
+    let Device::Cuda(ordinal) = out.device() else { return None };
+    let kind = proj.kind();
+    let bf16 = bf16_input(kind)?;
+    let [n, nv, dv] = out.size()[..] else { return None };
+    let fits = out.kind() == Kind::Float && proj.stride()[1] == 1 && z_col + nv * dv <= proj.size()[1];
+    if !selected() || !supported(dk, dv) || n == 0 || n * nv > i64::from(u32::MAX) / 64 || !fits {
+        return None;
+    }
+    let kern = kernels(ordinal, dk, dv, bf16)?;
+    let _guard = tch::no_grad_guard();
+    let (out, w) = (out.contiguous(), weight.to_kind(kind).contiguous());
+    let y = Tensor::empty([n, nv * dv], (kind, out.device()));
+    let (po, pp, pw, py) = (ptr(&out), ptr(proj), ptr(&w), ptr(&y));
+    let (stride, nvi, eps) = (proj.stride()[0], nv as i32, eps as f32);
+    let warps = n * nv;
+    let cfg = LaunchConfig { grid_dim: (((warps + 7) / 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let stream = kern.ctx.default_stream();
+    // SAFETY: `out` is a contiguous f32 [N, NV, DV], `proj` rows are
+    // `stride` apart with unit column stride and hold the z columns
+    // (checked), `w` a contiguous [DV] and `y` a fresh [N, NV * DV]; stream
+    // order keeps them alive (see `chunked`).
+    let launched = unsafe {
+        stream
+            .launch_builder(&kern.gated_norm)
+            .arg(&po)
+            .arg(&pp)
+            .arg(&stride)
+            .arg(&z_col)
+            .arg(&n)
+            .arg(&nvi)
+            .arg(&pw)
+            .arg(&eps)
+            .arg(&py)
+            .launch(cfg)
+    };
+    if let Err(e) = launched {
+        panic!("linear attention: launching the fused gated norm on GPU {ordinal} failed: {e:?}");
+    }
+    Some(y)
 }

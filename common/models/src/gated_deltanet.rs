@@ -375,6 +375,13 @@ impl GatedDeltaNet {
     fn gated_norm(&self, out: &Tensor, proj: &Tensor, kind: Kind) -> Tensor {
         let s = self.shape;
         let n = out.size()[0];
+        let heads = out.reshape([n, s.num_value_heads, s.value_head_dim]);
+        let (z_col, w, eps) = (s.conv_dim(), &self.norm_weight, self.norm_eps);
+        if proj.kind() == kind
+            && let Some(y) = delta_rule_cuda::gated_norm(&heads, proj, z_col, w, eps, s.key_head_dim)
+        {
+            return y;
+        }
         let z = proj.narrow(1, s.conv_dim(), s.value_dim()).reshape([n, s.num_value_heads, s.value_head_dim]);
         let normed = out.rms_norm([s.value_head_dim], None::<Tensor>, self.norm_eps).to_kind(kind);
         (normed * &self.norm_weight * z.silu()).reshape([n, s.value_dim()])

@@ -693,3 +693,32 @@ fn fused_delta_rule_on_cuda_matches_the_recurrence() {
         }
     }
 }
+
+/// The fused gated norm against the libtorch ops it replaces (RMSNorm per
+/// value head in f32, then weight and silu(z) in the model's kind), z read
+/// in place from a wider projection: f32 to rounding, bf16 to one rounding
+/// of the output (the sums of squares are added in another order).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_gated_norm_on_cuda_matches_the_ops() {
+    dflash_models::cuda::ensure_cuda(&[0]).unwrap();
+    let gpu = Device::Cuda(0);
+    tch::manual_seed(5);
+    let (n, nv, dv, z_col, width) = (333i64, 6i64, 128i64, 40i64, 900i64);
+    for (kind, tolerance) in [(Kind::Float, 1e-6), (Kind::BFloat16, 8e-3)] {
+        let out = Tensor::randn([n, nv, dv], (Kind::Float, gpu)) * 3.0;
+        let proj = Tensor::randn([n, width], (kind, gpu)) * 2.0;
+        let w = (Tensor::randn([dv], (Kind::Float, gpu)) + 1.0).to_kind(kind);
+        let got = dflash_models::delta_rule_cuda::gated_norm(&out, &proj, z_col, &w, 1e-6, 128)
+            .expect("the fused kernel runs");
+        let z = proj.narrow(1, z_col, nv * dv).reshape([n, nv, dv]);
+        let normed = out.rms_norm([dv], None::<Tensor>, 1e-6).to_kind(kind);
+        let want = (normed * &w * z.silu()).reshape([n, nv * dv]);
+        assert_eq!(got.size(), want.size());
+        let err = max_rel_err(
+            &got.to_kind(Kind::Float).to_device(Device::Cpu),
+            &want.to_kind(Kind::Float).to_device(Device::Cpu),
+        );
+        assert!(err < tolerance, "{kind:?}: {err}");
+    }
+}
