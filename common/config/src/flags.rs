@@ -36,7 +36,7 @@ pub struct ConfigFlags {
     /// run.max_steps.
     #[arg(long)]
     pub max_steps: Option<u64>,
-    /// devices.target: "cpu" or GPU indices ("0,1,2,3,4").
+    /// devices.target: "cpu" or GPU groups, one target instance each ("0,1,2,3,4", "0-3,4").
     #[arg(long)]
     pub target_devices: Option<String>,
     /// devices.drafter: "cpu" or GPU indices ("5,6,7").

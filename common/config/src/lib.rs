@@ -12,7 +12,7 @@ mod validate;
 
 use std::path::PathBuf;
 
-pub use devices::{Device, DeviceList};
+pub use devices::{Device, DeviceList, TargetDevices, group_name};
 pub use flags::ConfigFlags;
 pub use loader::{ConfigLoader, ENV_PREFIX, from_toml_str, to_toml_string};
 pub use run_config::*;

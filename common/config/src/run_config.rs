@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::devices::DeviceList;
+use crate::devices::{DeviceList, TargetDevices};
 
 /// Every setting of one training run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
@@ -447,8 +447,9 @@ impl Default for PipelineSection {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DevicesSection {
-    /// One forward loop per device.
-    pub target: DeviceList,
+    /// Target instances: one per device group (`"0-3,4"`), each group's
+    /// devices splitting its model; one forward loop per instance.
+    pub target: TargetDevices,
     /// Data-parallel replicas of the drafter.
     pub drafter: DeviceList,
     /// Allow target and drafter to name the same GPUs: one GPU doing both,
@@ -459,7 +460,7 @@ pub struct DevicesSection {
 
 impl Default for DevicesSection {
     fn default() -> Self {
-        Self { target: DeviceList::cuda(0..5), drafter: DeviceList::cuda(5..8), share_gpus: false }
+        Self { target: TargetDevices::cuda(0..5), drafter: DeviceList::cuda(5..8), share_gpus: false }
     }
 }
 

@@ -216,12 +216,6 @@ impl RunConfig {
         });
         c.require(g.wait_ms >= 1, "group.wait_ms", || "must be at least 1".into());
         c.require(g.collective_timeout_ms >= 1000, "group.collective_timeout_ms", || "must be at least 1000".into());
-        // One forward loop per device: a target has nothing to gain from
-        // the CPU twice (its forward already uses every core).
-        let target_cpus = self.devices.target.devices().len();
-        c.require(!self.devices.target.is_cpu() || target_cpus == 1, "devices.target", || {
-            format!("names the CPU {target_cpus} times; a target runs one forward loop on the CPU: use \"cpu\"")
-        });
         // Each member sequences its own batches, one per replica and step:
         // the window is per member and must hold a step's worth.
         let replicas = self.devices.drafter.devices().len() as u32;
@@ -364,7 +358,7 @@ impl RunConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{DeviceList, DevicesSection};
+    use crate::{DeviceList, DevicesSection, TargetDevices};
 
     fn valid() -> RunConfig {
         let mut c = RunConfig::default();
@@ -376,13 +370,13 @@ mod tests {
     #[test]
     fn overlapping_gpu_lists_are_refused_unless_shared_on_purpose() {
         let mut c = valid();
-        c.devices.target = DeviceList::cuda([0, 1]);
+        c.devices.target = TargetDevices::cuda([0, 1]);
         c.devices.drafter = DeviceList::cuda([1, 2]);
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("devices.drafter") && err.contains("[1]") && err.contains("share_gpus"), "{err}");
         c.devices.share_gpus = true;
         c.validate().unwrap();
-        c.devices = DevicesSection { target: DeviceList::cpu(), drafter: DeviceList::cpu(), share_gpus: false };
+        c.devices = DevicesSection { target: TargetDevices::cpu(), drafter: DeviceList::cpu(), share_gpus: false };
         c.validate().unwrap();
     }
 
@@ -412,12 +406,12 @@ mod tests {
         c.devices.drafter = DeviceList::cuda([5, 6]);
         c.validate().unwrap();
         c.devices.drafter = "cpu,cpu".parse().unwrap();
-        c.devices.target = DeviceList::cpu();
+        c.devices.target = TargetDevices::cpu();
         c.validate().unwrap();
+        // One target instance of two CPU parts.
         c.devices.target = "cpu,cpu".parse().unwrap();
-        let err = c.validate().unwrap_err().to_string();
-        assert!(err.contains("devices.target") && err.contains("the CPU 2 times"), "{err}");
-        c.devices.target = DeviceList::cpu();
+        c.validate().unwrap();
+        c.devices.target = TargetDevices::cpu();
         c.pipeline.reorder_window = 0;
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("pipeline.reorder_window") && err.contains("lockstep"), "{err}");

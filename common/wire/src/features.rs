@@ -97,7 +97,7 @@ mod tests {
         let mut c = RunConfig::default();
         c.model.target_layer_ids = vec![1, 5, 9];
         c.training.feature_noise_std = 0.2;
-        c.devices.target = dflash_config::DeviceList::cuda([0]);
+        c.devices.target = dflash_config::TargetDevices::cuda([0]);
         c.pipeline.split_fc_layers = true;
         let s = FeatureSpec::of(&c);
         assert_eq!((s.dtype, s.layout), (DType::Bf16, Layout::Split));
@@ -110,7 +110,7 @@ mod tests {
         assert_eq!(s.payload_bytes(10, 64), 10 * 3 * 64 * 2 + 10 * 32 * 8);
         c.training.loss = dflash_config::Objective::Ce;
 
-        c.devices.target = dflash_config::DeviceList::cpu();
+        c.devices.target = dflash_config::TargetDevices::cpu();
         c.pipeline.split_fc_layers = false;
         let s = FeatureSpec::of(&c);
         assert_eq!((s.dtype, s.layout), (DType::F32, Layout::Packed));
