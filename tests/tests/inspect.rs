@@ -102,6 +102,47 @@ fn inspect_prints_the_model_and_its_outputs_match_transformers() {
     }
 }
 
+/// `inspect --devices`: the plan of an instance split over two CPU parts
+/// (each part's layers and memory against the host's), and `--ids` run
+/// through the split model still matching transformers.
+#[test]
+fn inspect_plans_a_split_instance_and_runs_it() {
+    let name = "tiny-qwen3.5-moe-vl";
+    let (_, ids) = reference(name, "ids");
+    let ids: Vec<String> = ids.iter().map(|&i| (i as i64).to_string()).collect();
+    let out = tempfile::tempdir().unwrap();
+    let json = out.path().join("outputs.json");
+    let run = Command::new(bin("dflash-target"))
+        .args(["inspect", "--model"])
+        .arg(fixture(name))
+        .args(["--devices", "cpu,cpu", "--tokens", "4096", "--ids", &ids.join(","), "--layers", "1", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.contains("layout cpu,cpu:") && stdout.contains("4096 tokens a batch"), "{stdout}");
+    let parts: Vec<&str> = stdout.lines().filter(|l| l.contains(" on cpu: ") && l.contains(" free")).collect();
+    assert_eq!(parts.len(), 2, "one line per part:\n{stdout}");
+    assert!(parts[0].trim_start().starts_with("layers 0-"), "{stdout}");
+    assert!(stdout.contains("ran 36 tokens on Cpu + Cpu") || stdout.contains("on Cpu + Cpu"), "{stdout}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let err = max_rel_err(&v["logits"], &reference(name, "logits").1);
+    assert!(err < 1e-5, "logits through two parts: {err}");
+    let err = max_rel_err(&v["layers"]["1"], &reference(name, "hidden.1").1);
+    assert!(err < 1e-5, "layer 1 through two parts: {err}");
+
+    // More parts than layers: refused, saying why.
+    let many = Command::new(bin("dflash-target"))
+        .args(["inspect", "--model"])
+        .arg(fixture(name))
+        .args(["--devices", &["cpu"; 9].join(",")])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&many.stderr);
+    assert!(!many.status.success() && err.contains("9 devices for") && err.contains("devices cpu,cpu"), "{err}");
+}
+
 #[test]
 fn inspect_refuses_a_bad_model_naming_the_file_and_field() {
     let dir = tempfile::tempdir().unwrap();

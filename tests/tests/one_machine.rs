@@ -161,7 +161,8 @@ fn distillation_trains_on_the_targets_top_k() {
 /// The run ends with the report over every `[eval]` prompt set: the
 /// primary set after an offset, and a further set sampled across its
 /// categories, each next to an untrained drafter, with the sentence that
-/// explains speed against tau from what was measured.
+/// explains speed against tau from what was measured. The target is one
+/// instance split into two CPU parts (`devices.target = "cpu,cpu"`).
 #[test]
 fn dflash_up_ends_with_a_report_over_every_eval_set() {
     let ws = Workspace::synthetic(300, 4);
@@ -182,10 +183,13 @@ fn dflash_up_ends_with_a_report_over_every_eval_set() {
         cats = ws.path("cats.jsonl").display(),
     );
     let config = ws.config("report", &eval);
-    let mut up = dflash_tests::up(&ws, &config, &[], &[]);
+    let mut up = dflash_tests::up(&ws, &config, &["--target-devices", "cpu,cpu"], &[]);
     let status = up.expect_exit(Duration::from_secs(240));
     let log = up.log_text();
     assert!(status.success(), "dflash up failed:\n{log}");
+    // 4 layers, one drafter layer capturing layer 2: layers 0-2 in two parts.
+    // The first part also holds the embedding: of two equal splits it takes fewer layers.
+    assert!(log.contains("target cpu,cpu: layers 0-0 on cpu (needs") && log.contains("; layers 1-2 on cpu"), "{log}");
 
     let report = std::fs::read_to_string(ws.path("up/report.txt")).expect("the report");
     assert!(log.contains(&format!("report ({}):", ws.path("up/report.txt").display())), "{log}");

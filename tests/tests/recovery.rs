@@ -76,11 +76,22 @@ fn ledger_counts(cluster: &Cluster) -> Option<pb::LedgerCounts> {
 
 #[test]
 fn a_killed_targets_leases_go_to_another_target() {
+    killed_targets_leases_go_to_another_target(&[]);
+}
+
+/// The same with target instances of two CPU parts each (the model's
+/// layers split between them): the instance is killed and replaced whole.
+#[test]
+fn a_killed_target_instance_of_two_parts_is_replaced_and_nothing_is_lost() {
+    killed_targets_leases_go_to_another_target(&["--target-devices", "cpu,cpu"]);
+}
+
+fn killed_targets_leases_go_to_another_target(coordinator_args: &[&str]) {
     let ws = Workspace::synthetic(600, 3);
     let extra =
         "[run]\nmax_steps = 30\n[faults]\nlease_timeout_ms = 3000\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512";
     let cluster = Cluster::new(&ws, ws.config("target-loss", extra));
-    let mut coord = cluster.coordinator(&[]);
+    let mut coord = cluster.coordinator(coordinator_args);
     // Targets reach the drafter through a proxy that is cut: the first
     // target leases batches and cannot hand them over, so it is certain to
     // die holding leases (with batches flowing, a fast run may have finished
@@ -107,6 +118,11 @@ fn a_killed_targets_leases_go_to_another_target() {
     let mut t1 = cluster.target("target-1");
     assert!(coord.expect_exit(Duration::from_secs(180)).success(), "{}", coord.log_text());
     assert!(t1.expect_exit(Duration::from_secs(30)).success(), "{}", t1.log_text());
+    if coordinator_args.contains(&"cpu,cpu") {
+        // Layers 0 and 1 are loaded (the drafter captures layer 1): one a part.
+        let want = "target cpu,cpu: layers 0-0 on cpu (needs";
+        assert!(t1.log_text().contains(want) && t1.log_text().contains("; layers 1-1 on cpu"), "{}", t1.log_text());
+    }
     assert!(drafter.expect_exit(Duration::from_secs(30)).success(), "{}", drafter.log_text());
     assert_exactly_once(&cluster.ledger, 30);
 }

@@ -8,12 +8,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use dflash_models::perf::{matmul_peak, sync_device};
+use dflash_models::placement::{Footprint, Placement};
 use dflash_models::{LoadScope, TargetConfig, TargetModel};
 use dflash_role::Stop;
 use dflash_wire::{DType, FeatureSpec, Layout};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use dflash_target::forward::{CudaFeed, ForwardLoop};
 use dflash_target::postprocess::{self, GpuCopy, PostprocessSink, Postprocessor};
@@ -56,10 +57,25 @@ pub struct BenchArgs {
     /// plans per input shape, and packed sequences vary in shape).
     #[arg(long)]
     pub cudnn_attention: bool,
+    /// Split the target into this many pipeline parts of consecutive
+    /// layers, all on `--device` (the cost of a split, measured on one
+    /// device: what a multi-device instance runs, less the copies between
+    /// devices).
+    #[arg(long, default_value_t = 1)]
+    pub parts: usize,
     #[arg(long)]
     pub json: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
     pub threads: i32,
+}
+
+/// The random target to `last`, whole or in `parts` parts on `device`,
+/// balanced by the layers' compute as the target service plans them.
+fn random_target(c: &TargetConfig, device: Device, kind: Kind, last: i64, parts: usize) -> anyhow::Result<TargetModel> {
+    let cost = (0..=last).map(|i| c.layer_linear_macs(i)).collect();
+    let f = Footprint { layers: vec![0; last as usize + 1], cost, ..Default::default() };
+    let plan = Placement::plan(&vec![device; parts.max(1)], &f, None)?;
+    Ok(TargetModel::random_placed(c.clone(), &plan, kind, LoadScope::CaptureUpTo { last_layer: last })?)
 }
 
 #[derive(Serialize)]
@@ -171,10 +187,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     let last = *layer_ids.iter().max().expect("layers");
     let layout = if a.layout == "packed" { Layout::Packed } else { Layout::Split };
     println!(
-        "bench-capture: {} target ({} of {} layers, capturing {layer_ids:?}), {kind:?} on {device:?}, {} tokens/batch of {}-{}-token sequences, {layout:?}, cuDNN attention {}",
+        "bench-capture: {} target ({} of {} layers, capturing {layer_ids:?}), {kind:?} on {device:?} in {} part(s), {} tokens/batch of {}-{}-token sequences, {layout:?}, cuDNN attention {}",
         a.shape,
         last + 1,
         config.num_layers,
+        a.parts.max(1),
         a.batch_tokens,
         a.min_len,
         a.max_len,
@@ -188,7 +205,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     let mut results: Vec<ModeResult> = Vec::new();
     let mut off_ms = f64::NAN;
     for mode in a.modes.split(',').map(str::trim) {
-        let model = TargetModel::random(config.clone(), device, kind, LoadScope::CaptureUpTo { last_layer: last })?;
+        let model = random_target(&config, device, kind, last, a.parts)?;
         let batches = make_batches(a.warmup + a.batches, a, config.vocab_size, 7);
         let timed: Vec<usize> = batches[a.warmup..].iter().map(|w| w.input_ids.len()).collect();
         let lens: Vec<usize> =
@@ -368,7 +385,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         });
     }
     if a.profile {
-        let model = TargetModel::random(config.clone(), device, kind, LoadScope::CaptureUpTo { last_layer: last })?;
+        let model = random_target(&config, device, kind, last, a.parts)?;
         let w = &make_batches(1, a, config.vocab_size, 9)[0];
         let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
         let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
@@ -385,7 +402,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         // The copy the postprocess stage makes, alone: one batch's captured
         // layers into a pinned buffer on a side stream, and into pageable
         // memory (what a plain `.cpu()` does), in GB/s.
-        let model = TargetModel::random(config.clone(), device, kind, LoadScope::CaptureUpTo { last_layer: last })?;
+        let model = random_target(&config, device, kind, last, a.parts)?;
         let w = &make_batches(1, a, config.vocab_size, 9)[0];
         let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
         let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
@@ -453,6 +470,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             "batch_tokens": a.batch_tokens,
             "seq_len_range": [a.min_len, a.max_len],
             "layout": a.layout,
+            "parts": a.parts,
             "cudnn_attention": a.cudnn_attention,
             "matmul_peak_flops": peak,
             "results": results,

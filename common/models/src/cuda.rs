@@ -48,6 +48,15 @@ pub fn tch_device(cuda_index: Option<u32>) -> Result<tch::Device, ModelError> {
     }
 }
 
+/// The libtorch device of a configured device (no CUDA loaded: see
+/// [`ensure_cuda`]).
+pub fn torch_device(d: &dflash_config::Device) -> tch::Device {
+    match d {
+        dflash_config::Device::Cpu => tch::Device::Cpu,
+        dflash_config::Device::Cuda(i) => tch::Device::Cuda(*i as usize),
+    }
+}
+
 unsafe extern "C" {
     fn dflash_set_cudnn_sdp(enabled: i32);
     fn dflash_cudnn_sdp_enabled() -> i32;

@@ -30,6 +30,7 @@ pub mod layers;
 pub mod moe;
 pub mod optim;
 pub mod perf;
+pub mod placement;
 pub mod quant;
 pub mod rope;
 pub mod split_attention;

@@ -11,6 +11,7 @@ use crate::decoder::DecoderLayer;
 use crate::distill::TopK;
 use crate::gated_deltanet::PackedLayout;
 use crate::layers::RmsNorm;
+use crate::placement::{Footprint, Placement};
 use crate::rope::Rope;
 use crate::target_config::TargetConfig;
 use crate::weights::{RandomInit, SkippedTensors, Weights};
@@ -26,10 +27,14 @@ pub enum LoadScope {
     Full,
 }
 
-/// A frozen decoder-only target.
+/// A frozen decoder-only target, whole on one device or split over
+/// several ([`Placement`]): inputs go in and everything comes out on its
+/// home device (`device`, the first part's).
 pub struct TargetModel {
     pub config: TargetConfig,
+    /// The home device: ids in, captured layers, logits and top-k out.
     pub device: Device,
+    placement: Placement,
     pub kind: Kind,
     embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
@@ -69,8 +74,24 @@ pub struct Inspection {
     pub config: TargetConfig,
     /// Bytes the model takes on its device in the requested kind.
     pub bytes: u64,
+    /// Those bytes part by part (embedding, each layer, norm and head), to
+    /// plan a split over several devices; no workspace yet.
+    pub footprint: Footprint,
     /// Parts of the checkpoint that are not the target, found and not read.
     pub skipped: Vec<SkippedTensors>,
+}
+
+/// Where a layer or outside tensor of the checkpoint goes: the index of
+/// the part that loads it, None for a tensor not loaded.
+fn part_for(name: &str, placement: &Placement, n_layers: i64, scope: LoadScope) -> Option<usize> {
+    let last = placement.parts().len() - 1;
+    match layer_index(name) {
+        Some(i) if i < n_layers => Some(placement.part_of(i)),
+        Some(_) => None,
+        None if name.starts_with("model.embed_tokens.") => Some(0),
+        None if keep_outside_layers(name, scope) => Some(last),
+        None => None,
+    }
 }
 
 /// The target's input embedding and LM head (`[vocab, H]` each), without
@@ -102,19 +123,38 @@ impl TargetModel {
     pub fn load(dir: &Path, device: Device, kind: Kind, scope: LoadScope) -> Result<Self, ModelError> {
         let c = TargetConfig::from_dir(dir)?;
         let n_layers = layers_for(&c, scope, dir)?;
-        let keep = |name: &str| match layer_index(name) {
-            Some(i) => i < n_layers,
-            None => keep_outside_layers(name, scope),
-        };
-        let mut headers = Weights::headers(dir, &c.tensor_names, kind, &keep, c.quant.as_ref())?;
-        Self::from_weights(c.clone(), &mut headers, scope, Device::Cpu, kind, dir)?;
-        let mut w = Weights::load_quantized(dir, &c.tensor_names, device, kind, keep, c.quant.as_ref())?;
-        Self::from_weights(c, &mut w, scope, device, kind, dir)
+        Self::load_placed(dir, &Placement::whole(device, n_layers), kind, scope)
+    }
+
+    /// Loads a model directory split as `placement` says (plan it with
+    /// [`Placement::plan`] from [`TargetModel::inspect`]'s footprint): each
+    /// part reads only its own tensors, onto its own device. Checked
+    /// against the headers first, as [`TargetModel::load`].
+    pub fn load_placed(dir: &Path, placement: &Placement, kind: Kind, scope: LoadScope) -> Result<Self, ModelError> {
+        let c = TargetConfig::from_dir(dir)?;
+        let n_layers = layers_for(&c, scope, dir)?;
+        let held = placement.parts().last().map_or(0, |p| p.layers.end);
+        if held != n_layers {
+            return Err(ModelError::Config {
+                path: dir.join("config.json"),
+                message: format!("the placement holds {held} layers; {n_layers} are to be loaded"),
+            });
+        }
+        let all = |name: &str| part_for(name, placement, n_layers, scope).is_some();
+        let mut headers = Weights::headers(dir, &c.tensor_names, kind, &all, c.quant.as_ref())?;
+        let whole = Placement::whole(Device::Cpu, n_layers);
+        Self::from_weights(c.clone(), std::slice::from_mut(&mut headers), &whole, scope, kind, dir)?;
+        let mut parts = Vec::with_capacity(placement.parts().len());
+        for (k, part) in placement.parts().iter().enumerate() {
+            let mine = |name: &str| part_for(name, placement, n_layers, scope) == Some(k);
+            parts.push(Weights::load_quantized(dir, &c.tensor_names, part.device, kind, mine, c.quant.as_ref())?);
+        }
+        Ok(Self::from_weights(c, &mut parts, placement, scope, kind, dir)?.0)
     }
 
     /// What loading `dir` for `scope` would read, without reading it: the
     /// config, the bytes the model takes in `kind` (checked as
-    /// [`TargetModel::load`] checks them) and what it would skip.
+    /// [`TargetModel::load`] checks them), part by part, and what it would skip.
     pub fn inspect(dir: &Path, kind: Kind, scope: LoadScope) -> Result<Inspection, ModelError> {
         let c = TargetConfig::from_dir(dir)?;
         let n_layers = layers_for(&c, scope, dir)?;
@@ -123,15 +163,29 @@ impl TargetModel {
             None => keep_outside_layers(name, scope),
         };
         let mut headers = Weights::headers(dir, &c.tensor_names, kind, &keep, c.quant.as_ref())?;
-        let model = Self::from_weights(c.clone(), &mut headers, scope, Device::Cpu, kind, dir)?;
-        Ok(Inspection { config: c, bytes: model.planned_bytes, skipped: headers.skipped().to_vec() })
+        let whole = Placement::whole(Device::Cpu, n_layers);
+        let (model, footprint) =
+            Self::from_weights(c.clone(), std::slice::from_mut(&mut headers), &whole, scope, kind, dir)?;
+        Ok(Inspection { config: c, bytes: model.planned_bytes, footprint, skipped: headers.skipped().to_vec() })
     }
 
     /// A target of shape `c` with random weights, built on the device (no
     /// files): what the throughput benchmarks run.
     pub fn random(c: TargetConfig, device: Device, kind: Kind, scope: LoadScope) -> Result<Self, ModelError> {
-        let mut w = Weights::random(device, kind, RandomInit::HuggingFace);
-        Self::from_weights(c, &mut w, scope, device, kind, Path::new("<random weights>"))
+        let n_layers = layers_for(&c, scope, Path::new("<random weights>"))?;
+        Self::random_placed(c, &Placement::whole(device, n_layers), kind, scope)
+    }
+
+    /// [`TargetModel::random`] split as `placement` says.
+    pub fn random_placed(
+        c: TargetConfig,
+        placement: &Placement,
+        kind: Kind,
+        scope: LoadScope,
+    ) -> Result<Self, ModelError> {
+        let mut parts: Vec<Weights> =
+            placement.parts().iter().map(|p| Weights::random(p.device, kind, RandomInit::HuggingFace)).collect();
+        Ok(Self::from_weights(c, &mut parts, placement, scope, kind, Path::new("<random weights>"))?.0)
     }
 
     /// Random tensors of a whole model of shape `c`, named and shaped as
@@ -143,36 +197,66 @@ impl TargetModel {
         init: RandomInit,
     ) -> Result<Vec<(String, Tensor)>, ModelError> {
         let mut w = Weights::random_recorded(device, kind, init);
-        Self::from_weights(c.clone(), &mut w, LoadScope::Full, device, kind, Path::new("<random weights>"))?;
+        let whole = Placement::whole(device, c.num_layers);
+        Self::from_weights(
+            c.clone(),
+            std::slice::from_mut(&mut w),
+            &whole,
+            LoadScope::Full,
+            kind,
+            Path::new("<random weights>"),
+        )?;
         Ok(w.into_tensors())
     }
 
+    /// Builds the model from one set of weights per part of `placement`
+    /// (each on its part's device), and what each piece took.
     fn from_weights(
         c: TargetConfig,
-        w: &mut Weights,
+        parts: &mut [Weights],
+        placement: &Placement,
         scope: LoadScope,
-        device: Device,
         kind: Kind,
         dir: &Path,
-    ) -> Result<Self, ModelError> {
+    ) -> Result<(Self, Footprint), ModelError> {
         let n_layers = layers_for(&c, scope, dir)?;
         let arch = zoo::architecture(c.family);
-        let embed_tokens = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
-        let layers = (0..n_layers).map(|i| arch.load_layer(w, &c, i)).collect::<Result<Vec<_>, _>>()?;
+        let last = parts.len() - 1;
+        let mut footprint =
+            Footprint { cost: (0..n_layers).map(|i| c.layer_linear_macs(i)).collect(), ..Default::default() };
+        let embed_tokens = parts[0].take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
+        footprint.embed = parts[0].taken_bytes();
+        let mut layers = Vec::with_capacity(n_layers as usize);
+        for i in 0..n_layers {
+            let w = &mut parts[placement.part_of(i)];
+            let before = w.taken_bytes();
+            layers.push(arch.load_layer(w, &c, i)?);
+            footprint.layers.push(w.taken_bytes() - before);
+        }
         let (norm_f, lm_head) = if scope == LoadScope::Full {
+            let w = &mut parts[last];
+            let before = w.taken_bytes();
             let n = zoo::norm(w, &c, "model.norm", c.hidden_size)?;
-            (Some(n), Some(lm_head(w, &c, &embed_tokens)?))
+            // A tied head on another device than the embedding is a copy of it.
+            let copy = (placement.last() != placement.home()).then(|| embed_tokens.to_device(placement.last()));
+            let head = lm_head(w, &c, copy.as_ref().unwrap_or(&embed_tokens))?;
+            footprint.tail = w.taken_bytes() - before;
+            footprint.tied_head = c.tie_word_embeddings;
+            (Some(n), Some(head))
         } else {
             (None, None)
         };
-        let unused = w.remaining();
-        if !unused.is_empty() && !w.is_headers() {
-            tracing::warn!("{} tensors of {} were not used, e.g. {}", unused.len(), dir.display(), unused[0]);
+        for w in parts.iter().filter(|w| !w.is_headers()) {
+            let unused = w.remaining();
+            if !unused.is_empty() {
+                tracing::warn!("{} tensors of {} were not used, e.g. {}", unused.len(), dir.display(), unused[0]);
+            }
         }
-        let planned_bytes = w.taken_bytes();
+        let planned_bytes = parts.iter().map(Weights::taken_bytes).sum();
+        let device = placement.home();
         let rope = Rope::from_config(&c.rope, c.head_dim, device);
-        if !w.is_headers() {
-            for s in w.skipped().iter().filter(|s| s.tensors > 0) {
+        if !parts[0].is_headers() {
+            for s in parts[0].skipped().iter().filter(|s| s.tensors > 0) {
                 tracing::info!(
                     "{}: skipped the {} ({} tensors under {}*, {} bytes): not part of the target",
                     dir.display(),
@@ -183,7 +267,24 @@ impl TargetModel {
                 );
             }
         }
-        Ok(Self { config: c, device, kind, embed_tokens, layers, norm: norm_f, lm_head, rope, planned_bytes })
+        let model = Self {
+            config: c,
+            device,
+            placement: placement.clone(),
+            kind,
+            embed_tokens,
+            layers,
+            norm: norm_f,
+            lm_head,
+            rope,
+            planned_bytes,
+        };
+        Ok((model, footprint))
+    }
+
+    /// How the layers are split over devices.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
     }
 
     /// Number of layers held (all of them for [`LoadScope::Full`]).
@@ -224,17 +325,37 @@ impl TargetModel {
         let norm = self.norm.as_ref().expect("distillation targets need a fully loaded target");
         let head = self.lm_head.as_ref().expect("distillation targets need a fully loaded target");
         let (x, captured) = self.run_packed(input_ids, seq_lengths, layer_ids, self.config.num_layers - 1);
-        (captured, TopK::of_hidden(&norm.forward(&x), head, k))
+        let top = TopK::of_hidden(&norm.forward(&x), head, k);
+        let home = |t: Tensor| t.to_device(self.device);
+        (captured, TopK { ids: home(top.ids), log_probs: home(top.log_probs) })
     }
 
     /// Layers `0..=last` over packed sequences: the final residual stream
-    /// and the captures of `layer_ids`.
+    /// (on the device of layer `last`) and the captures of `layer_ids` (on
+    /// the home device).
     fn run_packed(
         &self,
         input_ids: &Tensor,
         seq_lengths: &[i64],
         layer_ids: &[i64],
         last: i64,
+    ) -> (Tensor, Vec<Tensor>) {
+        self.run_layers(input_ids, seq_lengths, layer_ids, last, &mut |_| {})
+    }
+
+    /// Runs layers `0..=last` part by part: the residual stream moves to
+    /// each part's device (device-to-device copies, queued without waiting
+    /// on the host: while a later part works on this batch the earlier
+    /// ones can start the next), with the positions' RoPE tables and the
+    /// linear-attention layout made once per part. `mark(stage)` after each
+    /// stage of each layer.
+    fn run_layers(
+        &self,
+        input_ids: &Tensor,
+        seq_lengths: &[i64],
+        layer_ids: &[i64],
+        last: i64,
+        mark: &mut dyn FnMut(&'static str),
     ) -> (Tensor, Vec<Tensor>) {
         let _guard = tch::no_grad_guard();
         assert!(last < self.loaded_layers(), "layer {last} not loaded");
@@ -244,57 +365,49 @@ impl TargetModel {
         );
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
         let (cos, sin) = (cos.unsqueeze(1), sin.unsqueeze(1));
-        let linear = self.packed_layout(seq_lengths);
         let mut x = self.embed_tokens.embedding_for(input_ids);
         let mut captured = Vec::with_capacity(layer_ids.len());
-        for (i, layer) in self.layers.iter().enumerate().take(last as usize + 1) {
-            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, linear.as_ref(), &mut |_| {});
-            if layer_ids.contains(&(i as i64)) {
-                captured.push(x.shallow_clone());
+        for part in self.placement.parts().iter().filter(|p| p.layers.start <= last) {
+            let dev = part.device;
+            let (cos, sin) = (cos.to_device(dev), sin.to_device(dev));
+            let linear = self.packed_layout(seq_lengths, dev);
+            x = x.to_device(dev);
+            for i in part.layers.start..part.layers.end.min(last + 1) {
+                x = self.layers[i as usize].forward_packed(&x, &cos, &sin, seq_lengths, linear.as_ref(), mark);
+                if layer_ids.contains(&i) {
+                    captured.push(x.to_device(self.device));
+                }
             }
         }
         (x, captured)
     }
 
     /// The layout of packed sequences for the linear-attention layers (None
-    /// without them): made once per batch, shared by every layer.
-    fn packed_layout(&self, seq_lengths: &[i64]) -> Option<PackedLayout> {
+    /// without them) on `device`: made once per batch and part, shared by
+    /// its layers.
+    fn packed_layout(&self, seq_lengths: &[i64], device: Device) -> Option<PackedLayout> {
         let l = self.config.linear_attention.as_ref()?;
-        Some(PackedLayout::new(seq_lengths, l.shape.conv_kernel, self.device))
+        Some(PackedLayout::new(seq_lengths, l.shape.conv_kernel, device))
     }
 
     /// Where the time of a packed forward goes: runs the captured layers
-    /// with a device synchronization after each stage and returns seconds
-    /// per stage summed over layers (for the capture benchmark).
+    /// with a synchronization of every device after each stage and returns
+    /// seconds per stage summed over layers (for the capture benchmark).
     pub fn profile_packed(&self, input_ids: &Tensor, seq_lengths: &[i64], last_layer: i64) -> Vec<(&'static str, f64)> {
-        let _guard = tch::no_grad_guard();
-        let sync = || {
-            if let Device::Cuda(i) = self.device {
-                tch::Cuda::synchronize(i as i64);
-            }
-        };
-        let positions = Tensor::cat(
-            &seq_lengths.iter().map(|&l| Tensor::arange(l, (Kind::Int64, self.device))).collect::<Vec<_>>(),
-            0,
-        );
-        let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
-        let (cos, sin) = (cos.unsqueeze(1), sin.unsqueeze(1));
-        let linear = self.packed_layout(seq_lengths);
-        let mut x = self.embed_tokens.embedding_for(input_ids);
+        let devices: Vec<Device> = self.placement.parts().iter().map(|p| p.device).collect();
+        let sync = || devices.iter().for_each(|&d| crate::perf::sync_device(d));
         let mut totals: Vec<(&'static str, f64)> = Vec::new();
         sync();
         let mut t = std::time::Instant::now();
-        for layer in self.layers.iter().take(last_layer as usize + 1) {
-            x = layer.forward_packed(&x, &cos, &sin, seq_lengths, linear.as_ref(), &mut |stage| {
-                sync();
-                let dt = t.elapsed().as_secs_f64();
-                match totals.iter_mut().find(|(s, _)| *s == stage) {
-                    Some(e) => e.1 += dt,
-                    None => totals.push((stage, dt)),
-                }
-                t = std::time::Instant::now();
-            });
-        }
+        let _ = self.run_layers(input_ids, seq_lengths, &[], last_layer, &mut |stage| {
+            sync();
+            let dt = t.elapsed().as_secs_f64();
+            match totals.iter_mut().find(|(s, _)| *s == stage) {
+                Some(e) => e.1 += dt,
+                None => totals.push((stage, dt)),
+            }
+            t = std::time::Instant::now();
+        });
         totals
     }
 
@@ -325,20 +438,25 @@ impl TargetModel {
         let new_valid = key_valid.narrow(1, past, t);
         let mut x = self.embed_tokens.embedding_for(ids);
         let mut captured = Vec::with_capacity(capture.len());
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_cached(&x, &cos, &sin, &mask, &new_valid, cache, i);
-            if capture.contains(&(i as i64)) {
-                captured.push(x.shallow_clone());
+        for part in self.placement.parts() {
+            let on = |a: &Tensor| a.to_device(part.device);
+            let (cos, sin, mask, new_valid) = (on(&cos), on(&sin), on(&mask), on(&new_valid));
+            x = on(&x);
+            for i in part.layers.clone() {
+                x = self.layers[i as usize].forward_cached(&x, &cos, &sin, &mask, &new_valid, cache, i as usize);
+                if capture.contains(&i) {
+                    captured.push(x.to_device(self.device));
+                }
             }
         }
         cache.advance(t);
-        (norm.forward(&x), captured)
+        (norm.forward(&x).to_device(self.device), captured)
     }
 
-    /// Logits `[.., vocab]` (f32) of final hidden states.
+    /// Logits `[.., vocab]` (f32) of final hidden states (on the home device).
     pub fn logits(&self, hidden: &Tensor) -> Tensor {
         let head = self.lm_head.as_ref().expect("logits need a fully loaded target");
-        hidden.linear(head, None::<Tensor>).to_kind(Kind::Float)
+        hidden.to_device(head.device()).linear(head, None::<Tensor>).to_kind(Kind::Float).to_device(self.device)
     }
 
     /// A cache sized for `batch` sequences on this model.

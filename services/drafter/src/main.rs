@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use dflash_config::Device;
 use dflash_models::blocks::BlockSettings;
 use dflash_models::collective::Collective;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
@@ -337,13 +336,7 @@ async fn start(
             tracing::info!("deterministic kernels only (training.deterministic_kernels)");
         }
     }
-    let tdevs: Vec<tch::Device> = devices
-        .iter()
-        .map(|d| match d {
-            Device::Cpu => tch::Device::Cpu,
-            Device::Cuda(i) => tch::Device::Cuda(*i as usize),
-        })
-        .collect();
+    let tdevs: Vec<tch::Device> = devices.iter().map(dflash_models::cuda::torch_device).collect();
     // A device that fails its probe keeps this member out of the group.
     device_health::check_at_start(session, &tdevs).kind(ErrorKind::Device)?;
     // One trainer per replica; replica 0 leads (resumes, logs, checkpoints).

@@ -9,6 +9,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use dflash_models::placement::{self, Footprint, Placement};
 use dflash_models::target_config::NormStyle;
 use dflash_models::{Inspection, LayerKind, LoadScope, TargetConfig, TargetModel};
 use tch::{Device, Kind, Tensor};
@@ -35,6 +36,15 @@ pub struct InspectArgs {
     /// "cpu" or a GPU index to run `--ids` on.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Target device groups as `devices.target` names them ("0-1",
+    /// "0-3,4", "cpu,cpu"): print how each instance's layers and memory
+    /// split over its devices (and run `--ids` on the first).
+    #[arg(long, conflicts_with = "device")]
+    pub devices: Option<dflash_config::TargetDevices>,
+    /// Tokens per batch (`pipeline.token_budget`), for the activations
+    /// each device of a `--devices` layout must hold.
+    #[arg(long, default_value_t = 12288)]
+    pub tokens: u64,
     /// Compute dtype (auto: bf16 on GPUs, f32 on CPUs).
     #[arg(long, value_enum, default_value_t = ComputeDtype::F32)]
     pub dtype: ComputeDtype,
@@ -74,17 +84,26 @@ fn count(n: f64) -> String {
 }
 
 pub fn run(a: &InspectArgs) -> anyhow::Result<()> {
-    let device = match a.device.as_str() {
-        "cpu" => Device::Cpu,
-        i => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
+    let device = match (&a.devices, a.device.as_str()) {
+        (Some(groups), _) => {
+            let first = &groups.instances()[0].devices()[0];
+            if !groups.is_cpu() {
+                dflash_models::cuda::ensure_cuda(&groups.cuda_indices())?;
+            }
+            dflash_models::cuda::torch_device(first)
+        }
+        (None, "cpu") => Device::Cpu,
+        (None, i) => dflash_models::cuda::tch_device(Some(i.parse().context("--device: cpu or a GPU index")?))?,
     };
     let kind = kind_of(DType::compute(a.dtype, device.is_cuda()));
-    let Inspection { config: c, bytes: full_bytes, skipped } = TargetModel::inspect(&a.model, kind, LoadScope::Full)?;
+    let Inspection { config: c, bytes: full_bytes, footprint: full, skipped } =
+        TargetModel::inspect(&a.model, kind, LoadScope::Full)?;
     let mut capture_ids = dflash_config::default_target_layer_ids(c.num_layers as u32, a.drafter_layers);
     capture_ids.sort_unstable();
     capture_ids.dedup();
     let last = *capture_ids.iter().max().context("no captured layers")? as i64;
-    let capture_bytes = TargetModel::inspect(&a.model, kind, LoadScope::CaptureUpTo { last_layer: last })?.bytes;
+    let capture = TargetModel::inspect(&a.model, kind, LoadScope::CaptureUpTo { last_layer: last })?;
+    let capture_bytes = capture.bytes;
     print!("{}", describe(&a.model, &c));
     for s in &skipped {
         let found = if s.tensors == 0 {
@@ -111,6 +130,10 @@ pub fn run(a: &InspectArgs) -> anyhow::Result<()> {
     } else {
         println!("  {:<18} {capture_ids:?} (for {} drafter layers)", "captured layers:", a.drafter_layers);
     }
+    let placed = match &a.devices {
+        Some(groups) => Some(print_layouts(a, groups, &c, capture.footprint, capture_ids.len(), last, kind, &full)?),
+        None => None,
+    };
     if a.ids.is_empty() {
         if a.json.is_some() {
             anyhow::bail!("--json needs --ids: the token ids to run");
@@ -124,10 +147,10 @@ pub fn run(a: &InspectArgs) -> anyhow::Result<()> {
     if let Some(&bad) = layers.iter().find(|&&l| l < 0 || l >= c.num_layers) {
         anyhow::bail!("--layers: layer {bad} does not exist ({} layers)", c.num_layers);
     }
-    if device.is_cuda() {
-        dflash_models::cuda::ensure_cuda(&[a.device.parse()?])?;
-    }
-    let model = TargetModel::load(&a.model, device, kind, LoadScope::Full)?;
+    let model = match &placed {
+        Some(plan) => TargetModel::load_placed(&a.model, plan, kind, LoadScope::Full)?,
+        None => TargetModel::load(&a.model, device, kind, LoadScope::Full)?,
+    };
     let n = a.ids.len() as i64;
     let ids = Tensor::from_slice(&a.ids).view([1, n]).to_device(device);
     let positions = Tensor::arange(n, (Kind::Int64, device)).unsqueeze(0);
@@ -142,7 +165,8 @@ pub fn run(a: &InspectArgs) -> anyhow::Result<()> {
     let finite = logits.iter().flatten().all(|v| v.is_finite());
     let last_row = logits.last().context("no positions")?;
     let argmax = last_row.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map_or(0, |(i, _)| i);
-    println!("  ran {n} tokens on {device:?}: logits finite {finite}, next token after the last id: {argmax}");
+    let on: Vec<String> = model.placement().parts().iter().map(|p| format!("{:?}", p.device)).collect();
+    println!("  ran {n} tokens on {}: logits finite {finite}, next token after the last id: {argmax}", on.join(" + "));
     if let Some(path) = &a.json {
         // capture order follows the model's layers: map them back by id.
         let mut sorted = layers.clone();
@@ -158,6 +182,45 @@ pub fn run(a: &InspectArgs) -> anyhow::Result<()> {
         println!("  wrote {}", path.display());
     }
     Ok(())
+}
+
+/// Prints how each instance of `groups` splits the model to capture up to
+/// layer `last` (`captured` layers, `a.tokens` a batch) over its devices,
+/// against their free memory; a layout that does not fit is an error.
+/// Returns the whole model's placement on the first group (for `--ids`).
+#[allow(clippy::too_many_arguments)]
+fn print_layouts(
+    a: &InspectArgs,
+    groups: &dflash_config::TargetDevices,
+    c: &TargetConfig,
+    mut f: Footprint,
+    captured: usize,
+    last: i64,
+    kind: Kind,
+    full: &Footprint,
+) -> anyhow::Result<Placement> {
+    let elem = kind.elt_size_in_bytes() as u64;
+    f.workspace = placement::workspace_bytes(c, a.tokens, elem, false);
+    f.captures = a.tokens * c.hidden_size as u64 * elem * captured as u64;
+    let mut first = None;
+    for group in groups.instances() {
+        let devices: Vec<Device> = group.devices().iter().map(dflash_models::cuda::torch_device).collect();
+        let capacity: Option<Vec<u64>> = devices.iter().map(|&d| placement::capacity(d)).collect();
+        let name = dflash_config::group_name(group);
+        let plan =
+            Placement::plan(&devices, &f, capacity.as_deref()).map_err(|e| anyhow::anyhow!("devices {name}: {e}"))?;
+        println!("  {:<18} capturing up to layer {last}, {} tokens a batch:", format!("layout {name}:"), a.tokens);
+        for (k, (part, need)) in plan.parts().iter().zip(plan.bytes(&f)).enumerate() {
+            let free = capacity.as_ref().map_or(String::new(), |c| format!(" of {} free", bytes(c[k])));
+            let (from, to) = (part.layers.start, part.layers.end - 1);
+            println!("  {:<18} layers {from}-{to} on {}: {}{free}", "", group.devices()[k], bytes(need));
+        }
+        if first.is_none() {
+            // `--ids` runs the whole model (to its logits) on the first group.
+            first = Some(Placement::plan(&devices, &Footprint { workspace: 0, captures: 0, ..full.clone() }, None)?);
+        }
+    }
+    first.context("no device groups")
 }
 
 fn zoo_name(c: &TargetConfig) -> &'static str {

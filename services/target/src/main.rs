@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use dflash_config::Device;
+use dflash_config::{Device, DeviceList, RunConfig, group_name};
 use dflash_models::features::kind_of;
-use dflash_models::{LoadScope, TargetModel};
+use dflash_models::placement::{self, Placement};
+use dflash_models::{Inspection, LoadScope, TargetModel};
 use dflash_proto as pb;
 use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop, format_chain, registration_failed};
 use dflash_telemetry::ErrorKind;
@@ -105,16 +106,16 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
     stages.spawn_task("health", dflash_role::serve_health_only(args.health_listen, stop.clone()));
     session.serve_metrics(&args.role, stages).await?;
     let leases = Leases::new();
-    let stats = Arc::new(forward::ForwardStats::new(c.devices.target.devices().len()));
+    let instances = c.devices.target.instances().to_vec();
+    let stats = Arc::new(forward::ForwardStats::new(instances.len()));
     let (renew, load_stats) = (leases.clone(), Arc::clone(&stats));
     session.spawn_heartbeat(stages, move || renew.ids(), move || load_stats.load());
     let group = session.spawn_event_watch(stages);
 
     let dataset = Arc::new(tokio::task::block_in_place(|| work::load_dataset(session))?);
-    let devices = c.devices.target.devices().to_vec();
     let spec = FeatureSpec::of(c);
     let model_dir = c.model.target_dir().map_err(|e| anyhow::anyhow!(e)).kind(ErrorKind::Config)?;
-    check_model(&model_dir, &spec)?;
+    let inspection = check_model(&model_dir, &spec)?;
     let gpus = c.devices.target.cuda_indices();
     if !gpus.is_empty() {
         dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
@@ -127,15 +128,17 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
         gpu: None,
         stop: stop.clone(),
     };
-    let (work_tx, work_rx) = flume::bounded(devices.len());
+    let (work_tx, work_rx) = flume::bounded(instances.len());
     let (host_tx, host_rx) = flume::bounded(1);
-    for d in &devices {
-        let fl = device_pipeline(session, stages, d, &model_dir, &stats, post.clone(), &host_tx).on_device(d)?;
-        let (rx, s, dev) = (work_rx.clone(), stop.clone(), d.to_string());
-        stages.spawn_thread(&format!("forward-{d}"), move || fl.run(rx, s).on_device(dev));
+    for group in &instances {
+        let name = group_name(group);
+        let instance = Instance { devices: group, model_dir: &model_dir, inspection: &inspection };
+        let fl = instance_pipeline(session, stages, &instance, &stats, post.clone(), &host_tx).on_device(&name)?;
+        let (rx, s) = (work_rx.clone(), stop.clone());
+        stages.spawn_thread(&format!("forward-{name}"), move || fl.run(rx, s).on_device(name));
     }
     drop(host_tx);
-    session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
+    session.announce_devices(c.devices.target.devices().iter().map(ToString::to_string).collect()).await?;
     stages.spawn_task("lease", work::lease_loop(Arc::clone(session), dataset, leases, work_tx));
     // The in-flight limit is split across the streams.
     let streams = c.pipeline.streams_per_target as usize;
@@ -150,12 +153,53 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
 /// tensor's name, shape and dtype, the shards) without reading a weight:
 /// a bad model is refused, naming the file and tensor or field, before any
 /// GPU work starts.
-fn check_model(dir: &Path, spec: &FeatureSpec) -> anyhow::Result<()> {
+fn check_model(dir: &Path, spec: &FeatureSpec) -> anyhow::Result<Inspection> {
     let last_layer =
         spec.layer_ids.iter().map(|&i| i as i64).max().ok_or_else(|| anyhow::anyhow!("no captured layers"))?;
     let scope = load_scope(spec, last_layer);
-    tokio::task::block_in_place(|| TargetModel::inspect(dir, kind_of(spec.dtype), scope)).kind(ErrorKind::Model)?;
-    Ok(())
+    tokio::task::block_in_place(|| TargetModel::inspect(dir, kind_of(spec.dtype), scope)).kind(ErrorKind::Model)
+}
+
+/// One target instance to start: its devices and the model it holds.
+struct Instance<'a> {
+    devices: &'a DeviceList,
+    model_dir: &'a Path,
+    inspection: &'a Inspection,
+}
+
+/// The split of an instance's layers over its devices, planned from the
+/// checkpoint's headers, the batch size and the devices' free memory
+/// before any weight is read: a model that does not fit is refused, naming
+/// what it needs and what the devices have.
+fn plan_instance(
+    c: &RunConfig,
+    i: &Instance,
+    devices: &[tch::Device],
+    spec: &FeatureSpec,
+) -> anyhow::Result<Placement> {
+    let (config, tokens) = (&i.inspection.config, c.pipeline.token_budget as u64);
+    let elem = kind_of(spec.dtype).elt_size_in_bytes() as u64;
+    let mut f = i.inspection.footprint.clone();
+    f.workspace = placement::workspace_bytes(config, tokens, elem, spec.target_top_k > 0);
+    f.captures = tokens * config.hidden_size as u64 * elem * spec.layer_ids.len() as u64;
+    let capacity: Option<Vec<u64>> = devices.iter().map(|&d| placement::capacity(d)).collect();
+    let plan = Placement::plan(devices, &f, capacity.as_deref())
+        .map_err(|e| anyhow::anyhow!("{}: {e}", i.model_dir.display()))
+        .kind(ErrorKind::Model)?;
+    let parts: Vec<String> = (plan.parts().iter().zip(plan.bytes(&f)).enumerate())
+        .map(|(k, (p, need))| {
+            let free = capacity.as_ref().map_or(String::new(), |c| format!(" of {} free", placement::gib(c[k])));
+            format!(
+                "layers {}-{} on {} (needs {}{free})",
+                p.layers.start,
+                p.layers.end - 1,
+                i.devices.devices()[k],
+                placement::gib(need)
+            )
+        })
+        .collect();
+    tracing::info!("target {}: {}", group_name(i.devices), parts.join("; "));
+    Ok(plan)
 }
 
 /// What a target holds: the layers up to the last captured one, or all of
@@ -164,44 +208,49 @@ fn load_scope(spec: &FeatureSpec, last_layer: i64) -> LoadScope {
     if spec.target_top_k > 0 { LoadScope::Full } else { LoadScope::CaptureUpTo { last_layer } }
 }
 
-/// One device's model, its postprocess stage (a worker, or inline at depth
-/// 0) feeding `host_tx`, and the forward loop that drives them.
-fn device_pipeline(
+/// One instance's model (on its devices), its postprocess stage (a worker,
+/// or inline at depth 0) feeding `host_tx`, and the forward loop that
+/// drives them. Ids come in, and captured layers leave, on the instance's
+/// first device.
+fn instance_pipeline(
     session: &Session,
     stages: &Stages,
-    d: &Device,
-    model_dir: &Path,
+    instance: &Instance,
     stats: &Arc<forward::ForwardStats>,
     mut post: Postprocessor,
     host_tx: &flume::Sender<postprocess::OutboundBatch>,
 ) -> anyhow::Result<ForwardLoop> {
     let c = &session.config;
+    let name = group_name(instance.devices);
     let layer_ids: Vec<i64> = post.spec.layer_ids.iter().map(|&i| i as i64).collect();
     let last_layer = *layer_ids.iter().max().expect("resolved by the coordinator");
     let kind = kind_of(post.spec.dtype);
-    let (device, cuda) = match d {
-        Device::Cpu => (tch::Device::Cpu, None),
-        Device::Cuda(i) => {
-            (tch::Device::Cuda(*i as usize), Some(dflash_models::gpu::context(*i as usize).kind(ErrorKind::Device)?))
-        }
+    let devices: Vec<tch::Device> = instance.devices.devices().iter().map(dflash_models::cuda::torch_device).collect();
+    let home = instance.devices.devices()[0];
+    let cuda = match home {
+        Device::Cpu => None,
+        Device::Cuda(i) => Some(dflash_models::gpu::context(i as usize).kind(ErrorKind::Device)?),
     };
+    let plan = plan_instance(c, instance, &devices, &post.spec)?;
     if let Some(ctx) = &cuda {
         // Buffers live in: postprocess, the sender's queue, and the
         // unacknowledged window; one more so the pipeline never starves.
         let p = &c.pipeline;
         let count = (p.target_postprocess_depth.max(1) + p.max_inflight_batches + 2) as usize;
-        let bytes = post.spec.payload_bytes(p.token_budget as usize, hidden_size(model_dir)?);
+        let hidden = instance.inspection.config.hidden_size as usize;
+        let bytes = post.spec.payload_bytes(p.token_budget as usize, hidden);
         let pool = dflash_models::gpu::pinned_pool(ctx, count, bytes).kind(ErrorKind::Device)?;
         let stream = dflash_models::gpu::side_stream(ctx).kind(ErrorKind::Device)?;
-        tracing::info!("{d}: {count} pinned buffers of {} MiB for device-to-host copies", bytes >> 20);
+        tracing::info!("{home}: {count} pinned buffers of {} MiB for device-to-host copies", bytes >> 20);
         post.gpu = Some(postprocess::GpuCopy { ctx: ctx.clone(), stream, pool });
     }
-    let dir = model_dir.to_path_buf();
+    let dir = instance.model_dir.to_path_buf();
     let scope = load_scope(&post.spec, last_layer);
-    let model = tokio::task::block_in_place(|| TargetModel::load(&dir, device, kind, scope)).kind(ErrorKind::Model)?;
+    let model =
+        tokio::task::block_in_place(|| TargetModel::load_placed(&dir, &plan, kind, scope)).kind(ErrorKind::Model)?;
     let top_k = post.spec.target_top_k as i64;
     tracing::info!(
-        "{d}: loaded {} of {} layers of the {} target ({kind:?}), capturing {layer_ids:?}, {} layout{}",
+        "target {name}: loaded {} of {} layers of the {} target ({kind:?}), capturing {layer_ids:?}, {} layout{}",
         model.loaded_layers(),
         model.config.num_layers,
         dflash_models::zoo::architecture(model.config.family).hf_architecture(),
@@ -213,16 +262,16 @@ fn device_pipeline(
         PostprocessSink::Inline(post, host_tx.clone())
     } else {
         let (cap_tx, cap_rx) = flume::bounded(depth);
-        let (out, s, dev) = (host_tx.clone(), session.stop.clone(), d.to_string());
-        stages.spawn_thread(&format!("postprocess-{d}"), move || {
+        let (out, s, dev) = (host_tx.clone(), session.stop.clone(), name.clone());
+        stages.spawn_thread(&format!("postprocess-{name}"), move || {
             postprocess::worker(post, cap_rx, out, s).on_device(dev)
         });
         PostprocessSink::Queue(cap_tx)
     };
-    let cuda = match (cuda, d) {
+    let cuda = match (cuda, home) {
         // Ids are held by: the loop, the postprocess queue, the worker.
         (Some(ctx), Device::Cuda(i)) => Some(
-            forward::CudaFeed::new(&ctx, *i as usize, c.pipeline.token_budget as usize, depth + 3)
+            forward::CudaFeed::new(&ctx, i as usize, c.pipeline.token_budget as usize, depth + 3)
                 .kind(ErrorKind::Device)?,
         ),
         _ => None,
@@ -232,14 +281,9 @@ fn device_pipeline(
         model,
         layer_ids,
         top_k,
-        label: format!("target {d}"),
+        label: format!("target {name}"),
         cuda,
         cache: FeatureCache::new((c.pipeline.target_feature_cache_mib as usize) << 20),
         sink,
     })
-}
-
-/// Hidden size of the target (for sizing buffers before the model loads).
-fn hidden_size(dir: &Path) -> anyhow::Result<usize> {
-    Ok(dflash_models::TargetConfig::from_dir(dir).kind(ErrorKind::Model)?.hidden_size as usize)
 }
