@@ -134,9 +134,9 @@ impl Placement {
         let bytes = |k: usize, r: Range<usize>| part_bytes(f, r.start as i64..r.end as i64, k == 0, k + 1 == p) as f64;
         let none = (f64::INFINITY, f64::INFINITY, 0usize);
         let mut best = vec![vec![none; n + 1]; p];
-        for j in 1..=n {
+        for (j, first) in best[0].iter_mut().enumerate().skip(1) {
             if fits(0, 0..j) {
-                best[0][j] = (cost(0..j), bytes(0, 0..j), 0);
+                *first = (cost(0..j), bytes(0, 0..j), 0);
             }
         }
         for k in 1..p {
