@@ -1,7 +1,10 @@
 //! Chaos: one CPU run under a seeded schedule of faults -- SIGKILL and
 //! SIGSTOP/SIGCONT of the coordinator, the drafter and the targets, a
 //! network cut between the targets and the drafter (and one target and the
-//! coordinator), a checkpoint write that fails -- supervised as Kubernetes
+//! coordinator), the drafter's replies stalled on its open connections
+//! (acknowledgements held, keepalives answered: the targets give those
+//! streams up after `faults.ack_timeout_ms` and replay), a checkpoint
+//! write that fails -- supervised as Kubernetes
 //! would (a role that exits is started again). Training in the plan's order
 //! with keyed randomness makes the run a function of its config, data and
 //! seed: the final `model.safetensors` is bit-identical to an uninterrupted
@@ -34,7 +37,7 @@ const CONFIG: &str = "[run]\nmax_steps = 0\nseed = 3\n\
     [pipeline]\nmax_batch_size = 4\ntoken_budget = 512\n\
     [training]\nfeature_noise_std = 0.05\n\
     [checkpoint]\ninterval_steps = 8\nkeep_last = 0\n\
-    [faults]\nlease_timeout_ms = 4000";
+    [faults]\nlease_timeout_ms = 4000\nack_timeout_ms = 3000";
 
 const SAMPLES: usize = 6000;
 
@@ -228,6 +231,7 @@ enum Fault {
     Kill(Role),
     Pause(Role, Duration),
     NetworkCut(Duration),
+    StalledReplies(Duration),
     CheckpointWriteFails,
 }
 
@@ -245,6 +249,7 @@ impl Fault {
             Fault::Kill(r) => format!("SIGKILL {r:?}"),
             Fault::Pause(r, _) => format!("SIGSTOP {r:?}"),
             Fault::NetworkCut(_) => "network cut".into(),
+            Fault::StalledReplies(_) => "drafter replies stalled".into(),
             Fault::CheckpointWriteFails => "checkpoint write fails".into(),
         }
     }
@@ -256,6 +261,7 @@ impl std::fmt::Display for Fault {
             Fault::Kill(r) => write!(f, "SIGKILL {r:?}"),
             Fault::Pause(r, d) => write!(f, "SIGSTOP {r:?} for {:.1} s, then SIGCONT", d.as_secs_f64()),
             Fault::NetworkCut(d) => write!(f, "network cut for {:.1} s", d.as_secs_f64()),
+            Fault::StalledReplies(d) => write!(f, "drafter replies stalled for {:.1} s", d.as_secs_f64()),
             Fault::CheckpointWriteFails => write!(f, "checkpoint write fails"),
         }
     }
@@ -273,14 +279,16 @@ fn schedule(seed: u64, n: usize) -> Vec<Fault> {
         pause(Role::Target(1)),
         pause(Role::Coordinator),
         Fault::NetworkCut(Duration::from_millis(3000)),
+        Fault::StalledReplies(Duration::from_millis(4500)),
         Fault::CheckpointWriteFails,
     ];
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed + 1);
     while all.len() < n {
         let r = [Role::Coordinator, Role::Drafter, Role::Target(0), Role::Target(1)][rng.random_range(0..4)];
-        all.push(match rng.random_range(0..3) {
+        all.push(match rng.random_range(0..4) {
             0 => Fault::Kill(r),
             1 => Fault::Pause(r, Duration::from_millis(rng.random_range(800..3500))),
+            2 => Fault::StalledReplies(Duration::from_millis(rng.random_range(1000..6000))),
             _ => Fault::NetworkCut(Duration::from_millis(rng.random_range(1000..4000))),
         });
     }
@@ -317,6 +325,12 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
             run.hold(d);
             run.drafter_proxy.set_cut(false);
             run.coordinator_proxy.set_cut(false);
+            Ok(now())
+        }
+        Fault::StalledReplies(d) => {
+            run.drafter_proxy.stall_replies();
+            run.hold(d);
+            run.drafter_proxy.release_replies();
             Ok(now())
         }
         Fault::CheckpointWriteFails => {

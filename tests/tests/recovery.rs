@@ -126,3 +126,32 @@ fn killed_targets_leases_go_to_another_target(coordinator_args: &[&str]) {
     assert!(drafter.expect_exit(Duration::from_secs(30)).success(), "{}", drafter.log_text());
     assert_exactly_once(&cluster.ledger, 30);
 }
+
+/// A drafter whose replies stop arriving while its connection stays up
+/// (keepalive pings answered, every acknowledgement held in the network):
+/// after `faults.ack_timeout_ms` the target gives the stream up, connects
+/// again and replays what was not acknowledged. The stall is never lifted;
+/// the run completes with every batch trained and committed once. Without
+/// the timeout the target waits on that stream for good.
+#[test]
+fn a_target_gives_up_a_stream_whose_acknowledgements_stop_and_replays_it() {
+    let ws = Workspace::synthetic(600, 3);
+    let extra =
+        "[run]\nmax_steps = 30\n[faults]\nack_timeout_ms = 3000\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512";
+    let cluster = Cluster::new(&ws, ws.config("ack-timeout", extra));
+    let mut coord = cluster.coordinator(&[]);
+    let proxy = Proxy::start(format!("127.0.0.1:{}", cluster.drafter_port).parse().unwrap());
+    let mut drafter = cluster.drafter_advertising("drafter", &format!("http://127.0.0.1:{}", proxy.port));
+    let mut target = cluster.target("target-0");
+    assert!(drafter.wait_for_log("step 3/", Duration::from_secs(90)), "{}", drafter.log_text());
+    proxy.stall_replies();
+    let stalled = Instant::now();
+    let gave_up = "acknowledged nothing for 3000 ms";
+    assert!(target.wait_for_log(gave_up, Duration::from_secs(60)), "{}", target.log_text());
+    eprintln!("replies stalled to the stream given up: {:.2} s", stalled.elapsed().as_secs_f64());
+    assert!(coord.expect_exit(Duration::from_secs(180)).success(), "{}", coord.log_text());
+    assert!(drafter.expect_exit(Duration::from_secs(30)).success(), "{}", drafter.log_text());
+    assert!(target.expect_exit(Duration::from_secs(30)).success(), "{}", target.log_text());
+    assert!(target.log_text().contains("replaying"), "{}", target.log_text());
+    assert_exactly_once(&cluster.ledger, 30);
+}
