@@ -4,7 +4,9 @@
 //! coordinator), the drafter's replies stalled on its open connections
 //! (acknowledgements held, keepalives answered: the targets give those
 //! streams up after `faults.ack_timeout_ms` and replay), a checkpoint
-//! write that fails -- supervised as Kubernetes
+//! write that fails, the newest checkpoint corrupted before the drafter is
+//! killed (it resumes from an older committed one and trains the rest
+//! again) -- supervised as Kubernetes
 //! would (a role that exits is started again). Training in the plan's order
 //! with keyed randomness makes the run a function of its config, data and
 //! seed: the final `model.safetensors` is bit-identical to an uninterrupted
@@ -76,7 +78,14 @@ fn sha256(path: &Path) -> String {
     Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The final checkpoint's weights.
+/// Complete checkpoints (`step-*` folders) under `root`.
+fn step_dirs(root: &Path) -> usize {
+    std::fs::read_dir(root)
+        .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("step-")).count())
+        .unwrap_or(0)
+}
+
+/// The final (newest) checkpoint's weights.
 fn final_weights(ckpt_root: &Path) -> PathBuf {
     let latest = std::fs::read_to_string(ckpt_root.join("latest")).unwrap();
     ckpt_root.join(latest.trim()).join("model.safetensors")
@@ -233,6 +242,7 @@ enum Fault {
     NetworkCut(Duration),
     StalledReplies(Duration),
     CheckpointWriteFails,
+    CorruptNewestCheckpoint,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -251,6 +261,7 @@ impl Fault {
             Fault::NetworkCut(_) => "network cut".into(),
             Fault::StalledReplies(_) => "drafter replies stalled".into(),
             Fault::CheckpointWriteFails => "checkpoint write fails".into(),
+            Fault::CorruptNewestCheckpoint => "newest checkpoint corrupted".into(),
         }
     }
 }
@@ -263,6 +274,7 @@ impl std::fmt::Display for Fault {
             Fault::NetworkCut(d) => write!(f, "network cut for {:.1} s", d.as_secs_f64()),
             Fault::StalledReplies(d) => write!(f, "drafter replies stalled for {:.1} s", d.as_secs_f64()),
             Fault::CheckpointWriteFails => write!(f, "checkpoint write fails"),
+            Fault::CorruptNewestCheckpoint => write!(f, "newest checkpoint corrupted, then SIGKILL Drafter"),
         }
     }
 }
@@ -281,12 +293,14 @@ fn schedule(seed: u64, n: usize) -> Vec<Fault> {
         Fault::NetworkCut(Duration::from_millis(3000)),
         Fault::StalledReplies(Duration::from_millis(4500)),
         Fault::CheckpointWriteFails,
+        Fault::CorruptNewestCheckpoint,
     ];
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed + 1);
     while all.len() < n {
         let r = [Role::Coordinator, Role::Drafter, Role::Target(0), Role::Target(1)][rng.random_range(0..4)];
-        all.push(match rng.random_range(0..4) {
+        all.push(match rng.random_range(0..5) {
             0 => Fault::Kill(r),
+            3 => Fault::CorruptNewestCheckpoint,
             1 => Fault::Pause(r, Duration::from_millis(rng.random_range(800..3500))),
             2 => Fault::StalledReplies(Duration::from_millis(rng.random_range(1000..6000))),
             _ => Fault::NetworkCut(Duration::from_millis(rng.random_range(1000..4000))),
@@ -332,6 +346,40 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
             run.hold(d);
             run.drafter_proxy.release_replies();
             Ok(now())
+        }
+        Fault::CorruptNewestCheckpoint => {
+            // Bit rot or a torn copy found at restart: the newest complete
+            // checkpoint's weights change in the middle, then the drafter
+            // dies. It must refuse that checkpoint and fall back to an older
+            // committed one (there is one once two exist: keep_last = 0).
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while step_dirs(ckpt_root) < 2 && Instant::now() < deadline && run.supervise() {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if step_dirs(ckpt_root) < 2 {
+                return Err("fewer than two checkpoints to fall back between".into());
+            }
+            let weights = final_weights(ckpt_root);
+            let mut bytes = std::fs::read(&weights).map_err(|e| format!("{}: {e}", weights.display()))?;
+            let mid = bytes.len() / 2;
+            for b in &mut bytes[mid..mid + 16] {
+                *b ^= 0xff;
+            }
+            std::fs::write(&weights, &bytes).map_err(|e| format!("{}: {e}", weights.display()))?;
+            let since = now();
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(run.drafter.pid()), Signal::SIGKILL);
+            // The drafter started again resumes only after passing over it.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while first_after(&run.drafter_logs, "after passing over", since).is_none() && Instant::now() < deadline {
+                run.hold(Duration::from_millis(50));
+            }
+            assert!(
+                first_after(&run.drafter_logs, "after passing over", since).is_some(),
+                "the drafter did not pass over the corrupted {}:\n{}",
+                weights.display(),
+                run.drafter.log_text()
+            );
+            Ok(since)
         }
         Fault::CheckpointWriteFails => {
             // The checkpoint two intervals ahead cannot be written: its
