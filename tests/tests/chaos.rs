@@ -6,7 +6,8 @@
 //! streams up after `faults.ack_timeout_ms` and replay), a checkpoint
 //! write that fails, the newest checkpoint corrupted before the drafter is
 //! killed (it resumes from an older committed one and trains the rest
-//! again) -- supervised as Kubernetes
+//! again), a slow drafter (stopped three quarters of the time) --
+//! supervised as Kubernetes
 //! would (a role that exits is started again). Training in the plan's order
 //! with keyed randomness makes the run a function of its config, data and
 //! seed: the final `model.safetensors` is bit-identical to an uninterrupted
@@ -243,6 +244,7 @@ enum Fault {
     StalledReplies(Duration),
     CheckpointWriteFails,
     CorruptNewestCheckpoint,
+    SlowDrafter(Duration),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -262,6 +264,7 @@ impl Fault {
             Fault::StalledReplies(_) => "drafter replies stalled".into(),
             Fault::CheckpointWriteFails => "checkpoint write fails".into(),
             Fault::CorruptNewestCheckpoint => "newest checkpoint corrupted".into(),
+            Fault::SlowDrafter(_) => "slow drafter".into(),
         }
     }
 }
@@ -275,6 +278,7 @@ impl std::fmt::Display for Fault {
             Fault::StalledReplies(d) => write!(f, "drafter replies stalled for {:.1} s", d.as_secs_f64()),
             Fault::CheckpointWriteFails => write!(f, "checkpoint write fails"),
             Fault::CorruptNewestCheckpoint => write!(f, "newest checkpoint corrupted, then SIGKILL Drafter"),
+            Fault::SlowDrafter(d) => write!(f, "drafter slowed to a quarter for {:.1} s", d.as_secs_f64()),
         }
     }
 }
@@ -294,13 +298,15 @@ fn schedule(seed: u64, n: usize) -> Vec<Fault> {
         Fault::StalledReplies(Duration::from_millis(4500)),
         Fault::CheckpointWriteFails,
         Fault::CorruptNewestCheckpoint,
+        Fault::SlowDrafter(Duration::from_millis(4000)),
     ];
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed + 1);
     while all.len() < n {
         let r = [Role::Coordinator, Role::Drafter, Role::Target(0), Role::Target(1)][rng.random_range(0..4)];
-        all.push(match rng.random_range(0..5) {
+        all.push(match rng.random_range(0..6) {
             0 => Fault::Kill(r),
             3 => Fault::CorruptNewestCheckpoint,
+            4 => Fault::SlowDrafter(Duration::from_millis(rng.random_range(2000..8000))),
             1 => Fault::Pause(r, Duration::from_millis(rng.random_range(800..3500))),
             2 => Fault::StalledReplies(Duration::from_millis(rng.random_range(1000..6000))),
             _ => Fault::NetworkCut(Duration::from_millis(rng.random_range(1000..4000))),
@@ -345,6 +351,20 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
             run.drafter_proxy.stall_replies();
             run.hold(d);
             run.drafter_proxy.release_replies();
+            Ok(now())
+        }
+        Fault::SlowDrafter(d) => {
+            // A drafter that runs but slowly (a throttled or shared host):
+            // stopped 150 ms of every 200 for `d`. Streams stay up; targets
+            // wait on its credits, batches keep their order.
+            let until = Instant::now() + d;
+            while Instant::now() < until {
+                let pid = nix::unistd::Pid::from_raw(run.drafter.pid());
+                let _ = nix::sys::signal::kill(pid, Signal::SIGSTOP);
+                std::thread::sleep(Duration::from_millis(150));
+                let _ = nix::sys::signal::kill(pid, Signal::SIGCONT);
+                run.hold(Duration::from_millis(50));
+            }
             Ok(now())
         }
         Fault::CorruptNewestCheckpoint => {
