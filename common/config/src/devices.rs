@@ -203,6 +203,9 @@ impl std::str::FromStr for TargetDevices {
                     if a > b {
                         return Err(format!("the range '{part}' runs backwards"));
                     }
+                    if b - a >= 1024 {
+                        return Err(format!("the range '{part}' names more than 1024 GPUs"));
+                    }
                     (a..=b).collect()
                 }
                 None => part.split('+').map(gpu).collect::<Result<_, _>>()?,
@@ -274,6 +277,7 @@ mod tests {
         }
         assert!("0-2,2".parse::<TargetDevices>().unwrap_err().contains("GPU 2 is named twice"));
         assert!("3-1".parse::<TargetDevices>().unwrap_err().contains("backwards"));
+        assert!("0-4000000000".parse::<TargetDevices>().unwrap_err().contains("more than 1024"));
         assert!("cpu,0".parse::<TargetDevices>().unwrap_err().contains("mixes"));
         assert!("0-x".parse::<TargetDevices>().unwrap_err().contains("'0-x'"));
     }

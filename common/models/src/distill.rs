@@ -21,7 +21,7 @@ pub struct TopK {
 
 /// Logit entries computed at once (tokens per chunk x vocabulary): bounds
 /// the f32 logits a chunk holds to 256 MiB.
-const CHUNK_ENTRIES: i64 = 1 << 26;
+pub const CHUNK_ENTRIES: i64 = 1 << 26;
 
 impl TopK {
     /// From final normed hidden states `[T, H]` and the LM head `[V, H]`:

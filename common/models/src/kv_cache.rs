@@ -101,6 +101,12 @@ impl KvCache {
     /// Keeps only the sequences at `rows` (finished ones leave the batch).
     pub fn retain_rows(&mut self, rows: &Tensor) {
         for slot in &mut self.layers {
+            // A target split over devices keeps each layer's cache on its own.
+            let rows = &match slot {
+                Slot::Empty => continue,
+                Slot::Attention(k, _) => rows.to_device(k.device()),
+                Slot::Recurrent(r) => rows.to_device(r.state.device()),
+            };
             match slot {
                 Slot::Empty => {}
                 Slot::Attention(k, v) => {

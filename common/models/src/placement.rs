@@ -36,7 +36,8 @@ pub struct Footprint {
     pub cost: Vec<f64>,
     /// Activations of one forward on every part (see [`workspace_bytes`]).
     pub workspace: u64,
-    /// What the first part holds besides: the captured layers of a batch.
+    /// What the first part holds besides: the captured layers of the
+    /// batches in flight there, and the feature cache.
     pub captures: u64,
 }
 
@@ -103,8 +104,10 @@ impl Placement {
     /// Splits the layers of `f` over `devices` (in order) into runs of
     /// consecutive layers, one per device, each at least one layer: of the
     /// splits whose parts fit `capacity` (bytes per device, None: no
-    /// limit), the one whose largest part computes least. Parts on the CPU
-    /// share the host's memory: their sum must fit its capacity.
+    /// limit), the one whose largest part computes least (ties: the one
+    /// whose fullest device holds less, as far as the search keeps it).
+    /// Parts on the CPU share the host's memory: their sum must fit its
+    /// capacity.
     pub fn plan(devices: &[Device], f: &Footprint, capacity: Option<&[u64]>) -> Result<Self, DoesNotFit> {
         let (p, n) = (devices.len(), f.layers.len());
         if p == 0 {
@@ -129,8 +132,8 @@ impl Placement {
         let cost = |r: Range<usize>| prefix[r.end] - prefix[r.start];
         // best[k][j]: the least (largest cost, then largest bytes) of
         // layers 0..j on parts 0..=k, with where part k starts; infinite
-        // where nothing fits. Ties in cost go to the split whose fullest
-        // device holds least.
+        // where nothing fits. The cost is optimal; among equal costs the
+        // bytes break ties as far as the kept prefixes allow.
         let bytes = |k: usize, r: Range<usize>| part_bytes(f, r.start as i64..r.end as i64, k == 0, k + 1 == p) as f64;
         let none = (f64::INFINITY, f64::INFINITY, 0usize);
         let mut best = vec![vec![none; n + 1]; p];
@@ -200,7 +203,11 @@ fn part_bytes(f: &Footprint, layers: Range<i64>, first: bool, last: bool) -> u64
 fn does_not_fit(devices: &[Device], f: &Footprint, cap: &[u64]) -> String {
     let need = f.weight_bytes() + f.captures + f.workspace * devices.len() as u64;
     let largest = f.layers.iter().max().copied().unwrap_or(0) + f.workspace;
-    let have: Vec<String> = devices.iter().zip(cap).map(|(d, c)| format!("{} {}", name(*d), gib(*c))).collect();
+    let have: Vec<String> = devices
+        .iter()
+        .zip(cap)
+        .map(|(d, &c)| format!("{} {}", name(*d), if c == u64::MAX { "unknown".into() } else { gib(c) }))
+        .collect();
     format!(
         "the target does not fit its devices: it needs {} in all ({} of weights, {} of activations a device; \
          its largest layer alone {}, the embedding {}, the head {}), and the devices have {}",
@@ -216,7 +223,7 @@ fn does_not_fit(devices: &[Device], f: &Footprint, cap: &[u64]) -> String {
 
 /// Memory free for a target part on `device`, in bytes: the GPU's free
 /// memory, or the host's available memory (`MemAvailable`). None where it
-/// cannot be read (the plan then sets no limit for the device).
+/// cannot be read: see [`capacities`].
 pub fn capacity(device: Device) -> Option<u64> {
     match device {
         Device::Cuda(i) => crate::gpu::context(i).ok()?.mem_get_info().ok().map(|(free, _)| free as u64),
@@ -237,6 +244,12 @@ pub fn name(d: Device) -> String {
     }
 }
 
+/// Each device's [`capacity`], `u64::MAX` (no limit) for one that cannot be
+/// read.
+pub fn capacities(devices: &[Device]) -> Vec<u64> {
+    devices.iter().map(|&d| capacity(d).unwrap_or(u64::MAX)).collect()
+}
+
 /// Bytes as GiB with two decimals.
 pub fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
@@ -246,15 +259,17 @@ pub fn gib(b: u64) -> String {
 /// `elem` each: four copies of the residual stream (input, normed, output,
 /// the sum), every projection's output of the busiest layer (its
 /// multiply-adds per token over the hidden size: q, k, v, gate, up, ...
-/// as if all were alive at once), and distillation's f32 logits and
-/// log-probabilities on the last part (every part is planned to leave room
-/// for them, to keep the plan simple). An estimate that errs high.
+/// as if all were alive at once), and for distillation the top-k's chunk
+/// of f32 logits with its softmax and log-softmax ([`crate::distill`] works
+/// through the vocabulary `CHUNK_ENTRIES` entries at a time; every part is
+/// planned to leave room for it, to keep the plan simple). An estimate that
+/// errs high.
 pub fn workspace_bytes(c: &crate::TargetConfig, tokens: u64, elem: u64, top_k: bool) -> u64 {
     let h = c.hidden_size as u64;
     let widest = (0..c.num_layers).map(|i| c.layer_linear_macs(i) as u64 / h).max();
     let rows = 4 * h + widest.unwrap_or(0);
-    let logits = if top_k { 2 * c.vocab_size as u64 * 4 } else { 0 };
-    tokens * (rows * elem + logits)
+    let logits = if top_k { 3 * crate::distill::CHUNK_ENTRIES as u64 * 4 } else { 0 };
+    tokens * rows * elem + logits
 }
 
 #[cfg(test)]

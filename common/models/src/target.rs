@@ -238,7 +238,8 @@ impl TargetModel {
             let before = w.taken_bytes();
             let n = zoo::norm(w, &c, "model.norm", c.hidden_size)?;
             // A tied head on another device than the embedding is a copy of it.
-            let copy = (placement.last() != placement.home()).then(|| embed_tokens.to_device(placement.last()));
+            let copy = (c.tie_word_embeddings && placement.last() != placement.home())
+                .then(|| embed_tokens.to_device(placement.last()));
             let head = lm_head(w, &c, copy.as_ref().unwrap_or(&embed_tokens))?;
             footprint.tail = w.taken_bytes() - before;
             footprint.tied_head = c.tie_word_embeddings;
@@ -297,7 +298,8 @@ impl TargetModel {
         &self.embed_tokens
     }
 
-    /// The output projection `[vocab, H]` (the drafter's logits use it).
+    /// The output projection `[vocab, H]` (the drafter's logits use it), on
+    /// the last part's device.
     pub fn lm_head(&self) -> Option<&Tensor> {
         self.lm_head.as_ref()
     }
@@ -344,11 +346,12 @@ impl TargetModel {
     }
 
     /// Runs layers `0..=last` part by part: the residual stream moves to
-    /// each part's device (device-to-device copies, queued without waiting
-    /// on the host: while a later part works on this batch the earlier
-    /// ones can start the next), with the positions' RoPE tables and the
-    /// linear-attention layout made once per part. `mark(stage)` after each
-    /// stage of each layer.
+    /// each part's device (device-to-device copies queued without a host
+    /// wait), with the positions' RoPE tables and the linear-attention
+    /// layout made once per part; captured layers are copied to the home
+    /// device (which waits for them there: parts on different GPUs do not
+    /// overlap yet, see ARCHITECTURE.md). `mark(stage)` after each stage of
+    /// each layer.
     fn run_layers(
         &self,
         input_ids: &Tensor,

@@ -201,17 +201,21 @@ fn print_layouts(
 ) -> anyhow::Result<Placement> {
     let elem = kind.elt_size_in_bytes() as u64;
     f.workspace = placement::workspace_bytes(c, a.tokens, elem, false);
-    f.captures = a.tokens * c.hidden_size as u64 * elem * captured as u64;
+    // As serve counts them at the default postprocess depth: three batches.
+    f.captures = 3 * a.tokens * c.hidden_size as u64 * elem * captured as u64;
     let mut first = None;
     for group in groups.instances() {
         let devices: Vec<Device> = group.devices().iter().map(dflash_models::cuda::torch_device).collect();
-        let capacity: Option<Vec<u64>> = devices.iter().map(|&d| placement::capacity(d)).collect();
+        let capacity = placement::capacities(&devices);
         let name = dflash_config::group_name(group);
         let plan =
-            Placement::plan(&devices, &f, capacity.as_deref()).map_err(|e| anyhow::anyhow!("devices {name}: {e}"))?;
+            Placement::plan(&devices, &f, Some(&capacity)).map_err(|e| anyhow::anyhow!("devices {name}: {e}"))?;
         println!("  {:<18} capturing up to layer {last}, {} tokens a batch:", format!("layout {name}:"), a.tokens);
         for (k, (part, need)) in plan.parts().iter().zip(plan.bytes(&f)).enumerate() {
-            let free = capacity.as_ref().map_or(String::new(), |c| format!(" of {} free", bytes(c[k])));
+            let free = match capacity[k] {
+                u64::MAX => " (free memory unknown)".to_string(),
+                c => format!(" of {} free", bytes(c)),
+            };
             let (from, to) = (part.layers.start, part.layers.end - 1);
             println!("  {:<18} layers {from}-{to} on {}: {}{free}", "", group.devices()[k], bytes(need));
         }

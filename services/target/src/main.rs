@@ -181,21 +181,23 @@ fn plan_instance(
     let elem = kind_of(spec.dtype).elt_size_in_bytes() as u64;
     let mut f = i.inspection.footprint.clone();
     f.workspace = placement::workspace_bytes(config, tokens, elem, spec.target_top_k > 0);
-    f.captures = tokens * config.hidden_size as u64 * elem * spec.layer_ids.len() as u64;
-    let capacity: Option<Vec<u64>> = devices.iter().map(|&d| placement::capacity(d)).collect();
-    let plan = Placement::plan(devices, &f, capacity.as_deref())
+    // Batches whose captures live on the first device at once: the forward
+    // loop's, the postprocess queue's and the worker's; and the feature cache.
+    let held = c.pipeline.target_postprocess_depth as u64 + 2;
+    let cache = (c.pipeline.target_feature_cache_mib as u64) << 20;
+    f.captures = held * tokens * config.hidden_size as u64 * elem * spec.layer_ids.len() as u64 + cache;
+    let capacity = placement::capacities(devices);
+    let plan = Placement::plan(devices, &f, Some(&capacity))
         .map_err(|e| anyhow::anyhow!("{}: {e}", i.model_dir.display()))
         .kind(ErrorKind::Model)?;
     let parts: Vec<String> = (plan.parts().iter().zip(plan.bytes(&f)).enumerate())
         .map(|(k, (p, need))| {
-            let free = capacity.as_ref().map_or(String::new(), |c| format!(" of {} free", placement::gib(c[k])));
-            format!(
-                "layers {}-{} on {} (needs {}{free})",
-                p.layers.start,
-                p.layers.end - 1,
-                i.devices.devices()[k],
-                placement::gib(need)
-            )
+            let free = match capacity[k] {
+                u64::MAX => " (free memory unknown)".to_string(),
+                c => format!(" of {} free", placement::gib(c)),
+            };
+            let (from, to, on) = (p.layers.start, p.layers.end - 1, i.devices.devices()[k]);
+            format!("layers {from}-{to} on {on} (needs {}{free})", placement::gib(need))
         })
         .collect();
     tracing::info!("target {}: {}", group_name(i.devices), parts.join("; "));
