@@ -61,8 +61,8 @@ pub struct BenchArgs {
     /// layers, all on `--device` (the cost of a split, measured on one
     /// device: what a multi-device instance runs, less the copies between
     /// devices).
-    #[arg(long, default_value_t = 1)]
-    pub parts: usize,
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub parts: u16,
     #[arg(long)]
     pub json: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
@@ -71,10 +71,10 @@ pub struct BenchArgs {
 
 /// The random target to `last`, whole or in `parts` parts on `device`,
 /// balanced by the layers' compute as the target service plans them.
-fn random_target(c: &TargetConfig, device: Device, kind: Kind, last: i64, parts: usize) -> anyhow::Result<TargetModel> {
+fn random_target(c: &TargetConfig, device: Device, kind: Kind, last: i64, parts: u16) -> anyhow::Result<TargetModel> {
     let cost = (0..=last).map(|i| c.layer_linear_macs(i)).collect();
     let f = Footprint { layers: vec![0; last as usize + 1], cost, ..Default::default() };
-    let plan = Placement::plan(&vec![device; parts.max(1)], &f, None)?;
+    let plan = Placement::plan(&vec![device; parts as usize], &f, None)?;
     Ok(TargetModel::random_placed(c.clone(), &plan, kind, LoadScope::CaptureUpTo { last_layer: last })?)
 }
 
@@ -191,7 +191,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         a.shape,
         last + 1,
         config.num_layers,
-        a.parts.max(1),
+        a.parts,
         a.batch_tokens,
         a.min_len,
         a.max_len,

@@ -158,12 +158,9 @@ impl TargetModel {
     pub fn inspect(dir: &Path, kind: Kind, scope: LoadScope) -> Result<Inspection, ModelError> {
         let c = TargetConfig::from_dir(dir)?;
         let n_layers = layers_for(&c, scope, dir)?;
-        let keep = |name: &str| match layer_index(name) {
-            Some(i) => i < n_layers,
-            None => keep_outside_layers(name, scope),
-        };
-        let mut headers = Weights::headers(dir, &c.tensor_names, kind, &keep, c.quant.as_ref())?;
         let whole = Placement::whole(Device::Cpu, n_layers);
+        let keep = |name: &str| part_for(name, &whole, n_layers, scope).is_some();
+        let mut headers = Weights::headers(dir, &c.tensor_names, kind, &keep, c.quant.as_ref())?;
         let (model, footprint) =
             Self::from_weights(c.clone(), std::slice::from_mut(&mut headers), &whole, scope, kind, dir)?;
         Ok(Inspection { config: c, bytes: model.planned_bytes, footprint, skipped: headers.skipped().to_vec() })
