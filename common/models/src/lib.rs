@@ -28,6 +28,7 @@ pub mod kv_cache;
 pub mod latent_attention;
 pub mod layers;
 pub mod moe;
+pub mod objective;
 pub mod optim;
 pub mod perf;
 pub mod placement;

@@ -9,6 +9,8 @@ use tch::{Kind, Tensor};
 
 use crate::blocks::{BlockLayout, BlockSequence, BlockSettings, sample_anchors};
 use crate::drafter::Drafter;
+use crate::objective::{ChunkObjective, ChunkRows, SelectorPick, probability_kind};
+pub use crate::objective::{Objective, dpace_weights};
 use crate::optim::{AdamW, AdamWSettings, LrSchedule};
 
 /// Settings of the training step.
@@ -35,37 +37,6 @@ pub struct TrainSettings {
     /// DFlash2: weight of the selector's cross-entropy (ignored by a
     /// drafter without a selector).
     pub selector_loss_weight: f64,
-}
-
-/// The loss over the drafted slots of a batch.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Objective {
-    /// Cross-entropy, slot k weighted by the layout (`exp(-(k-1)/gamma)`),
-    /// normalized by the batch's total weight.
-    CrossEntropy,
-    /// D-PACE: the cross-entropy of slot j weighted by `w_j = sum_{m>=j}
-    /// prod_{i<=m} q_i`, `q_i = (1 - alpha) p_i + alpha` with `p_i` the
-    /// drafter's probability of the label (detached: weights, not a path
-    /// for gradients); a slot without a label is a no-op in the products
-    /// and adds nothing to the sums. Normalized by the batch's supervised
-    /// slots, so the loss reads as weighted cross-entropy per slot.
-    Dpace { alpha: f64 },
-    /// Distillation: the cross-entropy of slot k against the target's
-    /// next-token distribution at the same position (its top-k, shipped in
-    /// [`DeviceBatch::target_top_k`], renormalized), weighted like
-    /// [`Objective::CrossEntropy`]. A slot is correct when its proposal is
-    /// the target's most likely token: what greedy verification accepts.
-    Distill,
-}
-
-/// D-PACE's weights `[blocks, B-1]` from the label probabilities `p` and
-/// the supervised slots `valid` (both `[blocks, B-1]`), in `p`'s kind.
-pub fn dpace_weights(p: &Tensor, valid: &Tensor, alpha: f64) -> Tensor {
-    let q = (p * (1.0 - alpha) + alpha).where_self(valid, &p.ones_like());
-    let prefix = q.cumprod(1, p.kind());
-    let counted = prefix * valid.to_kind(p.kind());
-    let suffix = counted.flip([1]).cumsum(1, p.kind()).flip([1]);
-    suffix * valid.to_kind(p.kind())
 }
 
 /// A batch on the drafter's device, ready to train on.
@@ -351,7 +322,6 @@ impl Trainer {
         let weights = Tensor::from_slice(&layout.weights).to_device(device);
         let selector = self.drafter.selector();
         let predecessors = selector.map(|_| Tensor::from_slice(&layout.predecessors()).to_device(device));
-        let lambda = self.settings.selector_loss_weight;
         // Distillation: each row's target top-k, read where its label's
         // distribution is (the position before the label), renormalized.
         let teacher = teacher.map(|t| {
@@ -362,25 +332,19 @@ impl Trainer {
         });
         let mut picks = Vec::new(); // DFlash2: each chunk's candidates, for the selector's backward
 
-        // Chunked logits with the cross-entropy gradient written by hand:
-        // d(sum w*CE)/d(logits) = w * (softmax - onehot). The softmax reads the
-        // logits, accumulates in fp32 and writes the probabilities in the
-        // kind the LM head's backward matmul reads: the model's own kind when
-        // it is a half type (one rounding per entry, as rounding fp32
-        // probabilities would give), so no fp32 rows x vocab tensor is written
-        // and read back. Autograd through an fp32 cross-entropy would add an
-        // fp32 copy of the logits, a dense one-hot gradient and conversions
-        // (each a full pass over rows x vocab). Only one chunk of logits lives
-        // at a time. The label's entry, p - 1, is not the rounded p minus 1
-        // (near p = 1 that loses all of it) but minus the sum of the other
-        // rounded probabilities, each held to half precision's relative
-        // accuracy: one extra read of the chunk's probabilities.
+        // The logits a chunk at a time (only one chunk of rows x vocab lives
+        // at a time), their gradient from the objective (crate::objective),
+        // back through the LM head into `grad`.
         let m = layout.rows.len() as i64;
         let chunk = (self.settings.loss_chunk_blocks * (layout.block_size - 1)) as i64;
-        // The kind sums are taken in: f64 for an f64 drafter (tests), else fp32.
-        let acc = if kind == Kind::Double { Kind::Double } else { Kind::Float };
-        let probs_kind = probability_kind(kind);
         let bm1 = (layout.block_size - 1) as i64;
+        let objective = ChunkObjective {
+            objective: self.settings.objective,
+            selector_weight: self.settings.selector_loss_weight,
+            block_slots: bm1,
+            acc: if kind == Kind::Double { Kind::Double } else { Kind::Float },
+            probs_kind: probability_kind(kind),
+        };
         let mut row_weights = Vec::new(); // each chunk's rows' weights, in `acc`
         let mut grad = Tensor::empty([m, h], (kind, device));
         let mut correct_parts = Vec::new();
@@ -394,104 +358,28 @@ impl Trainer {
             let lab = labels.narrow(0, start, len).unsqueeze(1);
             let w = weights.narrow(0, start, len);
             let pick = selector.zip(predecessors.as_ref()).map(|(sel, pred)| {
-                let supervised = weights.narrow(0, start, len).gt(0.0);
-                SelectorPick::new(sel, &x, sel.candidates(&logits), &pred.narrow(0, start, len), &lab, supervised)
+                SelectorPick::new(sel, &x, sel.candidates(&logits), &pred.narrow(0, start, len), &lab, w.gt(0.0))
             });
             let taught = teacher.as_ref().map(|(ids, p)| (ids.narrow(0, start, len), p.narrow(0, start, len)));
-            correct_parts.push(match (&pick, &taught) {
-                (Some(p), _) => p.correct(),
-                // Greedy verification accepts the target's most likely token.
-                (None, Some((ids, _))) => logits.argmax(-1, false).eq_tensor(&ids.select(1, 0)),
-                (None, None) => logits.argmax(-1, false).eq_tensor(&lab.squeeze_dim(1)),
-            });
-            let mut probs = logits.softmax(-1, probs_kind);
-            drop(logits);
-            // CE = -log p[label]; p is clamped at the smallest normal float,
-            // so a confidently wrong slot reports a loss of at most ~87 where
-            // a log-sum-exp would report more (its gradient is exact either way).
-            let p_label = probs.gather(1, &lab, false).squeeze_dim(1);
-            // 1 - p of the label as the sum of the other probabilities, taken
-            // before anything is added to `probs`: each of them is small and
-            // held to half precision's relative accuracy, where p itself, near
-            // 1, rounds by up to 2^-9 absolute -- as much as a confident slot's
-            // whole 1 - p, whose gradient `p - 1` would round away with it.
-            // Distillation: the same for the target's top token, where the
-            // drafter's p may be near 1 too.
-            let first = match &taught {
-                Some((ids, _)) => probs.gather(1, &ids.narrow(1, 0, 1), false).squeeze_dim(1),
-                None => p_label.shallow_clone(),
-            };
-            let rest = probs.sum_dim_intlist(-1, false, acc) - first.to_kind(acc);
-            let log_p = |p: Tensor| p.to_kind(Kind::Double).clamp_min(f64::from(f32::MIN_POSITIVE)).log();
-            let ce = match &taught {
-                // -sum_j p_target(j) log p(j) over the target's top-k.
-                Some((ids, p)) => (log_p(probs.gather(1, ids, false)) * p.to_kind(Kind::Double))
-                    .sum_dim_intlist(1, false, Kind::Double)
-                    .neg(),
-                None => log_p(p_label.shallow_clone()).neg(),
-            };
-            // Chunks hold whole blocks (B-1 rows each), so D-PACE's per-block
-            // products see every slot of a block.
-            let w = match self.settings.objective {
-                Objective::CrossEntropy | Objective::Distill => w.to_kind(acc),
-                Objective::Dpace { alpha } => {
-                    let valid = w.gt(0.0).view([-1, bm1]);
-                    dpace_weights(&p_label.to_kind(acc).view([-1, bm1]), &valid, alpha).view([-1])
-                }
-            };
-            loss_parts.push((&ce * w.to_kind(Kind::Double)).sum(Kind::Double));
-            // DFlash2: the selector's gradient at each row's label (0 where
-            // the candidates miss it), re-added when the label's entry is set.
-            let mut selector_at_label = None;
-            if let Some(pick) = &pick {
-                // The selector's cross-entropy, weighted like the block's,
-                // and its gradient on the candidates' logits (the unary
-                // scores): lambda * (softmax - onehot) over the k candidates.
-                loss_parts.push((pick.cross_entropy() * w.to_kind(Kind::Double)).sum(Kind::Double) * lambda);
-                let g = pick.score_gradient(acc) * lambda;
-                selector_at_label = Some(g.gather(1, &pick.target.unsqueeze(1), false).squeeze_dim(1));
-                let _ = probs.scatter_add_(1, &pick.candidates, &g.to_kind(probs_kind));
-            }
+            let terms =
+                objective.terms(logits, ChunkRows { labels: &lab, teacher: taught, weights: &w, pick: pick.as_ref() });
+            correct_parts.push(terms.correct);
+            loss_parts.extend(terms.losses);
+            row_weights.push(terms.weights);
             picks.extend(pick);
-            row_weights.push(w);
-            // d/d(logits) = softmax - target: the one-hot label, or the
-            // target's renormalized top-k.
-            let _ = match &taught {
-                // The top token's entry q - p_target = (1 - p_target) - (1 - q).
-                Some((ids, p)) => {
-                    let _ = probs.scatter_add_(1, ids, &p.neg().to_kind(probs_kind));
-                    let at_first = p.narrow(1, 1, p.size()[1] - 1).sum_dim_intlist(1, false, acc) - &rest;
-                    probs.scatter_(1, &ids.narrow(1, 0, 1), &at_first.unsqueeze(1).to_kind(probs_kind))
-                }
-                // The label's entry is p - 1 = -(1 - p), plus the selector's
-                // gradient there when DFlash2's candidates hold the label.
-                None => {
-                    let at_label = selector_at_label.map_or_else(|| rest.neg(), |s| s - &rest);
-                    probs.scatter_(1, &lab, &at_label.unsqueeze(1).to_kind(probs_kind))
-                }
-            };
-            let _ = probs.to_kind(kind).matmul_out(&grad.narrow(0, start, len), &self.lm_head);
+            let _ = terms.dlogits.to_kind(kind).matmul_out(&grad.narrow(0, start, len), &self.lm_head);
             start += len;
         }
         let scale = Tensor::cat(&row_weights, 0) / total_weight; // [M]: each row's share of the loss
         let _ = grad.g_mul_(&scale.unsqueeze(1).to_kind(kind));
         drop(no_grad);
-        let mut objective = (&rows * &grad).sum(Kind::Float);
+        let mut loss = (&rows * &grad).sum(Kind::Float);
         if let (Some(sel), Some(pred)) = (selector, &predecessors) {
-            // The selector's own parameters (and the hidden states through
-            // its projection) by autograd; the unary scores are constants
-            // here, their gradient went into `grad` above.
-            let all =
-                |field: fn(&SelectorPick) -> &Tensor| Tensor::cat(&picks.iter().map(field).collect::<Vec<_>>(), 0);
-            let (target, hit) = (all(|p| &p.target), all(|p| &p.hit));
-            let scores = sel.scores(&rows, &all(|p| &p.unary), &all(|p| &p.candidates), pred);
-            let log_p = scores.log_softmax(-1, acc).gather(1, &target.unsqueeze(1), false).squeeze_dim(1);
-            let share = scale.to_kind(acc) * hit.to_kind(acc) * lambda;
-            objective = objective.to_kind(acc) - (log_p * share).sum(acc);
-            let recalled = hit.logical_and(&all(|p| &p.supervised));
+            let (term, recalled) = objective.selector_term(sel, &rows, &picks, pred, &scale);
+            loss = loss.to_kind(objective.acc) + term;
             tally.recalled += recalled.to_kind(Kind::Double).sum(Kind::Double).double_value(&[]);
         }
-        objective.backward();
+        loss.backward();
         // Read back once per micro-batch: a read per chunk would stall the
         // GPU queue.
         tally.loss_sum += Tensor::stack(&loss_parts, 0).sum(Kind::Double).double_value(&[]);
@@ -511,72 +399,6 @@ impl Trainer {
         let blocks = layout.real_blocks as f64;
         tally.accept_sum += accepted + blocks;
         tally.blocks += blocks;
-    }
-}
-
-/// DFlash2's selector on one chunk of rows: each row's candidates, their
-/// scores given the true predecessor, and where the label sits among them.
-struct SelectorPick {
-    /// `[len, k]` logits of the candidates (the unary scores).
-    unary: Tensor,
-    /// `[len, k]` token ids.
-    candidates: Tensor,
-    /// `[len, k]` selector scores (no gradient).
-    scores: Tensor,
-    /// `[len]` the label's index among the candidates (0 when absent).
-    target: Tensor,
-    /// `[len]` whether the label is among the candidates: a row without it
-    /// has nothing to select, and trains the block objective only.
-    hit: Tensor,
-    /// `[len]` whether the row is supervised at all.
-    supervised: Tensor,
-}
-
-impl SelectorPick {
-    fn new(
-        sel: &crate::dflash2::CandidateSelector,
-        rows: &Tensor,
-        (unary, candidates): (Tensor, Tensor),
-        predecessors: &Tensor,
-        labels: &Tensor,
-        supervised: Tensor,
-    ) -> Self {
-        let scores = sel.scores(rows, &unary, &candidates, predecessors);
-        let matches = candidates.eq_tensor(labels); // labels [len, 1]
-        let hit = matches.any_dim(1, false);
-        let target = matches.to_kind(Kind::Int64).argmax(1, false);
-        Self { unary, candidates, scores, target, hit, supervised }
-    }
-
-    /// Whether the selector's pick (argmax score given the true
-    /// predecessor) is the label.
-    fn correct(&self) -> Tensor {
-        self.scores.argmax(-1, false).eq_tensor(&self.target).logical_and(&self.hit)
-    }
-
-    /// `[len]` cross-entropy of the label's candidate (0 where absent).
-    fn cross_entropy(&self) -> Tensor {
-        let log_p =
-            self.scores.log_softmax(-1, Kind::Double).gather(1, &self.target.unsqueeze(1), false).squeeze_dim(1);
-        -log_p * self.hit.to_kind(Kind::Double)
-    }
-
-    /// `[len, k]` d(cross-entropy)/d(scores) in `acc`: softmax - onehot,
-    /// 0 where absent.
-    fn score_gradient(&self, acc: Kind) -> Tensor {
-        let p = self.scores.softmax(-1, acc);
-        let onehot = p.zeros_like().scatter_value(1, &self.target.unsqueeze(1), 1.0);
-        (p - onehot) * self.hit.to_kind(acc).unsqueeze(1)
-    }
-}
-
-/// The kind the loss writes its rows x vocab probabilities in: a half
-/// model kind itself (what the LM head's backward matmul reads), f32 and f64
-/// as they are.
-fn probability_kind(model: Kind) -> Kind {
-    match model {
-        Kind::BFloat16 | Kind::Half | Kind::Double => model,
-        _ => Kind::Float,
     }
 }
 
