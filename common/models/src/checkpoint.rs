@@ -184,8 +184,12 @@ pub fn remove_stale_temporaries(root: &Path) -> Result<Vec<PathBuf>, ModelError>
 pub fn point_latest(root: &Path, dir: &Path) -> Result<(), ModelError> {
     let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
     let tmp = root.join(format!(".{LATEST}.tmp"));
-    write_file(&tmp, name.as_bytes())?;
-    std::fs::rename(&tmp, root.join(LATEST)).map_err(|e| ModelError::io(&root.join(LATEST), e))?;
+    let moved = write_file(&tmp, name.as_bytes())
+        .and_then(|()| std::fs::rename(&tmp, root.join(LATEST)).map_err(|e| ModelError::write(&root.join(LATEST), e)));
+    if moved.is_err() {
+        discard(&[&tmp]);
+    }
+    moved?;
     sync_dir(root)
 }
 
@@ -382,13 +386,17 @@ pub fn read_drafter_config(dir: &Path) -> Result<DrafterConfig, ModelError> {
 }
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
-    let mut f = std::fs::File::create(path).map_err(|e| ModelError::io(path, e))?;
-    f.write_all(bytes).map_err(|e| ModelError::io(path, e))?;
-    f.sync_all().map_err(|e| ModelError::io(path, e))
+    let mut f = std::fs::File::create(path).map_err(|e| ModelError::write(path, e))?;
+    f.write_all(bytes).map_err(|e| ModelError::write(path, e))?;
+    f.sync_all().map_err(|e| ModelError::write(path, e))
+}
+
+fn sync_file(path: &Path) -> Result<(), ModelError> {
+    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(|e| ModelError::write(path, e))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), ModelError> {
-    std::fs::File::open(dir).and_then(|f| f.sync_all()).map_err(|e| ModelError::io(dir, e))
+    sync_file(dir)
 }
 
 /// The model card written into every export: what the drafter is and the
@@ -463,9 +471,7 @@ fn write_export(dir: &Path, c: &DrafterConfig, weights: &[(String, Tensor)]) -> 
     write_file(&dir.join("README.md"), model_card(c).as_bytes())?;
     write_safetensors(&dir.join("model.safetensors"), weights)?;
     // write_safetensors does not fsync; do it so the rename publishes durable bytes.
-    std::fs::File::open(dir.join("model.safetensors"))
-        .and_then(|f| f.sync_all())
-        .map_err(|e| ModelError::io(&dir.join("model.safetensors"), e))
+    sync_file(&dir.join("model.safetensors"))
 }
 
 /// A new host tensor of `kind` holding `t`'s values: never a view of `t`
@@ -506,45 +512,92 @@ impl CheckpointSnapshot {
     }
 
     /// Writes the snapshot as [`save_checkpoint`] writes a trainer.
+    ///
+    /// Everything that takes space is written first, where nothing reads
+    /// it: the step's files in `.tmp-step-N-PID` and the new pointer in
+    /// `.latest.tmp`. Only then is the step renamed into place and `latest`
+    /// moved to it. A write that fails (a full disk) removes what it wrote,
+    /// so the space comes back and no step directory exists that the
+    /// caller was told failed (a resume would otherwise find it on disk and
+    /// commit it); the earlier checkpoints and `latest` stay as they were.
     pub fn save(&self, root: &Path, keep_last: usize) -> Result<Checkpoint, ModelError> {
-        std::fs::create_dir_all(root).map_err(|e| ModelError::io(root, e))?;
+        std::fs::create_dir_all(root).map_err(|e| ModelError::write(root, e))?;
         let name = format!("step-{:08}", self.state.step);
         let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-        let written = self.write_files(root, &tmp, &name);
-        if written.is_err() {
-            // A full disk: free what this attempt took.
-            let _ = std::fs::remove_dir_all(&tmp);
-        }
-        let content_hash = written?;
+        let latest_tmp = root.join(format!(".{LATEST}.tmp"));
+        let final_dir = root.join(&name);
+        let content_hash = match self.write_files(&tmp, &latest_tmp, &name) {
+            Ok(hash) => hash,
+            Err(e) => {
+                discard(&[&tmp, &latest_tmp]);
+                return Err(e);
+            }
+        };
+        publish(root, &tmp, &latest_tmp, &final_dir)?;
         if keep_last > 0 {
             prune(root, keep_last)?;
         }
-        Ok(Checkpoint { dir: root.join(&name), step: self.state.step, content_hash })
+        Ok(Checkpoint { dir: final_dir, step: self.state.step, content_hash })
     }
 
-    fn write_files(&self, root: &Path, tmp: &Path, name: &str) -> Result<String, ModelError> {
+    /// The step's files, durable, in `tmp`, and `latest_tmp` naming the
+    /// step. Returns the content hash.
+    fn write_files(&self, tmp: &Path, latest_tmp: &Path, name: &str) -> Result<String, ModelError> {
         if tmp.exists() {
             std::fs::remove_dir_all(tmp).map_err(|e| ModelError::io(tmp, e))?;
         }
-        std::fs::create_dir_all(tmp).map_err(|e| ModelError::io(tmp, e))?;
+        std::fs::create_dir_all(tmp).map_err(|e| ModelError::write(tmp, e))?;
         write_export(tmp, &self.config, &self.weights)?;
         let opt_path = tmp.join("optimizer.safetensors");
         write_safetensors(&opt_path, &self.optimizer)?;
-        std::fs::File::open(&opt_path).and_then(|f| f.sync_all()).map_err(|e| ModelError::io(&opt_path, e))?;
+        sync_file(&opt_path)?;
         write_file(&tmp.join("trainer_state.json"), &serde_json::to_vec(&self.state).expect("json"))?;
         let manifest = Manifest { step: self.state.step, files: digest_files(tmp)? };
         write_file(&tmp.join(MANIFEST), &serde_json::to_vec_pretty(&manifest).expect("json"))?;
         sync_dir(tmp)?;
-        let final_dir = root.join(name);
-        if final_dir.exists() {
-            std::fs::remove_dir_all(&final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
-        }
-        std::fs::rename(tmp, &final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
-        let latest_tmp = root.join(format!(".{LATEST}.tmp"));
-        write_file(&latest_tmp, name.as_bytes())?;
-        std::fs::rename(&latest_tmp, root.join(LATEST)).map_err(|e| ModelError::io(&root.join(LATEST), e))?;
-        sync_dir(root)?;
+        write_file(latest_tmp, name.as_bytes())?;
         Ok(manifest.content_hash())
+    }
+}
+
+/// Renames a written checkpoint into place and `latest` to it. Until
+/// `latest` moves, a failure undoes the step (its directory is removed);
+/// after, the checkpoint is in place and only its directory entry's
+/// durability is in doubt (an I/O error, not a full disk: renames and
+/// fsync take no space on a filesystem with room for the files).
+fn publish(root: &Path, tmp: &Path, latest_tmp: &Path, final_dir: &Path) -> Result<(), ModelError> {
+    if final_dir.exists() {
+        // Left by a write of the same step that did not finish.
+        if let Err(e) = std::fs::remove_dir_all(final_dir) {
+            discard(&[tmp, latest_tmp]);
+            return Err(ModelError::io(final_dir, e));
+        }
+    }
+    if let Err(e) = std::fs::rename(tmp, final_dir) {
+        discard(&[tmp, latest_tmp]);
+        return Err(ModelError::write(final_dir, e));
+    }
+    let latest = root.join(LATEST);
+    if let Err(e) = std::fs::rename(latest_tmp, &latest) {
+        discard(&[latest_tmp, final_dir]);
+        return Err(ModelError::write(&latest, e));
+    }
+    sync_dir(root)
+}
+
+/// Removes what a failed checkpoint write left (files or directories), so
+/// that a full disk gets its space back; a removal that fails is logged
+/// (the next start removes stale temporaries again).
+fn discard(paths: &[&Path]) {
+    for p in paths {
+        let removed = match std::fs::symlink_metadata(p) {
+            Err(_) => continue,
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(p),
+            Ok(_) => std::fs::remove_file(p),
+        };
+        if let Err(e) = removed {
+            tracing::warn!("removing {} after a failed checkpoint write: {e}", p.display());
+        }
     }
 }
 

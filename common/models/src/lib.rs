@@ -56,6 +56,10 @@ pub use trainer::{DeviceBatch, Objective, StepMetrics, StepOutcome, TrainSetting
 pub enum ModelError {
     #[error("{}: {message}", path.display())]
     Io { path: PathBuf, message: String },
+    /// A write that found its disk full (or its quota spent): freeing
+    /// space there is what helps, not a retry alone.
+    #[error("{}: {message}", path.display())]
+    NoSpace { path: PathBuf, message: String },
     #[error("{}: {message}", path.display())]
     Config { path: PathBuf, message: String },
     #[error("{}: {message}", path.display())]
@@ -73,5 +77,20 @@ pub enum ModelError {
 impl ModelError {
     pub fn io(path: &Path, e: impl std::fmt::Display) -> Self {
         ModelError::Io { path: path.to_path_buf(), message: e.to_string() }
+    }
+
+    /// A failed write of `path`: [`ModelError::NoSpace`] when the disk is
+    /// full (ENOSPC) or the quota spent (EDQUOT), else [`ModelError::Io`].
+    pub fn write(path: &Path, e: std::io::Error) -> Self {
+        use std::io::ErrorKind::{QuotaExceeded, StorageFull};
+        match e.kind() {
+            StorageFull | QuotaExceeded => ModelError::NoSpace { path: path.to_path_buf(), message: e.to_string() },
+            _ => Self::io(path, e),
+        }
+    }
+
+    /// Whether this is a write that found no space.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, ModelError::NoSpace { .. })
     }
 }

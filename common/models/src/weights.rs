@@ -585,6 +585,11 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
         views.push((name.clone(), View { dtype, shape, data }));
     }
     let meta: Option<HashMap<String, String>> = Some([("format".to_string(), "pt".to_string())].into());
-    safetensors::tensor::serialize_to_file(views.iter().map(|(n, v)| (n.as_str(), v)), meta, path)
-        .map_err(|e| ModelError::Weights { path: path.to_path_buf(), message: format!("{e:?}") })
+    safetensors::tensor::serialize_to_file(views.iter().map(|(n, v)| (n.as_str(), v)), meta, path).map_err(
+        |e| match e {
+            // A full disk is said as the OS says it, and typed so (ModelError::NoSpace).
+            safetensors::SafeTensorError::IoError(io) => ModelError::write(path, io),
+            e => ModelError::Weights { path: path.to_path_buf(), message: format!("{e:?}") },
+        },
+    )
 }

@@ -188,3 +188,102 @@ fn unusable_checkpoints_are_set_aside_out_of_resuming_and_pruning() {
     assert_eq!(names(root.path()), vec![3]);
     assert!(aside.is_dir() && !a.dir.exists());
 }
+
+/// Runs the test `test` again inside a new user and mount namespace
+/// (`unshare`, no root needed) with a tmpfs of `size` mounted on a new
+/// folder: None here once that run passed, the folder in that run. (The
+/// integration tests' `dflash_tests::on_small_disk`, which this crate
+/// cannot depend on.)
+fn on_small_disk(test: &str, size: &str) -> Option<std::path::PathBuf> {
+    const VAR: &str = "DFLASH_TEST_SMALL_DISK";
+    if let Some(dir) = std::env::var_os(VAR) {
+        return Some(dir.into());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script =
+        r#"mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 97; exec "$3" --exact "$4" --nocapture --test-threads 1"#;
+    let out = std::process::Command::new("unshare")
+        .args(["--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", size])
+        .arg(dir.path())
+        .arg(std::env::current_exe().unwrap())
+        .arg(test)
+        .env(VAR, dir.path())
+        .output()
+        .unwrap_or_else(|e| panic!("running `unshare` (util-linux), which gives this test a small disk: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success() && text.contains("test result: ok. 1 passed"),
+        "{test} on a {size} tmpfs in a new user and mount namespace ({}; 97: the mount failed; `unshare` itself \
+         failing means no unprivileged user namespaces here):\n{text}",
+        out.status
+    );
+    None
+}
+
+/// Bytes in use on the filesystem of `dir`.
+fn used(dir: &Path) -> u64 {
+    let out = std::process::Command::new("df").args(["--output=used", "-B1"]).arg(dir).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().nth(1).unwrap().trim().parse().unwrap()
+}
+
+/// Gives the tmpfs at `dir` room for `bytes` in all.
+fn resize(dir: &Path, bytes: u64) {
+    let out = std::process::Command::new("mount")
+        .args(["-o", &format!("remount,size={}k", bytes.div_ceil(1024))])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// What a root holds besides its step directories and `latest`.
+fn leftovers(root: &Path) -> Vec<String> {
+    std::fs::read_dir(root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with("step-") && n != "latest")
+        .collect()
+}
+
+#[test]
+fn a_full_disk_fails_the_write_and_leaves_the_last_checkpoint_and_latest_as_they_were() {
+    let Some(disk) =
+        on_small_disk("a_full_disk_fails_the_write_and_leaves_the_last_checkpoint_and_latest_as_they_were", "16m")
+    else {
+        return;
+    };
+    let root = disk.join("checkpoints");
+    let (t2, t3) = (trained(2), trained(3));
+    let first = save_checkpoint(&root, &t2, &state(&t2), 0).unwrap();
+    let before = used(&disk);
+    // What step 3 takes, measured by writing it once (then undone).
+    let third = save_checkpoint(&root, &t3, &state(&t3), 0).unwrap();
+    let step3 = used(&disk) - before;
+    std::fs::remove_dir_all(&third.dir).unwrap();
+    dflash_models::checkpoint::point_latest(&root, &first.dir).unwrap();
+    assert_eq!(used(&disk), before);
+    let latest = || std::fs::read_to_string(root.join("latest")).unwrap();
+
+    // Room for half of it: a file of the step finds the disk full.
+    // Room for all its files but not for the new `latest` pointer: the
+    // step must not be left behind complete, where a resume would find it
+    // and commit a checkpoint whose write was reported failed.
+    for (room, what) in [(step3 / 2, "half of the step"), (step3, "the step's files but not `latest`")] {
+        resize(&disk, before + room);
+        let err = save_checkpoint(&root, &t3, &state(&t3), 0).unwrap_err();
+        let text = err.to_string();
+        assert!(err.is_no_space(), "room for {what}: {text}");
+        assert!(text.contains(&root.display().to_string()) && text.contains("No space left on device"), "{text}");
+        assert!(!third.dir.exists(), "room for {what}: the failed step is on disk ({text})");
+        assert_eq!(leftovers(&root), Vec::<String>::new(), "room for {what}: {text}");
+        assert_eq!(used(&disk), before, "room for {what}: the failed write's space came back");
+        assert_eq!(latest(), "step-00000002");
+        assert_eq!(verify_checkpoint(&first.dir).unwrap(), first);
+    }
+
+    // Space again: the same write succeeds.
+    resize(&disk, 16 << 20);
+    let ck = save_checkpoint(&root, &t3, &state(&t3), 0).unwrap();
+    assert_eq!((latest(), verify_checkpoint(&ck.dir).unwrap()), ("step-00000003".into(), ck));
+    assert!(leftovers(&root).is_empty());
+}
