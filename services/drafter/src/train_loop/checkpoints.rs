@@ -66,9 +66,10 @@ impl TrainLoop {
     /// Takes a checkpoint: a host snapshot of the trainer (the only part
     /// that pauses training), then its write, on a thread of its own with
     /// `checkpoint.async_write`, else here. Its report goes on once it is
-    /// durable. A failed write (a full disk) is not fatal: the last good
-    /// checkpoint stays, the coordinator hears of the failure, and the
-    /// write is tried again with backoff.
+    /// durable. A failed write (a full disk) is not fatal: what it wrote is
+    /// removed, the last good checkpoint and `latest` stay, the coordinator
+    /// hears of the failure (and commits nothing), and the write is tried
+    /// again with backoff and at every interval.
     pub(super) fn checkpoint(&mut self) -> anyhow::Result<()> {
         // One write at a time: a checkpoint due while the last one is still
         // being written waits for it (bounding the snapshots held to one).
@@ -164,9 +165,18 @@ impl TrainLoop {
             Err(e) => {
                 let retry = self.checkpoint_retry.get_or_insert_with(Retry::new);
                 let delay = retry.failed();
+                let full = if e.is_no_space() {
+                    format!(
+                        "; the disk of {} is full (no space left on device): what this attempt wrote was removed, \
+                         free space there",
+                        self.checkpoint_dir.display()
+                    )
+                } else {
+                    String::new()
+                };
                 let err = anyhow::anyhow!(
-                    "checkpoint of step {step} failed: {e}; training goes on, the last good checkpoint (step {}) \
-                     stays, retrying in {:.1} s",
+                    "checkpoint of step {step} failed: {e}{full}; training goes on, the last good checkpoint \
+                     (step {}) and `latest` stay, retrying in {:.1} s",
                     self.last_checkpoint_step,
                     delay.as_secs_f64()
                 );
