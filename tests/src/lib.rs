@@ -79,6 +79,77 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("bind").port()
 }
 
+/// Set in a test run again by [`on_small_disk`]: the small disk's folder.
+const SMALL_DISK: &str = "DFLASH_TEST_SMALL_DISK";
+
+/// A disk that really fills, without root: runs the test `test` of this
+/// test binary again inside a new user and mount namespace (`unshare
+/// --user --map-root-user --mount`) in which a tmpfs of `size` (`8m`) is
+/// mounted on a new folder. Here it returns None once that run passed
+/// (and panics with its output if it failed, or if no namespace could be
+/// made); in that run it returns the folder, and the test goes on: every
+/// process it starts shares the mount, and the test (root of the
+/// namespace) may resize it with [`resize_small_disk`].
+pub fn on_small_disk(test: &str, size: &str) -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os(SMALL_DISK) {
+        return Some(PathBuf::from(dir));
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exe = std::env::current_exe().expect("test executable path");
+    let script =
+        r#"mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 97; exec "$3" --exact "$4" --nocapture --test-threads 1"#;
+    let out = Command::new("unshare")
+        .args(["--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", size])
+        .arg(dir.path())
+        .arg(&exe)
+        .arg(test)
+        .env(SMALL_DISK, dir.path())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("running `unshare` (util-linux), which gives this test a small disk without root: {e}")
+        });
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{text}");
+    match out.status.code() {
+        Some(97) => {
+            panic!("mounting a {size} tmpfs on {} in a new mount namespace failed:\n{text}", dir.path().display())
+        }
+        Some(0) => {}
+        _ if !text.contains("running 1 test") => panic!(
+            "`unshare --user --map-root-user --mount` failed ({}): this test needs unprivileged user namespaces \
+             (or root) to give itself a small disk:\n{text}",
+            out.status
+        ),
+        _ => panic!("{test} failed on a {size} disk ({}); its output is above", out.status),
+    }
+    // Not a run that matched no test.
+    assert!(text.contains("test result: ok. 1 passed"), "{test} did not run on the small disk:\n{text}");
+    None
+}
+
+/// Sets the size of the small disk of [`on_small_disk`] (mounted at
+/// `dir`) to `bytes`, rounded up to pages: a size at or below what it
+/// holds leaves no space (the kernel refuses one below it).
+pub fn resize_small_disk(dir: &Path, bytes: u64) -> Result<(), String> {
+    let out = Command::new("mount")
+        .args(["-o", &format!("remount,size={}k", bytes.div_ceil(1024))])
+        .arg(dir)
+        .output()
+        .map_err(|e| format!("mount: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("resizing the tmpfs at {}: {}", dir.display(), String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(())
+}
+
+/// Bytes in use on the filesystem at `dir` (as `df` counts them).
+pub fn disk_used(dir: &Path) -> Result<u64, String> {
+    let out = Command::new("df").args(["--output=used", "-B1"]).arg(dir).output().map_err(|e| format!("df: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().nth(1).and_then(|l| l.trim().parse().ok()).ok_or_else(|| format!("df {}: {text}", dir.display()))
+}
+
 /// A scratch folder with the synthetic target and dataset in it.
 pub struct Workspace {
     pub dir: tempfile::TempDir,

@@ -112,60 +112,95 @@ fn the_drafter_resumes_from_what_the_ledger_committed_and_never_from_nothing() {
     assert_exactly_once(&cluster.ledger, 100);
 }
 
-/// A tmpfs of `size` mounted at `dir` while it lives: a disk that fills.
-struct SmallDisk(PathBuf);
-
-impl SmallDisk {
-    fn mount(dir: PathBuf, size: &str) -> Self {
-        std::fs::create_dir_all(&dir).unwrap();
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "mounting a tmpfs (needs root): {}", String::from_utf8_lossy(&out.stderr));
-        Self(dir)
-    }
+fn sha256(path: &Path) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(std::fs::read(path).unwrap()).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
-    }
+/// The step `latest` names under `root`.
+fn latest(root: &Path) -> String {
+    std::fs::read_to_string(root.join("latest")).unwrap().trim().to_string()
 }
 
+/// Steps the drafter's log shows trained (of a run of `max` steps).
+fn steps(p: &dflash_tests::Proc, max: u64) -> usize {
+    p.log_text().lines().filter(|l| l.contains(" INFO step ") && l.contains(&format!("/{max} "))).count()
+}
+
+/// The drafter's checkpoints on a real disk that fills: a tmpfs of 8 MB in
+/// a mount namespace of the test's own (`on_small_disk`), filled by
+/// another writer mid-run until the kernel says ENOSPC, then freed.
 #[test]
 fn a_full_disk_keeps_the_last_good_checkpoint_and_training_goes_on() {
+    let Some(disk) =
+        dflash_tests::on_small_disk("a_full_disk_keeps_the_last_good_checkpoint_and_training_goes_on", "8m")
+    else {
+        return;
+    };
+    const STEPS: u64 = 120;
+    let extra = |dir: &Path| {
+        format!(
+            "{}\ndir = \"{}\"\n[run]\nmax_steps = {STEPS}\n",
+            SMALL.replace("keep_last = 0", "keep_last = 2"),
+            dir.display()
+        )
+    };
+    // The same run left alone, on a disk with room: the weights to end with.
+    let calm = Workspace::synthetic(600, 3);
+    let cluster = Cluster::new(&calm, calm.config("calm", &extra(&calm.path("checkpoints"))));
+    let mut roles = [cluster.coordinator(&[]), cluster.target("target-0"), cluster.drafter("drafter")];
+    for p in &mut roles {
+        assert!(p.expect_exit(Duration::from_secs(180)).success(), "{}", p.log_text());
+    }
+    let calm_root = calm.path("checkpoints");
+    let want = sha256(&calm_root.join(latest(&calm_root)).join("model.safetensors"));
+
     let ws = Workspace::synthetic(600, 3);
-    let disk = SmallDisk::mount(ws.path("disk"), "8m");
-    let ckpt = disk.0.join("checkpoints");
-    let extra = format!(
-        "{}\ndir = \"{}\"\n[run]\nmax_steps = 60\n",
-        SMALL.replace("keep_last = 0", "keep_last = 2"),
-        ckpt.display()
-    );
-    let cluster = Cluster::new(&ws, ws.config("full-disk", &extra));
+    let ckpt = disk.join("checkpoints");
+    let cluster = Cluster::new(&ws, ws.config("full-disk", &extra(&ckpt)));
     let mut coord = cluster.coordinator(&[]);
     let mut target = cluster.target("target-0");
     let mut drafter = cluster.drafter("drafter");
     assert!(drafter.wait_for_log("written in", Duration::from_secs(90)), "{}", drafter.log_text());
-    // Fill the disk.
-    let filler = disk.0.join("filler");
+    // Another writer fills the disk.
+    let filler = disk.join("filler");
     {
         use std::io::Write;
         let mut f = std::fs::File::create(&filler).unwrap();
-        while f.write_all(&[7u8; 64 << 10]).is_ok() {}
+        let full = loop {
+            if let Err(e) = f.write_all(&[7u8; 64 << 10]) {
+                break e;
+            }
+        };
+        assert_eq!(full.kind(), std::io::ErrorKind::StorageFull, "{full}");
     }
-    assert!(drafter.wait_for_log("checkpoint of step", Duration::from_secs(60)), "{}", drafter.log_text());
-    let failed_at = drafter.log_text().lines().filter(|l| l.contains("step ") && l.contains("/60")).count();
+    let failure = |p: &dflash_tests::Proc| {
+        p.log_text().lines().find(|l| l.contains("checkpoint of step") && l.contains(" failed: ")).map(str::to_string)
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while failure(&drafter).is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // It says which checkpoint failed, where, and why.
+    let line = failure(&drafter).unwrap_or_else(|| panic!("no checkpoint failed:\n{}", drafter.log_text()));
+    let failed: u64 = line.split("checkpoint of step ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    let good: u64 =
+        line.split("last good checkpoint (step ").nth(1).unwrap().split(')').next().unwrap().parse().unwrap();
+    assert!(
+        line.contains(&format!("{}/.tmp-step-{failed:08}-", ckpt.display()))
+            && line.contains("No space left on device")
+            && line.contains(&format!("the disk of {} is full (no space left on device)", ckpt.display())),
+        "{line}"
+    );
+    println!("the drafter: {line}");
+    let at_failure = steps(&drafter, STEPS);
     // Training goes on, the failure reaches the coordinator, and no
     // half-written temporary folder fills what is left.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while drafter.log_text().lines().filter(|l| l.contains("step ") && l.contains("/60")).count() < failed_at + 3
-        && Instant::now() < deadline
-    {
+    while steps(&drafter, STEPS) < at_failure + 3 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
+    assert!(steps(&drafter, STEPS) >= at_failure + 3, "training stopped:\n{}", drafter.log_text());
     assert!(coord.wait_for_log("checkpoint_write", Duration::from_secs(10)), "{}", coord.log_text());
     // A retry in flight writes its own temporary folder and removes it when
     // it fails; what must not happen is one that stays. Between retries
@@ -177,13 +212,31 @@ fn a_full_disk_keeps_the_last_good_checkpoint_and_training_goes_on() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(no_temporaries(), "a temporary checkpoint folder stayed for 10 s");
-    // Space again: the retry succeeds and the run completes.
+    // The last good checkpoint and `latest` stay; the failed one is not on
+    // disk and not committed.
+    let good_dir = ckpt.join(format!("step-{good:08}"));
+    assert_eq!(latest(&ckpt), format!("step-{good:08}"));
+    for f in ["config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json", "manifest.json"] {
+        assert!(good_dir.join(f).is_file(), "{} lacks {f}", good_dir.display());
+    }
+    assert!(!ckpt.join(format!("step-{failed:08}")).exists());
+    let committed = Ledger::open(&cluster.ledger).unwrap().checkpoints().unwrap();
+    assert!(committed.iter().all(|c| c.step != failed), "{committed:?}");
+    assert!(committed.iter().any(|c| c.step == good), "{committed:?}");
+
+    // Space again: the next checkpoint is written and the run completes.
+    let written = drafter.log_text().matches("written in").count();
     std::fs::remove_file(&filler).unwrap();
+    assert!(wait_for_count(&mut drafter, "written in", written + 1, Duration::from_secs(60)), "{}", drafter.log_text());
     assert!(coord.expect_exit(Duration::from_secs(180)).success(), "{}", coord.log_text());
     assert!(drafter.expect_exit(Duration::from_secs(30)).success(), "{}", drafter.log_text());
     assert!(target.expect_exit(Duration::from_secs(30)).success(), "{}", target.log_text());
     assert!(drafter.log_text().contains("retrying in"), "{}", drafter.log_text());
-    assert_exactly_once(&cluster.ledger, 60);
+    assert_exactly_once(&cluster.ledger, STEPS as usize);
+    let newest = Ledger::open(&cluster.ledger).unwrap().checkpoints().unwrap().into_iter().max_by_key(|c| c.step);
+    assert_eq!(newest.map(|c| c.name), Some(latest(&ckpt)));
+    assert!(no_temporaries() && !ckpt.join(".latest.tmp").exists());
+    assert_eq!(sha256(&ckpt.join(latest(&ckpt)).join("model.safetensors")), want, "the final weights differ");
 }
 
 #[test]
