@@ -6,7 +6,10 @@
 # same config without faults (the bit-identity reference: on 2 cores about
 # 64 steps/s against 45 under faults, so about 0.7 x SECONDS more), then prints every fault and its recovery, the count and
 # recovery median / max per fault kind, each role's memory peak and slope,
-# and checks the exactly-once audit and the final weights' identity.
+# and checks the exactly-once audit and the final weights' identity. The
+# faulted run's checkpoints live on a tmpfs of the test's own mount namespace
+# (`unshare`, no root; the full-disk fault cuts its size), so the newest 64
+# are kept, not all (a checkpoint is about 0.6 MB).
 #   scripts/chaos-soak.sh SECONDS SEED        e.g. scripts/chaos-soak.sh 3600 11
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,5 +22,5 @@ samples=$(( seconds * 200 > 6000 ? seconds * 200 : 6000 ))
 make build >/dev/null
 echo "chaos soak: ~${seconds} s, seed ${seed}, ${faults} faults, ${samples} samples"
 DFLASH_CHAOS_SEED=$seed DFLASH_CHAOS_FAULTS=$faults DFLASH_CHAOS_SAMPLES=$samples \
-  DFLASH_CHAOS_SPACING_MS=$(( seconds * 1000 / faults * 3 / 4 )) \
+  DFLASH_CHAOS_SPACING_MS=$(( seconds * 1000 / faults * 3 / 4 )) DFLASH_CHAOS_KEEP_LAST=64 \
   cargo nextest run --release --profile soak -p dflash-tests --test chaos --no-capture

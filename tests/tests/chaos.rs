@@ -4,7 +4,9 @@
 //! coordinator), the drafter's replies stalled on its open connections
 //! (acknowledgements held, keepalives answered: the targets give those
 //! streams up after `faults.ack_timeout_ms` and replay), a checkpoint
-//! write that fails, the newest checkpoint corrupted before the drafter is
+//! write that fails, the checkpoint disk full (a tmpfs of the test's own
+//! mount namespace, its size cut to what it holds until a checkpoint
+//! fails with ENOSPC), the newest checkpoint corrupted before the drafter is
 //! killed (it resumes from an older committed one and trains the rest
 //! again), a slow drafter (stopped three quarters of the time) --
 //! supervised as Kubernetes
@@ -19,7 +21,9 @@
 //! The suite runs 12 faults over 6,000 samples. `scripts/chaos-soak.sh
 //! SECONDS SEED` runs the same test as a soak: `DFLASH_CHAOS_SEED`,
 //! `DFLASH_CHAOS_FAULTS`, `DFLASH_CHAOS_SPACING_MS` and `DFLASH_CHAOS_SAMPLES`
-//! size it.
+//! size it, and `DFLASH_CHAOS_KEEP_LAST` bounds the checkpoints its disk
+//! holds. The test runs itself again in a user and mount namespace of its
+//! own (`unshare`, no root) for the checkpoint disk.
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 
@@ -43,6 +47,10 @@ const CONFIG: &str = "[run]\nmax_steps = 0\nseed = 3\n\
     [faults]\nlease_timeout_ms = 4000\nack_timeout_ms = 3000";
 
 const SAMPLES: usize = 6000;
+
+/// The size of the faulted run's checkpoint disk (a tmpfs: memory, as
+/// much as it holds).
+const DISK_BYTES: u64 = 4 << 30;
 
 /// A setting of the soak from the environment, or its suite default.
 fn setting(name: &str, default: u64) -> u64 {
@@ -243,6 +251,7 @@ enum Fault {
     NetworkCut(Duration),
     StalledReplies(Duration),
     CheckpointWriteFails,
+    DiskFull,
     CorruptNewestCheckpoint,
     SlowDrafter(Duration),
 }
@@ -263,6 +272,7 @@ impl Fault {
             Fault::NetworkCut(_) => "network cut".into(),
             Fault::StalledReplies(_) => "drafter replies stalled".into(),
             Fault::CheckpointWriteFails => "checkpoint write fails".into(),
+            Fault::DiskFull => "checkpoint disk full".into(),
             Fault::CorruptNewestCheckpoint => "newest checkpoint corrupted".into(),
             Fault::SlowDrafter(_) => "slow drafter".into(),
         }
@@ -277,6 +287,7 @@ impl std::fmt::Display for Fault {
             Fault::NetworkCut(d) => write!(f, "network cut for {:.1} s", d.as_secs_f64()),
             Fault::StalledReplies(d) => write!(f, "drafter replies stalled for {:.1} s", d.as_secs_f64()),
             Fault::CheckpointWriteFails => write!(f, "checkpoint write fails"),
+            Fault::DiskFull => write!(f, "checkpoint disk full until a checkpoint fails on it"),
             Fault::CorruptNewestCheckpoint => write!(f, "newest checkpoint corrupted, then SIGKILL Drafter"),
             Fault::SlowDrafter(d) => write!(f, "drafter slowed to a quarter for {:.1} s", d.as_secs_f64()),
         }
@@ -297,18 +308,20 @@ fn schedule(seed: u64, n: usize) -> Vec<Fault> {
         Fault::NetworkCut(Duration::from_millis(3000)),
         Fault::StalledReplies(Duration::from_millis(4500)),
         Fault::CheckpointWriteFails,
+        Fault::DiskFull,
         Fault::CorruptNewestCheckpoint,
         Fault::SlowDrafter(Duration::from_millis(4000)),
     ];
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed + 1);
     while all.len() < n {
         let r = [Role::Coordinator, Role::Drafter, Role::Target(0), Role::Target(1)][rng.random_range(0..4)];
-        all.push(match rng.random_range(0..6) {
+        all.push(match rng.random_range(0..7) {
             0 => Fault::Kill(r),
             3 => Fault::CorruptNewestCheckpoint,
             4 => Fault::SlowDrafter(Duration::from_millis(rng.random_range(2000..8000))),
             1 => Fault::Pause(r, Duration::from_millis(rng.random_range(800..3500))),
             2 => Fault::StalledReplies(Duration::from_millis(rng.random_range(1000..6000))),
+            6 => Fault::DiskFull,
             _ => Fault::NetworkCut(Duration::from_millis(rng.random_range(1000..4000))),
         });
     }
@@ -401,6 +414,35 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
             );
             Ok(since)
         }
+        Fault::DiskFull => {
+            // The checkpoint disk has no room left (its size cut to what it
+            // holds: the kernel answers the next write ENOSPC) until a
+            // checkpoint fails on it, then room again.
+            let disk = ckpt_root.parent().unwrap();
+            let mut cut = Err(String::new());
+            // A write in flight may grow what it holds between the two.
+            for _ in 0..20 {
+                cut = dflash_tests::disk_used(disk).and_then(|used| dflash_tests::resize_small_disk(disk, used));
+                if cut.is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            cut?;
+            let since = now();
+            let needle = "(no space left on device)";
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while first_after(&run.drafter_logs, needle, since).is_none() && Instant::now() < deadline {
+                if !run.supervise() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let failed = first_after(&run.drafter_logs, needle, since).is_some();
+            run.hold(Duration::from_secs(1));
+            dflash_tests::resize_small_disk(disk, DISK_BYTES)?;
+            if failed { Ok(now()) } else { Err("no checkpoint was tried on the full disk".into()) }
+        }
         Fault::CheckpointWriteFails => {
             // The checkpoint two intervals ahead cannot be written: its
             // temporary folder's name is taken by a file.
@@ -426,10 +468,19 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
 
 #[test]
 fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_one() {
+    // Every process of the test shares a checkpoint disk that can fill.
+    let Some(disk) = dflash_tests::on_small_disk(
+        "a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_one",
+        &format!("{}k", DISK_BYTES / 1024),
+    ) else {
+        return;
+    };
     // The uninterrupted run.
     let samples = setting("DFLASH_CHAOS_SAMPLES", SAMPLES as u64) as usize;
     let calm = Workspace::synthetic(samples, 3);
-    let cluster = Cluster::new(&calm, calm.config("calm", CONFIG));
+    // A soak keeps fewer checkpoints than all (its disk is memory).
+    let config = CONFIG.replace("keep_last = 0", &format!("keep_last = {}", setting("DFLASH_CHAOS_KEEP_LAST", 0)));
+    let cluster = Cluster::new(&calm, calm.config("calm", &config));
     let t0 = Instant::now();
     let mut coord = cluster.coordinator(&[]);
     let mut procs = vec![cluster.drafter("drafter"), cluster.target("target-0"), cluster.target("target-1")];
@@ -448,13 +499,14 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
     // A soak spreads its faults over the run (the suite's come back to back).
     let spacing_ms = setting("DFLASH_CHAOS_SPACING_MS", 0);
     let ws = Workspace::synthetic(samples, 3);
-    let cluster = Cluster::new(&ws, ws.config("chaos", CONFIG));
+    let ckpt_root = disk.join("checkpoints");
+    let config = config.replace("[checkpoint]\n", &format!("[checkpoint]\ndir = \"{}\"\n", ckpt_root.display()));
+    let cluster = Cluster::new(&ws, ws.config("chaos", &config));
     let drafter_proxy = Proxy::start(format!("127.0.0.1:{}", cluster.drafter_port).parse().unwrap());
     let coordinator_proxy = Proxy::start(format!("127.0.0.1:{}", cluster.coordinator_port).parse().unwrap());
     let t0 = Instant::now();
     let start = now();
     let mut run = Run::start(&cluster, &drafter_proxy, &coordinator_proxy);
-    let ckpt_root = ws.path("checkpoints");
     // Training first.
     let until = Instant::now() + Duration::from_secs(90);
     while first_after(&run.drafter_logs, STEP, 0.0).is_none() {
@@ -482,7 +534,7 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
         };
         // Recovered: a step trained after the fault ended (or, for the
         // checkpoint, a checkpoint written after the path was freed).
-        let needle = if matches!(fault, Fault::CheckpointWriteFails) { "written in" } else { STEP };
+        let needle = if matches!(fault, Fault::CheckpointWriteFails | Fault::DiskFull) { "written in" } else { STEP };
         let mut recovered = None;
         let until = Instant::now() + Duration::from_secs(90);
         while recovered.is_none() && Instant::now() < until && run.supervise() {
@@ -525,11 +577,14 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
         .collect();
     println!(
         "chaos schedule (seed {seed}), uninterrupted run {calm_secs:.1} s, this run {:.1} s:\n{}\n\
-         recovery per fault kind (count, median, max):\n{}\nresident memory per role (sampled before each fault):\n{}",
+         recovery per fault kind (count, median, max):\n{}\nresident memory per role (sampled before each fault):\n{}\n\
+         checkpoint disk (tmpfs): {:.1} MB in {} checkpoints",
         t0.elapsed().as_secs_f64(),
         report.join("\n"),
         kinds.join("\n"),
-        memory.join("\n")
+        memory.join("\n"),
+        dflash_tests::disk_used(&disk).unwrap_or(0) as f64 / 1e6,
+        step_dirs(&ckpt_root)
     );
     assert!(run.done.is_some_and(|s| s.success()), "the run did not complete:\n{}", run.coordinator.log_text());
     let wanted = faults.len() * 10 / 12;
