@@ -133,7 +133,9 @@ pub fn on_small_disk(test: &str, size: &str) -> Option<PathBuf> {
 /// holds leaves no space (the kernel refuses one below it).
 pub fn resize_small_disk(dir: &Path, bytes: u64) -> Result<(), String> {
     let out = Command::new("mount")
-        .args(["-o", &format!("remount,size={}k", bytes.div_ceil(1024))])
+        // Named as a tmpfs, or mount(8) passes the options it holds again,
+        // uid= among them, which a user namespace refuses.
+        .args(["-t", "tmpfs", "-o", &format!("remount,size={}k", bytes.div_ceil(1024)), "tmpfs"])
         .arg(dir)
         .output()
         .map_err(|e| format!("mount: {e}"))?;

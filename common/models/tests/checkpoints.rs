@@ -229,7 +229,9 @@ fn used(dir: &Path) -> u64 {
 /// Gives the tmpfs at `dir` room for `bytes` in all.
 fn resize(dir: &Path, bytes: u64) {
     let out = std::process::Command::new("mount")
-        .args(["-o", &format!("remount,size={}k", bytes.div_ceil(1024))])
+        // Named as a tmpfs, or mount(8) passes the options it holds again,
+        // uid= among them, which a user namespace refuses.
+        .args(["-t", "tmpfs", "-o", &format!("remount,size={}k", bytes.div_ceil(1024)), "tmpfs"])
         .arg(dir)
         .output()
         .unwrap();
