@@ -32,6 +32,20 @@ impl RunConfig {
     /// Checks every field that can be checked without the target model.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut c = Check(Vec::new());
+        self.check_model(&mut c);
+        self.check_drafter(&mut c);
+        self.check_data(&mut c);
+        self.check_training(&mut c);
+        self.check_pipeline(&mut c);
+        self.check_devices(&mut c);
+        self.check_checkpoint(&mut c);
+        self.check_eval(&mut c);
+        self.check_faults(&mut c);
+        if c.0.is_empty() { Ok(()) } else { Err(ConfigError::Invalid(c.0)) }
+    }
+
+    /// The checks of `model` and `telemetry`.
+    fn check_model(&self, c: &mut Check) {
         let m = &self.model;
         c.require(!m.target_path.is_empty(), "model.target_path", || {
             "is required: a Hugging Face model directory".into()
@@ -46,7 +60,10 @@ impl RunConfig {
         c.require(ids.windows(2).all(|w| w[0] < w[1]), "model.target_layer_ids", || {
             format!("{ids:?} must be strictly increasing")
         });
+    }
 
+    /// The checks of `drafter` (and the objective's `gamma`).
+    fn check_drafter(&self, c: &mut Check) {
         let d = &self.drafter;
         c.require(d.num_layers >= 1, "drafter.num_layers", || "must be at least 1".into());
         let block = d.block_size();
@@ -111,7 +128,11 @@ impl RunConfig {
             }
             (_, None) => c.require(false, "drafter.gamma", || format!("has no default for block size {block}; set it")),
         }
+    }
 
+    /// The checks of `data`.
+    fn check_data(&self, c: &mut Check) {
+        let block = self.drafter.block_size();
         let data = &self.data;
         c.require(!data.train_path.is_empty(), "data.train_path", || "is required: a JSONL chat dataset".into());
         c.require(
@@ -122,7 +143,10 @@ impl RunConfig {
         c.require(data.max_seq_len > block, "data.max_seq_len", || {
             format!("is {}; must exceed drafter.block_size ({block})", data.max_seq_len)
         });
+    }
 
+    /// The checks of `training`.
+    fn check_training(&self, c: &mut Check) {
         let t = &self.training;
         let positive = |x: f64| x.is_finite() && x > 0.0;
         let unit = |x: f64| x.is_finite() && (0.0..1.0).contains(&x);
@@ -194,7 +218,11 @@ impl RunConfig {
                 )
             });
         }
+    }
 
+    /// The checks of `pipeline` and `group`.
+    fn check_pipeline(&self, c: &mut Check) {
+        let data = &self.data;
         let p = &self.pipeline;
         c.require(p.token_budget >= data.max_seq_len, "pipeline.token_budget", || {
             format!("is {}; must hold one sequence of data.max_seq_len ({})", p.token_budget, data.max_seq_len)
@@ -246,7 +274,10 @@ impl RunConfig {
                 p.max_target_streams, p.streams_per_target
             )
         });
+    }
 
+    /// The checks of `devices`.
+    fn check_devices(&self, c: &mut Check) {
         let dv = &self.devices;
         let (tg, dr) = (dv.target.cuda_indices(), dv.drafter.cuda_indices());
         let shared: Vec<u32> = tg.iter().copied().filter(|i| dr.contains(i)).collect();
@@ -256,11 +287,17 @@ impl RunConfig {
                  is to run both roles (or the roles run in separate containers or hosts)"
             )
         });
+    }
 
+    /// The checks of `checkpoint`.
+    fn check_checkpoint(&self, c: &mut Check) {
         let ck = &self.checkpoint;
         c.require(!ck.dir.is_empty(), "checkpoint.dir", || "is required".into());
         c.require(ck.interval_steps >= 1, "checkpoint.interval_steps", || "must be at least 1".into());
+    }
 
+    /// The checks of `eval`.
+    fn check_eval(&self, c: &mut Check) {
         let e = &self.eval;
         c.require(e.max_new_tokens >= 1, "eval.max_new_tokens", || "must be at least 1".into());
         c.require(e.sets.is_empty() || !e.prompts_path.is_empty(), "eval.sets", || {
@@ -273,7 +310,10 @@ impl RunConfig {
             c.require(names.insert(s.name.clone()), &field, || format!("repeats the set name {:?}", s.name));
             c.require(!s.prompts_path.is_empty(), &field, || "needs prompts_path".into());
         }
+    }
 
+    /// The checks of `faults`.
+    fn check_faults(&self, c: &mut Check) {
         let f = &self.faults;
         c.require(f.heartbeat_interval_ms >= 10, "faults.heartbeat_interval_ms", || "must be at least 10".into());
         c.require(f.instance_timeout_ms > 2 * f.heartbeat_interval_ms, "faults.instance_timeout_ms", || {
@@ -295,8 +335,6 @@ impl RunConfig {
         ] {
             c.require(v >= 1, name, || "must be at least 1".into());
         }
-
-        if c.0.is_empty() { Ok(()) } else { Err(ConfigError::Invalid(c.0)) }
     }
 
     /// Fills in what depends on the target (layer ids, mask token, gamma)
