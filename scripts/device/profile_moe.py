@@ -1,15 +1,34 @@
-"""Where the time of one Qwen3-30B-A3B MoE block goes on a GPU (random bf16
-weights, ~10K tokens), stage by stage, for the block as common/models/src/
-moe.rs computes it and for variants of its un-permute step. CUDA events,
-median of repeated runs.
+"""Where the time of one MoE block goes on a GPU (random bf16 weights),
+stage by stage, for the block as common/models/src/moe.rs computes it and
+for variants of its un-permute step. CUDA events, median of repeated runs.
+Shapes: Qwen3-30B-A3B (10,000 tokens, 128 experts of 768) by default;
+`qwen3.5-35b-a3b` (8,134 tokens, 256 experts of 512).
 
-    python3 scripts/device/profile_moe.py
+    python3 scripts/device/profile_moe.py [qwen3.5-35b-a3b]
 """
+import sys
+
 import torch
 
-from gpu_timing import elapsed_ms
 
-T, H, E, K, I = 10_000, 2048, 128, 8, 768
+
+def elapsed_ms(f, repeats=20):
+    """Median GPU time of f() in ms (CUDA events, after two warm-up calls)."""
+    for _ in range(2):
+        f()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        f()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+SHAPES = {"qwen3-30b-a3b": (10_000, 2048, 128, 8, 768), "qwen3.5-35b-a3b": (8_134, 2048, 256, 8, 512)}
+T, H, E, K, I = SHAPES[sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"]
 dev, bf = "cuda", torch.bfloat16
 torch.manual_seed(0)
 x = torch.randn(T, H, device=dev, dtype=bf)
@@ -40,6 +59,7 @@ def experts(rows):
 
 
 out = experts(rows)
+act = torch.randn(T * K, I, device=dev, dtype=bf)
 inverse = torch.empty_like(order)
 inverse[order] = torch.arange(order.numel(), device=dev)
 
@@ -70,10 +90,12 @@ stages = {
     "un-permute: index_add": index_add,
     "un-permute: gather + weighted sum": gather_sum,
     "un-permute: gather + bmm": gather_bmm,
+    "grouped down": lambda: torch._grouped_mm(act, down.transpose(1, 2), offs),
     "dense reference: [T,H]x[H,2I*K] matmul (same FLOPs as gate_up)": lambda: x @ gate_up[:K].reshape(K * 2 * I, H).T,
 }
 flops_gu = 2 * T * K * H * 2 * I
 for name, f in stages.items():
     ms = elapsed_ms(f)
-    extra = f"  {flops_gu / ms / 1e9:.0f} TFLOP/s" if "gate_up" in name else ""
+    flops = flops_gu if "gate_up" in name else flops_gu / 2 if "down" in name else 0
+    extra = f"  {flops / ms / 1e9:.0f} TFLOP/s" if flops else ""
     print(f"{name:<66} {ms:8.3f} ms{extra}")

@@ -15,7 +15,9 @@
 //  1. ut_prep  (grid chunks x heads): the chunk's decay prefix G, the UT
 //     system L = I + strictly_lower(beta_i k_i.k_j exp(G_i - G_j)) and its
 //     forward substitution for U = L^-1 (beta v), W = L^-1 (beta exp(G) k).
-//  2. scan     (grid sequences x heads x DV/BV): the only sequential part;
+//  2. scan     (grid heads x DV/BV by sequences, the sequences from the most
+//     chunks to the fewest, so that the longest start first and the rest
+//     fill in around them): the only sequential part;
 //     per chunk v_new = U - W S, S' = exp(G_last) S + K_d^T v_new with
 //     K_d = exp(G_last - G) k. Writes the state entering every chunk and
 //     v_new (over U), and the final state.
@@ -188,8 +190,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) ut_prep(const in_t* __restr
 extern "C" __global__ void __launch_bounds__(256, 2) scan(const in_t* __restrict__ k, float* __restrict__ U, const float* __restrict__ W,
                                 const float* __restrict__ Gc, const i64* __restrict__ chunk_tok,
                                 const i64* __restrict__ chunk_len, const i64* __restrict__ seq_chunk0,
-                                const i64* __restrict__ seq_nchunks, const float* __restrict__ init, int H, int HK,
-                                float* __restrict__ S_in, float* __restrict__ S_final) {
+                                const i64* __restrict__ seq_nchunks, const i64* __restrict__ seq_order,
+                                const float* __restrict__ init, int H, int HK, float* __restrict__ S_in,
+                                float* __restrict__ S_final) {
     constexpr int RV = L / 8;
     constexpr int RS = DK / 8;
     extern __shared__ float4 smem4[];
@@ -198,7 +201,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) scan(const in_t* __restrict
     float* Ss = Kd + L * KP;   // [DK][BV]
     float* Vn = Ss + DK * BV;  // [L][BV]
     float* Gs = Vn + L * BV;   // [L]
-    const int n = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * BV, kh = h / (H / HK);
+    const int n = (int)seq_order[blockIdx.y], h = blockIdx.x / (DV / BV), c0 = blockIdx.x % (DV / BV) * BV;
+    const int kh = h / (H / HK);
     const int c = threadIdx.x % BV, grp = threadIdx.x / BV;
     float s[RS];
 #pragma unroll
@@ -392,6 +396,472 @@ extern "C" __global__ void output(const in_t* __restrict__ q, const in_t* __rest
     }
 }
 
+#if TC
+// The scan's and the outputs' products on tensor cores (mma.sync m16n8k8,
+// tf32 operands, f32 accumulators), for head dims that are multiples of 32
+// (-DTC=1; every published hybrid has 128). With f32 inputs each operand is
+// split into a tf32 high part and a tf32 remainder and three products are
+// summed (the "3xTF32" scheme), which keeps f32 accuracy; with bf16 inputs
+// one tf32 product (10 mantissa bits: finer than the bf16 outputs the layer
+// rounds to, and than the bf16 products flash-linear-attention uses).
+//
+// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32), with
+// g = lane / 4 and t = lane % 4: A (16 x 8) a0 (g, t), a1 (g + 8, t),
+// a2 (g, t + 4), a3 (g + 8, t + 4); B (8 x 8) b0 (t, g), b1 (t + 4, g);
+// C (16 x 8) c0 (g, 2t), c1 (g, 2t + 1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1).
+// Shared row strides are padded so that each fragment load of a warp hits
+// 32 distinct banks.
+#define SPLIT (!IN_BF16)
+
+__device__ __forceinline__ unsigned tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+template <int N> struct Frag {
+    unsigned hi[N];
+    unsigned lo[N]; // unused (and dropped by the compiler) without SPLIT
+    __device__ __forceinline__ void set(int i, float x) {
+        hi[i] = tf32(x);
+        if (SPLIT) lo[i] = tf32(x - __uint_as_float(hi[i]));
+    }
+};
+
+__device__ __forceinline__ void mma1(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// d += a b (the remainders' products first, the large one last).
+__device__ __forceinline__ void mma(float (&d)[4], const Frag<4>& a, const Frag<2>& b) {
+    if (SPLIT) {
+        mma1(d, a.lo, b.hi);
+        mma1(d, a.hi, b.lo);
+    }
+    mma1(d, a.hi, b.hi);
+}
+
+// A fragment of a row-major tile (rows r0.., columns k0..; row stride ld).
+__device__ __forceinline__ Frag<4> frag_a(const float* m, int ld, int r0, int k0) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    Frag<4> a;
+    a.set(0, m[(r0 + g) * ld + k0 + t]);
+    a.set(1, m[(r0 + g + 8) * ld + k0 + t]);
+    a.set(2, m[(r0 + g) * ld + k0 + t + 4]);
+    a.set(3, m[(r0 + g + 8) * ld + k0 + t + 4]);
+    return a;
+}
+
+// A fragment of the transpose of a row-major tile: A[r][k] = m[k][r].
+__device__ __forceinline__ Frag<4> frag_at(const float* m, int ld, int r0, int k0) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    Frag<4> a;
+    a.set(0, m[(k0 + t) * ld + r0 + g]);
+    a.set(1, m[(k0 + t) * ld + r0 + g + 8]);
+    a.set(2, m[(k0 + t + 4) * ld + r0 + g]);
+    a.set(3, m[(k0 + t + 4) * ld + r0 + g + 8]);
+    return a;
+}
+
+// B fragment of a row-major [K][N] matrix (rows k0.., columns n0..).
+__device__ __forceinline__ Frag<2> frag_b(const float* m, i64 ld, int k0, int n0) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    Frag<2> b;
+    b.set(0, m[(k0 + t) * ld + n0 + g]);
+    b.set(1, m[(k0 + t + 4) * ld + n0 + g]);
+    return b;
+}
+
+// B fragment of the transpose of a row-major [N][K] matrix: B[k][n] = m[n][k].
+__device__ __forceinline__ Frag<2> frag_bt(const float* m, int ld, int k0, int n0) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    Frag<2> b;
+    b.set(0, m[(n0 + g) * ld + k0 + t]);
+    b.set(1, m[(n0 + g) * ld + k0 + t + 4]);
+    return b;
+}
+
+// The scan of `scan` above with its two products per chunk on tensor cores.
+// Block: 256 threads (8 warps), BV = 32 value columns. The state [DK][BV]
+// stays in f32 accumulator registers across the chunks: warp w holds tiles
+// w * SPW .. + SPW of it (16 x 8 each, row-major order over the tiles).
+extern "C" __global__ void __launch_bounds__(256, 2) scan_tc(
+    const in_t* __restrict__ k, float* __restrict__ U, const float* __restrict__ W, const float* __restrict__ Gc,
+    const i64* __restrict__ chunk_tok, const i64* __restrict__ chunk_len, const i64* __restrict__ seq_chunk0,
+    const i64* __restrict__ seq_nchunks, const i64* __restrict__ seq_order, const float* __restrict__ init, int H,
+    int HK, float* __restrict__ S_in, float* __restrict__ S_final) {
+    constexpr int WP = DK + 4;              // Ws rows
+    constexpr int KDP = DK + 8;             // Kd rows (read transposed)
+    constexpr int SP = BV + 8;              // Ss and Vn rows (read as B)
+    constexpr int NB = BV / 8;              // column tiles
+    constexpr int SPW = DK / 16 * NB / 8;   // state tiles per warp
+    extern __shared__ float4 smem4[];
+    float* Ws = (float*)smem4; // [L][WP]
+    float* Kd = Ws + L * WP;   // [L][KDP]
+    float* Ss = Kd + L * KDP;  // [DK][SP]
+    float* Vn = Ss + DK * SP;  // [L][SP]
+    float* Gs = Vn + L * SP;   // [L]
+    const int n = (int)seq_order[blockIdx.y], h = blockIdx.x / (DV / BV), c0 = blockIdx.x % (DV / BV) * BV;
+    const int kh = h / (H / HK);
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t4 = threadIdx.x % 4;
+    const i64 state0 = ((i64)n * H + h) * DK * DV + c0;
+    float st[SPW][4];
+#pragma unroll
+    for (int j = 0; j < SPW; j++) {
+        const int tile = warp * SPW + j, r = tile / NB * 16 + g, c = tile % NB * 8 + 2 * t4;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int rr = r + (e / 2) * 8, cc = c + e % 2;
+            st[j][e] = init ? init[state0 + (i64)rr * DV + cc] : 0.f;
+        }
+    }
+    // v_new's tiles of this warp: rows m1 * 16.., columns (n1 + jn) * 8...
+    const int m1 = warp / 2, n1 = (warp % 2) * 2;
+    const i64 first = seq_chunk0[n];
+    const int count = (int)seq_nchunks[n];
+    constexpr int PER = L * DK / 4 / 256; // four-element vectors of W and k per thread
+    float4 wv[PER];
+    in4_t kv[PER];
+    float uv[2][4], gv = 0.f;
+    auto fetch = [&](int q) {
+        const i64 ch = first + q;
+        const i64 t0 = chunk_tok[ch];
+        const int len = (int)chunk_len[ch];
+        const i64 base = ch * H + h;
+#pragma unroll
+        for (int p = 0; p < PER; p++) {
+            const int e = (threadIdx.x + p * 256) * 4, i = e / DK, d = e - i * DK;
+            wv[p] = ld4(W + (base * L + i) * DK + d);
+            in4_t zero = {};
+            kv[p] = i < len ? *reinterpret_cast<const in4_t*>(k + ((t0 + i) * HK + kh) * DK + d) : zero;
+        }
+#pragma unroll
+        for (int jn = 0; jn < 2; jn++) {
+            const float* u = U + (base * L + m1 * 16 + g) * DV + c0 + (n1 + jn) * 8 + 2 * t4;
+            const float2 a = *reinterpret_cast<const float2*>(u), b = *reinterpret_cast<const float2*>(u + 8 * DV);
+            uv[jn][0] = a.x, uv[jn][1] = a.y, uv[jn][2] = b.x, uv[jn][3] = b.y;
+        }
+        if (threadIdx.x < L) gv = Gc[base * L + threadIdx.x];
+    };
+    if (count > 0) fetch(0);
+    for (int q = 0; q < count; q++) {
+        const i64 base = (first + q) * H + h;
+        // The state entering the chunk: to S_in, and to Ss for v_new.
+#pragma unroll
+        for (int j = 0; j < SPW; j++) {
+            const int tile = warp * SPW + j, r = tile / NB * 16 + g, c = tile % NB * 8 + 2 * t4;
+            float* out = S_in + base * DK * DV + c0;
+            *reinterpret_cast<float2*>(out + (i64)r * DV + c) = make_float2(st[j][0], st[j][1]);
+            *reinterpret_cast<float2*>(out + (i64)(r + 8) * DV + c) = make_float2(st[j][2], st[j][3]);
+            *reinterpret_cast<float2*>(Ss + r * SP + c) = make_float2(st[j][0], st[j][1]);
+            *reinterpret_cast<float2*>(Ss + (r + 8) * SP + c) = make_float2(st[j][2], st[j][3]);
+        }
+        if (threadIdx.x < L) Gs[threadIdx.x] = gv;
+        __syncthreads();
+        const float glast = Gs[L - 1];
+#pragma unroll
+        for (int p = 0; p < PER; p++) {
+            const int e = (threadIdx.x + p * 256) * 4, i = e / DK, d = e - i * DK;
+            *reinterpret_cast<float4*>(Ws + i * WP + d) = wv[p];
+            const float decay = expf(glast - Gs[i]);
+            float4 k4 = widen4(kv[p]); // zero past the chunk's tokens
+            k4.x *= decay;
+            k4.y *= decay;
+            k4.z *= decay;
+            k4.w *= decay;
+            *reinterpret_cast<float4*>(Kd + i * KDP + d) = k4;
+        }
+        float ws[2][4] = {};
+        float u[2][4];
+#pragma unroll
+        for (int jn = 0; jn < 2; jn++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) u[jn][e] = uv[jn][e];
+        __syncthreads();
+        if (q + 1 < count) fetch(q + 1);
+        // v_new = U - W S
+#pragma unroll 4
+        for (int k0 = 0; k0 < DK; k0 += 8) {
+            const Frag<4> a = frag_a(Ws, WP, m1 * 16, k0);
+#pragma unroll
+            for (int jn = 0; jn < 2; jn++) mma(ws[jn], a, frag_b(Ss, SP, k0, (n1 + jn) * 8));
+        }
+#pragma unroll
+        for (int jn = 0; jn < 2; jn++) {
+            const int r = m1 * 16 + g, c = (n1 + jn) * 8 + 2 * t4;
+            const float2 top = make_float2(u[jn][0] - ws[jn][0], u[jn][1] - ws[jn][1]);
+            const float2 bottom = make_float2(u[jn][2] - ws[jn][2], u[jn][3] - ws[jn][3]);
+            *reinterpret_cast<float2*>(Vn + r * SP + c) = top;
+            *reinterpret_cast<float2*>(Vn + (r + 8) * SP + c) = bottom;
+            float* out = U + (base * L + r) * DV + c0 + c;
+            *reinterpret_cast<float2*>(out) = top;
+            *reinterpret_cast<float2*>(out + 8 * DV) = bottom;
+        }
+        __syncthreads();
+        // S = exp(G_last) S + K_d^T v_new. (The next chunk's writes of Ss,
+        // Gs, Ws and Kd come after its first barrier, which every warp
+        // reaches only past these reads.)
+        const float decay = expf(glast);
+#pragma unroll
+        for (int j = 0; j < SPW; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) st[j][e] *= decay;
+#pragma unroll 2
+        for (int k0 = 0; k0 < L; k0 += 8) {
+#pragma unroll
+            for (int j = 0; j < SPW; j++) {
+                const int tile = warp * SPW + j;
+                mma(st[j], frag_at(Kd, KDP, tile / NB * 16, k0), frag_b(Vn, SP, k0, tile % NB * 8));
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < SPW; j++) {
+        const int tile = warp * SPW + j, r = tile / NB * 16 + g, c = tile % NB * 8 + 2 * t4;
+        float* out = S_final + state0;
+        *reinterpret_cast<float2*>(out + (i64)r * DV + c) = make_float2(st[j][0], st[j][1]);
+        *reinterpret_cast<float2*>(out + (i64)(r + 8) * DV + c) = make_float2(st[j][2], st[j][3]);
+    }
+}
+
+// Rows of a [T, heads, N] input into a shared row-major [L][ld] tile, zero
+// past len. 256 threads, four elements a load.
+template <int N>
+__device__ __forceinline__ void load_rows(const in_t* __restrict__ x, i64 t0, int len, int heads, int head, float* tile,
+                                          int ld) {
+    constexpr int VECS = L * N / 4;
+#pragma unroll
+    for (int p = 0; p < (VECS + 255) / 256; p++) {
+        const int e = (threadIdx.x + p * 256) * 4;
+        if (e < L * N) {
+            const int i = e / N, d = e - i * N;
+            in4_t zero = {};
+            const float4 v = widen4(i < len ? *reinterpret_cast<const in4_t*>(x + ((t0 + i) * heads + head) * N + d) : zero);
+            *reinterpret_cast<float4*>(tile + i * ld + d) = v;
+        }
+    }
+}
+
+// UT prep (as `ut_prep` above) with its products on tensor cores: the gram
+// K K^T, then T = L^-1 (L = I + A, unit lower triangular) by blocks, then
+// U = T (beta v) and W = T (beta exp(G) k). Block: 256 threads (8 warps).
+extern "C" __global__ void __launch_bounds__(256, 2) ut_prep_tc(const in_t* __restrict__ k, const in_t* __restrict__ v,
+                                                                const float* __restrict__ g, const float* __restrict__ beta,
+                                                                const i64* __restrict__ chunk_tok,
+                                                                const i64* __restrict__ chunk_len, int H, int HK,
+                                                                float* __restrict__ U, float* __restrict__ W,
+                                                                float* __restrict__ Gc) {
+    constexpr int KR = DK + 4; // Ks rows
+    constexpr int VR = DV + 8; // Vs rows (read as B)
+    extern __shared__ float4 smem4[];
+    float* Ks = (float*)smem4; // [L][KR]
+    float* Vs = Ks + L * KR;   // [L][VR]
+    float* A = Vs + L * VR;    // [L][LP]
+    constexpr int MP = L - 16 + 4; // Ms rows
+    float* Ti = A + L * LP;    // [L][LP]: T = L^-1
+    float* Ms = Ti + L * LP;   // [16][MP]: one block row's sums
+    float* Gs = Ms + 16 * MP;  // [L]
+    float* Bs = Gs + L;        // [L]
+    const int c = blockIdx.x, h = blockIdx.y, kh = h / (H / HK);
+    const int warp = threadIdx.x / 32, gq = (threadIdx.x % 32) / 4, t4 = threadIdx.x % 4;
+    const i64 t0 = chunk_tok[c];
+    const int len = (int)chunk_len[c];
+    const i64 base = (i64)c * H + h;
+    for (int i = threadIdx.x; i < L; i += blockDim.x) Bs[i] = i < len ? beta[(t0 + i) * H + h] : 0.f;
+    load_rows<DK>(k, t0, len, HK, kh, Ks, KR);
+    load_rows<DV>(v, t0, len, H, h, Vs, VR);
+    load_decay(g, t0, len, H, h, Gs); // ends with a barrier
+    {
+        // A = strictly_lower(beta_i exp(G_i - G_j) k_i . k_j)
+        const int mp = warp / 2, np = (warp % 2) * 4;
+        float p[4][4] = {};
+#pragma unroll 4
+        for (int k0 = 0; k0 < DK; k0 += 8) {
+            const Frag<4> a = frag_a(Ks, KR, mp * 16, k0);
+#pragma unroll
+            for (int jn = 0; jn < 4; jn++) mma(p[jn], a, frag_bt(Ks, KR, k0, (np + jn) * 8));
+        }
+#pragma unroll
+        for (int jn = 0; jn < 4; jn++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = mp * 16 + gq + (e / 2) * 8, j = (np + jn) * 8 + 2 * t4 + e % 2;
+                A[i * LP + j] = j < i ? Bs[i] * expf(Gs[i] - Gs[j]) * p[jn][e] : 0.f;
+            }
+    }
+    for (int i = threadIdx.x; i < L; i += blockDim.x) Gc[base * L + i] = Gs[i];
+    __syncthreads();
+    // T = L^-1 by 16 x 16 blocks: first the diagonal blocks' inverses, by
+    // forward substitution on their identity's columns (a chain of 120
+    // products where the whole matrix's takes 2016); then each block row
+    // below from those above it, T_ij = -T_ii sum_{j <= m < i} A_im T_mj.
+    if (threadIdx.x < L) {
+        const int o = threadIdx.x / 16 * 16, col = threadIdx.x % 16;
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) x[i] = i == col ? 1.f : 0.f;
+#pragma unroll
+        for (int i = 1; i < 16; i++) {
+            float r = x[i];
+            const float* a = A + (o + i) * LP + o;
+#pragma unroll
+            for (int j = 0; j < i; j++) r -= a[j] * x[j];
+            x[i] = r;
+        }
+#pragma unroll
+        for (int i = 0; i < 16; i++) Ti[(o + i) * LP + o + col] = x[i];
+    } else {
+        // Meanwhile: the blocks of T above the diagonal are zero, and the
+        // right-hand sides are beta v and beta exp(G) k.
+        for (int e = threadIdx.x - L; e < L * L; e += blockDim.x - L) {
+            const int i = e / L, j = e - i * L;
+            if (j / 16 > i / 16) Ti[i * LP + j] = 0.f;
+        }
+        for (int e = threadIdx.x - L; e < L * (DK + DV); e += blockDim.x - L) {
+            const int i = e / (DK + DV), d = e - i * (DK + DV);
+            if (d < DK) Ks[i * KR + d] *= Bs[i] * expf(Gs[i]);
+            else Vs[i * VR + d - DK] *= Bs[i];
+        }
+    }
+    __syncthreads();
+    for (int bi = 1; bi < L / 16; bi++) {
+        // M_j = sum_{j <= m < bi} A_{bi,m} T_{m,j} for every block j < bi.
+        for (int e = threadIdx.x; e < bi * 256; e += blockDim.x) {
+            const int bj = e / 256, r = e % 256 / 16, cc = e % 16;
+            const float* a = A + (bi * 16 + r) * LP;
+            float acc = 0.f;
+            for (int m = bj * 16; m < bi * 16; m++) acc += a[m] * Ti[m * LP + bj * 16 + cc];
+            Ms[r * MP + bj * 16 + cc] = acc;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < bi * 256; e += blockDim.x) {
+            const int bj = e / 256, r = e % 256 / 16, cc = e % 16;
+            const float* t = Ti + (bi * 16 + r) * LP + bi * 16;
+            float acc = 0.f;
+            for (int m = 0; m <= r; m++) acc += t[m] * Ms[m * MP + bj * 16 + cc];
+            Ti[(bi * 16 + r) * LP + bj * 16 + cc] = -acc;
+        }
+        __syncthreads();
+    }
+    // U = T (beta v), W = T (beta exp(G) k): warp w, rows (w % 4) * 16..,
+    // its half of the columns.
+    const int mo = warp % 4;
+    {
+        constexpr int ON = DV / 16;
+        const int no = (warp / 4) * ON;
+        float o[ON][4] = {};
+#pragma unroll 2
+        for (int k0 = 0; k0 < L; k0 += 8) {
+            const Frag<4> a = frag_a(Ti, LP, mo * 16, k0);
+#pragma unroll
+            for (int jn = 0; jn < ON; jn++) mma(o[jn], a, frag_b(Vs, VR, k0, (no + jn) * 8));
+        }
+#pragma unroll
+        for (int jn = 0; jn < ON; jn++) {
+            float* out = U + (base * L + mo * 16 + gq) * DV + (no + jn) * 8 + 2 * t4;
+            *reinterpret_cast<float2*>(out) = make_float2(o[jn][0], o[jn][1]);
+            *reinterpret_cast<float2*>(out + 8 * DV) = make_float2(o[jn][2], o[jn][3]);
+        }
+    }
+    {
+        constexpr int ON = DK / 16;
+        const int no = (warp / 4) * ON;
+        float o[ON][4] = {};
+#pragma unroll 2
+        for (int k0 = 0; k0 < L; k0 += 8) {
+            const Frag<4> a = frag_a(Ti, LP, mo * 16, k0);
+#pragma unroll
+            for (int jn = 0; jn < ON; jn++) mma(o[jn], a, frag_b(Ks, KR, k0, (no + jn) * 8));
+        }
+#pragma unroll
+        for (int jn = 0; jn < ON; jn++) {
+            float* out = W + (base * L + mo * 16 + gq) * DK + (no + jn) * 8 + 2 * t4;
+            *reinterpret_cast<float2*>(out) = make_float2(o[jn][0], o[jn][1]);
+            *reinterpret_cast<float2*>(out + 8 * DK) = make_float2(o[jn][2], o[jn][3]);
+        }
+    }
+}
+
+// The outputs of `output` above on tensor cores: P = (Q K^T) * decay
+// (j <= i), then o = exp(G) (Q S_in) + P v_new. Block: 256 threads (8 warps);
+// warp w computes P's rows (w / 2) * 16.. for columns (w % 2) * 32.., and
+// o's rows (w % 4) * 16.. for columns (w / 4) * DV/2...
+extern "C" __global__ void __launch_bounds__(256, 2) output_tc(
+    const in_t* __restrict__ q, const in_t* __restrict__ k, const float* __restrict__ Vnew, const float* __restrict__ Gc,
+    const float* __restrict__ S_in, const i64* __restrict__ chunk_tok, const i64* __restrict__ chunk_len, int H, int HK,
+    float* __restrict__ out) {
+    constexpr int QP = DK + 4; // Qs and Ks rows
+    constexpr int PP = L + 4;  // Ps rows
+    constexpr int ON = DV / 16; // o's column tiles per warp
+    extern __shared__ float4 smem4[];
+    float* Qs = (float*)smem4; // [L][QP]
+    float* Ks = Qs + L * QP;   // [L][QP]
+    float* Ps = Ks + L * QP;   // [L][PP]
+    float* Gs = Ps + L * PP;   // [L]
+    const int c = blockIdx.x, h = blockIdx.y, kh = h / (H / HK);
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t4 = threadIdx.x % 4;
+    const i64 t0 = chunk_tok[c];
+    const int len = (int)chunk_len[c];
+    const i64 base = (i64)c * H + h;
+    for (int i = threadIdx.x; i < L; i += blockDim.x) Gs[i] = Gc[base * L + i];
+    load_rows<DK>(q, t0, len, HK, kh, Qs, QP);
+    load_rows<DK>(k, t0, len, HK, kh, Ks, QP);
+    __syncthreads();
+    {
+        const int mp = warp / 2, np = (warp % 2) * 4;
+        float p[4][4] = {};
+#pragma unroll 4
+        for (int k0 = 0; k0 < DK; k0 += 8) {
+            const Frag<4> a = frag_a(Qs, QP, mp * 16, k0);
+#pragma unroll
+            for (int jn = 0; jn < 4; jn++) mma(p[jn], a, frag_bt(Ks, QP, k0, (np + jn) * 8));
+        }
+#pragma unroll
+        for (int jn = 0; jn < 4; jn++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = mp * 16 + g + (e / 2) * 8, j = (np + jn) * 8 + 2 * t4 + e % 2;
+                Ps[i * PP + j] = j <= i ? p[jn][e] * expf(Gs[i] - Gs[j]) : 0.f;
+            }
+    }
+    __syncthreads();
+    const int mo = warp % 4, no = (warp / 4) * ON;
+    float o[ON][4] = {};
+    const float* S = S_in + base * DK * DV;
+#pragma unroll 2
+    for (int k0 = 0; k0 < DK; k0 += 8) {
+        const Frag<4> a = frag_a(Qs, QP, mo * 16, k0);
+#pragma unroll
+        for (int jn = 0; jn < ON; jn++) mma(o[jn], a, frag_b(S, DV, k0, (no + jn) * 8));
+    }
+    const float e0 = expf(Gs[mo * 16 + g]), e1 = expf(Gs[mo * 16 + g + 8]);
+#pragma unroll
+    for (int jn = 0; jn < ON; jn++) {
+        o[jn][0] *= e0;
+        o[jn][1] *= e0;
+        o[jn][2] *= e1;
+        o[jn][3] *= e1;
+    }
+    const float* V = Vnew + base * L * DV;
+#pragma unroll 2
+    for (int k0 = 0; k0 < L; k0 += 8) {
+        const Frag<4> a = frag_a(Ps, PP, mo * 16, k0);
+#pragma unroll
+        for (int jn = 0; jn < ON; jn++) mma(o[jn], a, frag_b(V, DV, k0, (no + jn) * 8));
+    }
+#pragma unroll
+    for (int jn = 0; jn < ON; jn++) {
+        const int i = mo * 16 + g, col = (no + jn) * 8 + 2 * t4;
+        if (i < len) *reinterpret_cast<float2*>(out + ((t0 + i) * H + h) * DV + col) = make_float2(o[jn][0], o[jn][1]);
+        if (i + 8 < len)
+            *reinterpret_cast<float2*>(out + ((t0 + i + 8) * H + h) * DV + col) = make_float2(o[jn][2], o[jn][3]);
+    }
+}
+#endif
+
 #if IN_BF16
 // Round to nearest even (NaN and Inf stay NaN and Inf).
 __device__ __forceinline__ in_t st(float f) {
@@ -431,6 +901,78 @@ extern "C" __global__ void causal_conv_silu(const in_t* __restrict__ x, i64 stri
         in_t r = st(acc);
         float a = ld(&r);
         y[t * C + c] = st(a / (1.f + expf(-a)));
+    }
+}
+
+// The same for kernels of at most CK taps, each thread on eight
+// consecutive channels (bf16) or four (f32) of a run of CT tokens: its
+// channels' taps stay in registers, and so does the window of the last
+// inputs, which slides one token at a time (one 16-byte load and one store
+// per token and vector). Rows `stride` elements apart whose starts, like C,
+// are whole vectors (the caller checks). Sums in the order of the kernel
+// above: the same results. Grid: (C / (CVEC * blockDim), T / CT).
+#if IN_BF16
+#define CVEC 8
+#else
+#define CVEC 4
+#endif
+#define CK 4
+#define CT 64
+struct __align__(16) cvec_t {
+    in_t v[CVEC];
+};
+extern "C" __global__ void causal_conv_silu_vec(const in_t* __restrict__ x, i64 stride, const in_t* __restrict__ w,
+                                                const i64* __restrict__ pos, i64 T, int C, int K,
+                                                in_t* __restrict__ y) {
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * CVEC;
+    if (c0 >= C) return;
+    const i64 t0 = (i64)blockIdx.y * CT;
+    const i64 t1 = min(T, t0 + CT);
+    float taps[CK][CVEC]; // taps[b]: the weight of the input b tokens back
+    float win[CK][CVEC];  // win[b]: the input b tokens back
+#pragma unroll
+    for (int b = 0; b < CK; b++)
+#pragma unroll
+        for (int e = 0; e < CVEC; e++) {
+            taps[b][e] = b < K ? ld(w + (i64)(c0 + e) * K + K - 1 - b) : 0.f;
+            win[b][e] = 0.f;
+        }
+    // The window before t0 (win[1..] once shifted).
+#pragma unroll
+    for (int b = 0; b + 1 < CK; b++) {
+        if (b + 1 < K && t0 - 1 - b >= 0) {
+            const cvec_t a = *reinterpret_cast<const cvec_t*>(x + (t0 - 1 - b) * stride + c0);
+#pragma unroll
+            for (int e = 0; e < CVEC; e++) win[b][e] = ld(&a.v[e]);
+        }
+    }
+    for (i64 t = t0; t < t1; t++) {
+#pragma unroll
+        for (int b = CK - 1; b > 0; b--)
+#pragma unroll
+            for (int e = 0; e < CVEC; e++) win[b][e] = win[b - 1][e];
+        const cvec_t a = *reinterpret_cast<const cvec_t*>(x + t * stride + c0);
+#pragma unroll
+        for (int e = 0; e < CVEC; e++) win[0][e] = ld(&a.v[e]);
+        const i64 p = pos[t];
+        float acc[CVEC];
+#pragma unroll
+        for (int e = 0; e < CVEC; e++) acc[e] = 0.f;
+#pragma unroll
+        for (int b = 0; b < CK; b++) {
+            if (b < K && b <= p) {
+#pragma unroll
+                for (int e = 0; e < CVEC; e++) acc[e] += win[b][e] * taps[b][e];
+            }
+        }
+        cvec_t o;
+#pragma unroll
+        for (int e = 0; e < CVEC; e++) {
+            in_t r = st(acc[e]);
+            const float v = ld(&r);
+            o.v[e] = st(v / (1.f + expf(-v)));
+        }
+        *reinterpret_cast<cvec_t*>(y + t * C + c0) = o;
     }
 }
 

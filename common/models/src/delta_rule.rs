@@ -74,8 +74,9 @@ pub struct ChunkPlan {
     chunks: i64,
     /// The same chunks in sequence order, for the fused kernels
     /// (`delta_rule_cuda`): each chunk's first token and token count, each
-    /// sequence's first chunk and chunk count.
-    kernel_table: [Tensor; 4],
+    /// sequence's first chunk and chunk count, and the sequences from the
+    /// most chunks to the fewest (the scan starts the longest first).
+    kernel_table: [Tensor; 5],
 }
 
 impl ChunkPlan {
@@ -136,7 +137,8 @@ impl ChunkPlan {
         };
         let (g, sc, o, u, l) =
             (cut(gather.len()), cut(scatter.len()), cut(order.len()), cut(unsort.len()), cut(last_rows.len()));
-        let kernel_table = [cut(chunk_tok.len()), cut(chunk_len.len()), cut(seq_chunk0.len()), cut(n_chunks.len())];
+        let kernel_table =
+            [cut(chunk_tok.len()), cut(chunk_len.len()), cut(seq_chunk0.len()), cut(n_chunks.len()), o.shallow_clone()];
         ChunkPlan {
             lens: lens.to_vec(),
             active,
@@ -162,7 +164,7 @@ impl ChunkPlan {
     }
 
     /// The chunk table of the fused kernels, on the plan's device.
-    pub(crate) fn kernel_table(&self) -> &[Tensor; 4] {
+    pub(crate) fn kernel_table(&self) -> &[Tensor; 5] {
         &self.kernel_table
     }
 }

@@ -10,15 +10,23 @@
 //! NVRTC (the `libnvrtc.so.13` that PyTorch's CUDA wheel ships, found next
 //! to libtorch), so the release binary stays one build for every GPU. When
 //! NVRTC cannot be loaded or compiling fails, the rule runs as libtorch ops
-//! and the reason is logged once. `DFLASH_DELTA_RULE=torch` selects the
-//! libtorch ops (for comparing the two on one machine).
+//! and the reason is logged once.
+//!
+//! For head dims that are multiples of 32 up to 128 (every published
+//! hybrid has 128), the products of all three run on tensor cores
+//! (`ut_prep_tc`, `scan_tc`, `output_tc`: tf32 operands, f32 accumulators;
+//! f32 inputs keep f32 accuracy by summing three tf32 products per
+//! product). Other head dims run the same kernels' CUDA-core versions.
+//!
+//! `DFLASH_DELTA_RULE` picks the path, for comparing them on one machine:
+//! `fused` (the default, as above), `cuda-cores` (the fused kernels
+//! without tensor cores) or `torch` (the libtorch ops).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::CompileOptions;
 use tch::{Device, Kind, Tensor};
 
 use crate::delta_rule::{CHUNK, ChunkPlan, RuleInputs, RuleOutput};
@@ -34,6 +42,8 @@ struct Kernels {
     scan: CudaFunction,
     output: CudaFunction,
     conv: CudaFunction,
+    /// The convolution on 16-byte vectors of channels.
+    conv_vec: CudaFunction,
     qk_norm: CudaFunction,
     gates: CudaFunction,
     gated_norm: CudaFunction,
@@ -50,81 +60,71 @@ fn cache() -> &'static Mutex<HashMap<Key, Option<Arc<Kernels>>>> {
     CACHE.get_or_init(Default::default)
 }
 
-/// Whether the fused kernels may be used (`DFLASH_DELTA_RULE` unset or
-/// `fused`; `torch` selects the libtorch ops). Any other value is refused:
-/// the process stops at its first hybrid forward, naming the variable.
-fn selected() -> bool {
-    static SELECTED: OnceLock<bool> = OnceLock::new();
-    *SELECTED.get_or_init(|| match std::env::var("DFLASH_DELTA_RULE").as_deref() {
-        Err(_) | Ok("fused") => true,
-        Ok("torch") => false,
-        Ok(other) => panic!("DFLASH_DELTA_RULE={other} is neither `fused` nor `torch`"),
+/// The path `DFLASH_DELTA_RULE` selects.
+#[derive(Clone, Copy, PartialEq)]
+enum Path {
+    /// Fused kernels, tensor cores where the head shape allows (the default).
+    Fused,
+    /// Fused kernels on CUDA cores only.
+    CudaCores,
+    /// libtorch ops.
+    Torch,
+}
+
+/// The selected path. Any other value is refused: the process stops at its
+/// first hybrid forward, naming the variable.
+fn path() -> Path {
+    static PATH: OnceLock<Path> = OnceLock::new();
+    *PATH.get_or_init(|| match std::env::var("DFLASH_DELTA_RULE").as_deref() {
+        Err(_) | Ok("fused") => Path::Fused,
+        Ok("cuda-cores") => Path::CudaCores,
+        Ok("torch") => Path::Torch,
+        Ok(other) => panic!("DFLASH_DELTA_RULE={other} is none of `fused`, `cuda-cores`, `torch`"),
     })
 }
 
-/// Makes `libnvrtc.so.13` loadable by name: PyTorch's CUDA wheel keeps it
-/// in `site-packages/nvidia/cu13/lib`, beside the `torch/lib` folder that
-/// LD_LIBRARY_PATH names. Once loaded by path, a load by name finds it.
-fn preload_nvrtc() -> Result<(), String> {
-    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
-    LOADED
-        .get_or_init(|| {
-            // SAFETY: only probes whether the library can be loaded.
-            if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-                return Ok(());
-            }
-            let dirs = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-            for dir in dirs.split(':').filter(|d| !d.is_empty()) {
-                let dir = std::path::Path::new(dir);
-                for lib in
-                    [dir.to_path_buf(), dir.join("../../nvidia/cu13/lib"), dir.join("../../nvidia/cuda_nvrtc/lib")]
-                {
-                    let path = lib.join("libnvrtc.so.13");
-                    if !path.exists() {
-                        continue;
-                    }
-                    // SAFETY: loading NVRTC runs no initialisers that need
-                    // anything of us; the library stays loaded for good.
-                    match unsafe { libloading::Library::new(&path) } {
-                        Ok(l) => {
-                            std::mem::forget(l);
-                            return Ok(());
-                        }
-                        Err(e) => return Err(format!("{}: {e}", path.display())),
-                    }
-                }
-            }
-            Err("libnvrtc.so.13 is not on LD_LIBRARY_PATH nor beside torch/lib in nvidia/cu13/lib".into())
-        })
-        .clone()
+/// Whether the fused kernels may be used.
+fn selected() -> bool {
+    path() != Path::Torch
+}
+
+/// Whether the scan and the outputs run on tensor cores for this head
+/// shape: a warp's 16 x 8 tiles must cover the state evenly (dk a multiple
+/// of 32, dv of the scan's 32 columns), and above dk = 128 the state and
+/// the prefetched chunk no longer fit the registers.
+fn tensor_cores(dk: i64, dv: i64) -> bool {
+    path() == Path::Fused && dk % 32 == 0 && dk <= 128 && dv % 32 == 0
 }
 
 fn compile(ordinal: usize, dk: i64, dv: i64, bf16: bool) -> Result<Kernels, String> {
-    preload_nvrtc()?;
-    let ctx = CudaContext::new(ordinal).map_err(|e| format!("CUDA context: {e:?}"))?;
-    let (major, minor) = ctx.compute_capability().map_err(|e| format!("compute capability: {e:?}"))?;
     let bv = dv.min(32);
-    let options = vec![
-        format!("--gpu-architecture=compute_{major}{minor}"),
+    let tc = tensor_cores(dk, dv);
+    let defines = [
         format!("-DDK={dk}"),
         format!("-DDV={dv}"),
         format!("-DBV={bv}"),
         format!("-DIN_BF16={}", i32::from(bf16)),
-        "--std=c++17".into(),
+        format!("-DTC={}", i32::from(tc)),
     ];
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(
-        SOURCE,
-        CompileOptions { options, name: Some("delta_rule.cu".into()), ..Default::default() },
-    )
-    .map_err(|e| format!("NVRTC: {e:?}"))?;
-    let module = ctx.load_module(ptx).map_err(|e| format!("loading the module: {e:?}"))?;
+    let (ctx, module) = crate::nvrtc::compile(ordinal, SOURCE, "delta_rule.cu", &defines)?;
     let f = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
-    let (ut_prep, scan, output, conv) = (f("ut_prep")?, f("scan")?, f("output")?, f("causal_conv_silu")?);
+    let names = if tc { ["ut_prep_tc", "scan_tc", "output_tc"] } else { ["ut_prep", "scan", "output"] };
+    let (ut_prep, scan, output) = (f(names[0])?, f(names[1])?, f(names[2])?);
+    let (conv, conv_vec) = (f("causal_conv_silu")?, f("causal_conv_silu_vec")?);
     let (qk_norm, gates, gated_norm) = (f("qk_norm")?, f("gates")?, f("gated_norm")?);
     // The shared tiles of each kernel (see the .cu file): row strides
-    // LP = 68 and KP = dk + 4.
+    // LP = 68 and KP = dk + 4; the tensor-core kernels' dk + 4, dk + 8 and
+    // bv + 8.
     let (l, lp, kp) = (CHUNK, 68, dk + 4);
-    let floats = [dk * lp + l * lp + 2 * l, 2 * l * kp + dk * bv + l * bv + l, 2 * dk * lp + l * lp + l];
+    let floats = if tc {
+        [
+            l * kp + l * (dv + 8) + 2 * l * lp + 16 * (l - 12) + 2 * l,
+            l * kp + l * (dk + 8) + (dk + l) * (bv + 8) + l,
+            2 * l * kp + l * lp + l,
+        ]
+    } else {
+        [dk * lp + l * lp + 2 * l, 2 * l * kp + dk * bv + l * bv + l, 2 * dk * lp + l * lp + l]
+    };
     let shared = floats.map(|n| (n * 4) as u32);
     let limit = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
@@ -138,7 +138,7 @@ fn compile(ordinal: usize, dk: i64, dv: i64, bf16: bool) -> Result<Kernels, Stri
         func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
             .map_err(|e| format!("shared memory attribute: {e:?}"))?;
     }
-    Ok(Kernels { ctx, ut_prep, scan, output, conv, qk_norm, gates, gated_norm, bv, shared })
+    Ok(Kernels { ctx, ut_prep, scan, output, conv, conv_vec, qk_norm, gates, gated_norm, bv, shared })
 }
 
 /// The kernels for a shape, compiled on first use; None (logged once per
@@ -149,7 +149,13 @@ fn kernels(ordinal: usize, dk: i64, dv: i64, bf16: bool) -> Option<Arc<Kernels>>
         .entry((ordinal, dk, dv, bf16))
         .or_insert_with(|| match compile(ordinal, dk, dv, bf16) {
             Ok(k) => {
-                tracing::info!(dk, dv, bf16, "delta rule: fused CUDA kernels compiled");
+                tracing::info!(
+                    dk,
+                    dv,
+                    bf16,
+                    tensor_cores = tensor_cores(dk, dv),
+                    "delta rule: fused CUDA kernels compiled"
+                );
                 Some(Arc::new(k))
             }
             Err(e) => {
@@ -230,7 +236,8 @@ pub fn chunked(
     let final_state = Tensor::empty([n, h, dk, dv], fo);
     let out = Tensor::empty([t, h, dv], fo);
     let table = p.kernel_table();
-    let (tok, len, first, count) = (ptr(&table[0]), ptr(&table[1]), ptr(&table[2]), ptr(&table[3]));
+    let (tok, len, first, count, order) =
+        (ptr(&table[0]), ptr(&table[1]), ptr(&table[2]), ptr(&table[3]), ptr(&table[4]));
     let (hi, hki) = (h as i32, hk as i32);
     let init_ptr = init.as_ref().map_or(0u64, ptr);
     let stream = kern.ctx.default_stream(); // libtorch's stream: ordered with its ops
@@ -271,12 +278,13 @@ pub fn chunked(
                 .arg(&len)
                 .arg(&first)
                 .arg(&count)
+                .arg(&order)
                 .arg(&init_ptr)
                 .arg(&hi)
                 .arg(&hki)
                 .arg(&ps)
                 .arg(&pf)
-                .launch(cfg(grid(n, dv / kern.bv), (kern.bv * 8) as u32, kern.shared[1]))?;
+                .launch(cfg(((h * (dv / kern.bv)) as u32, n as u32, 1), (kern.bv * 8) as u32, kern.shared[1]))?;
         }
         mark("rule: state scan (fused)");
         unsafe {
@@ -325,14 +333,24 @@ pub fn causal_conv_silu(mixed: &Tensor, weight: &Tensor, positions: &Tensor, dk:
     let y = Tensor::empty([t, c], (kind, mixed.device()));
     let (px, pw, pp, py) = (ptr(mixed), ptr(&w), ptr(positions), ptr(&y));
     let (stride, ci, ki) = (mixed.stride()[0], c as i32, k as i32);
-    let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // Whole 16-byte vectors of channels over runs of 64 tokens, with the
+    // taps and the window in registers, where the rows and the kernel size
+    // (at most 4 taps) allow it; else a block per token.
+    let per_vec = if bf16 { 8 } else { 4 };
+    let vectors = k <= 4 && stride % per_vec == 0 && c % per_vec == 0 && (mixed.data_ptr() as usize).is_multiple_of(16);
+    let cfg = if vectors {
+        let grid = (((c / per_vec + 127) / 128) as u32, ((t + 63) / 64) as u32, 1);
+        LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }
+    } else {
+        LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    };
     let stream = kern.ctx.default_stream();
     // SAFETY: `mixed` rows are `stride` elements apart with unit column
     // stride (checked), `w` is a contiguous [C, K], `positions` [T] int64
     // and `y` a fresh [T, C]; stream order keeps them alive (see `chunked`).
     let launched = unsafe {
         stream
-            .launch_builder(&kern.conv)
+            .launch_builder(if vectors { &kern.conv_vec } else { &kern.conv })
             .arg(&px)
             .arg(&stride)
             .arg(&pw)

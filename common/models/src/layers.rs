@@ -23,6 +23,12 @@ pub struct RmsNorm {
 impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Tensor {
         let dim = *x.size().last().expect("rms_norm input has a last dimension");
+        if self.weight.kind() == tch::Kind::Float {
+            // On a GPU one kernel in place of cast, norm and cast back.
+            if let Some(y) = crate::fused_cuda::rms_norm_f32_scale(x, &self.weight, self.eps) {
+                return y;
+            }
+        }
         if self.weight.kind() == tch::Kind::Float && x.kind() != tch::Kind::Float {
             return x.to_kind(tch::Kind::Float).rms_norm([dim], Some(&self.weight), self.eps).to_kind(x.kind());
         }

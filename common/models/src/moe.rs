@@ -174,46 +174,63 @@ impl Experts {
         let (experts, k, h) = (self.num_experts(), chosen.size()[1], x.size()[1]);
         // Every (token, slot) pair, grouped by its expert.
         let flat = chosen.reshape([-1]);
-        let (sorted_experts, order) = flat.sort_stable(true, 0, false);
+        let order = flat.argsort_stable(true, 0, false);
         let token = order.floor_divide_scalar(k);
-        let counts = Tensor::zeros([experts], (Kind::Int64, x.device())).scatter_add(0, &flat, &flat.ones_like());
-        let offsets = counts.cumsum(0, Kind::Int);
+        let count = || Tensor::zeros([experts], (Kind::Int64, x.device())).scatter_add(0, &flat, &flat.ones_like());
+        let offsets = count().cumsum(0, Kind::Int);
+        // Each position's expert, for the biases of the families that have them.
+        let biased = self.gate_up_bias.is_some() || self.down_bias.is_some();
+        let sorted_experts = biased.then(|| flat.index_select(0, &order));
         let rows = x.index_select(0, &token); // [T*k, H]
-        let out = match self.grouped(&rows, &offsets, &sorted_experts) {
+        let out = match self.grouped(&rows, &offsets, sorted_experts.as_ref()) {
             Ok(out) => out,
             // libtorch's grouped GEMM takes f32/bf16/f16 only; other kinds
             // (f64 references) go expert by expert.
-            Err(_) => self.expert_by_expert(&rows, &counts, &sorted_experts),
+            Err(_) => self.expert_by_expert(&rows, &count(), sorted_experts.as_ref()),
         };
         // Back to token order, then each token's weighted sum over its k
         // slots as one batched matmul: no atomics (index_add on bf16 took
         // 3x as long on an H200) and the sum accumulates in f32.
         let n = flat.size()[0];
         let inverse = order.empty_like().scatter(0, &order, &Tensor::arange(n, (Kind::Int64, x.device())));
+        // On a GPU one kernel reads each row once, without the gathered copy.
+        if let Some(y) = crate::fused_cuda::moe_unpermute(&out, &inverse, weights) {
+            return y;
+        }
         let per_slot = out.index_select(0, &inverse).view([-1, k, h]); // [T, k, H]
         weights.unsqueeze(1).bmm(&per_slot).squeeze_dim(1)
     }
 
     /// The gated activation of gate/up outputs `[N, 2I]` (biases added).
-    fn activate(&self, gate_up: Tensor, sorted_experts: &Tensor) -> Tensor {
+    fn activate(&self, gate_up: Tensor, sorted_experts: Option<&Tensor>) -> Tensor {
         let gate_up = match &self.gate_up_bias {
-            Some(b) => gate_up + b.index_select(0, sorted_experts),
+            Some(b) => gate_up + b.index_select(0, sorted_experts.expect("a biased block has each row's expert")),
             None => gate_up,
         };
+        if self.activation == ExpertActivation::SwiGlu
+            && let Some(act) = crate::fused_cuda::swiglu(&gate_up)
+        {
+            return act;
+        }
         let i = self.intermediate();
         self.activation.apply(&gate_up.narrow(-1, 0, i), &gate_up.narrow(-1, i, i))
     }
 
-    fn with_down_bias(&self, out: Tensor, sorted_experts: &Tensor) -> Tensor {
+    fn with_down_bias(&self, out: Tensor, sorted_experts: Option<&Tensor>) -> Tensor {
         match &self.down_bias {
-            Some(b) => out + b.index_select(0, sorted_experts),
+            Some(b) => out + b.index_select(0, sorted_experts.expect("a biased block has each row's expert")),
             None => out,
         }
     }
 
     /// The experts as two grouped GEMMs over `rows` sorted by expert
     /// (`offsets`: cumulative row counts, int32).
-    fn grouped(&self, rows: &Tensor, offsets: &Tensor, sorted_experts: &Tensor) -> Result<Tensor, tch::TchError> {
+    fn grouped(
+        &self,
+        rows: &Tensor,
+        offsets: &Tensor,
+        sorted_experts: Option<&Tensor>,
+    ) -> Result<Tensor, tch::TchError> {
         let gate_up =
             rows.f_internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(offsets), None::<&Tensor>, None::<Kind>)?;
         let act = self.activate(gate_up, sorted_experts);
@@ -223,7 +240,7 @@ impl Experts {
     }
 
     /// The same, one matmul pair per expert (reads the counts back).
-    fn expert_by_expert(&self, rows: &Tensor, counts: &Tensor, sorted_experts: &Tensor) -> Tensor {
+    fn expert_by_expert(&self, rows: &Tensor, counts: &Tensor, sorted_experts: Option<&Tensor>) -> Tensor {
         let counts = Vec::<i64>::try_from(counts.to_device(tch::Device::Cpu)).expect("1-D counts");
         let mut start = 0;
         let mut parts = Vec::with_capacity(counts.len());

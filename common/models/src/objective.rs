@@ -125,9 +125,9 @@ impl ChunkObjective {
         let log_p = |p: Tensor| p.to_kind(Kind::Double).clamp_min(f64::from(f32::MIN_POSITIVE)).log();
         let ce = match &taught {
             // -sum_j p_target(j) log p(j) over the target's top-k.
-            Some((ids, p)) => {
-                (log_p(probs.gather(1, ids, false)) * p.to_kind(Kind::Double)).sum_dim_intlist(1, false, Kind::Double).neg()
-            }
+            Some((ids, p)) => (log_p(probs.gather(1, ids, false)) * p.to_kind(Kind::Double))
+                .sum_dim_intlist(1, false, Kind::Double)
+                .neg(),
             None => log_p(p_label.shallow_clone()).neg(),
         };
         let w = match self.objective {

@@ -1,0 +1,68 @@
+//! Compiling our CUDA sources at run time with NVRTC (the `libnvrtc.so.13`
+//! that PyTorch's CUDA wheel ships, found next to libtorch), so the release
+//! binary stays one build for every GPU: each caller compiles its source
+//! once per process, device and setting, for the device's own architecture.
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaModule};
+use cudarc::nvrtc::CompileOptions;
+
+/// `source` (named `name` in errors) compiled with `defines` (`-DNAME=value`)
+/// for GPU `ordinal`, and loaded there.
+pub(crate) fn compile(
+    ordinal: usize,
+    source: &str,
+    name: &str,
+    defines: &[String],
+) -> Result<(Arc<CudaContext>, Arc<CudaModule>), String> {
+    preload_nvrtc()?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| format!("CUDA context: {e:?}"))?;
+    let (major, minor) = ctx.compute_capability().map_err(|e| format!("compute capability: {e:?}"))?;
+    let mut options = vec![format!("--gpu-architecture=compute_{major}{minor}"), "--std=c++17".into()];
+    options.extend(defines.iter().cloned());
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+        source,
+        CompileOptions { options, name: Some(name.into()), ..Default::default() },
+    )
+    .map_err(|e| format!("NVRTC ({name}): {e:?}"))?;
+    let module = ctx.load_module(ptx).map_err(|e| format!("loading {name}: {e:?}"))?;
+    Ok((ctx, module))
+}
+
+/// Makes `libnvrtc.so.13` loadable by name: PyTorch's CUDA wheel keeps it
+/// in `site-packages/nvidia/cu13/lib`, beside the `torch/lib` folder that
+/// LD_LIBRARY_PATH names. Once loaded by path, a load by name finds it.
+fn preload_nvrtc() -> Result<(), String> {
+    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            // SAFETY: only probes whether the library can be loaded.
+            if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                return Ok(());
+            }
+            let dirs = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+            for dir in dirs.split(':').filter(|d| !d.is_empty()) {
+                let dir = std::path::Path::new(dir);
+                for lib in
+                    [dir.to_path_buf(), dir.join("../../nvidia/cu13/lib"), dir.join("../../nvidia/cuda_nvrtc/lib")]
+                {
+                    let path = lib.join("libnvrtc.so.13");
+                    if !path.exists() {
+                        continue;
+                    }
+                    // SAFETY: loading NVRTC runs no initialisers that need
+                    // anything of us; the library stays loaded for good.
+                    match unsafe { libloading::Library::new(&path) } {
+                        Ok(l) => {
+                            std::mem::forget(l);
+                            return Ok(());
+                        }
+                        Err(e) => return Err(format!("{}: {e}", path.display())),
+                    }
+                }
+            }
+            Err("libnvrtc.so.13 is not on LD_LIBRARY_PATH nor beside torch/lib in nvidia/cu13/lib".into())
+        })
+        .clone()
+}
