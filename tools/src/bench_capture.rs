@@ -165,6 +165,334 @@ fn cuda_feed(
     }
 }
 
+/// What one mode's timed batches measured.
+#[derive(Default)]
+struct Timing {
+    elapsed: Duration,
+    /// Mean GPU time of a forward (CUDA, the pipeline modes).
+    forward_gpu_ms: Option<f64>,
+    /// Mean idle time before a forward with nothing queued, waiting on ids,
+    /// and the longest gap (CUDA, the pipeline modes).
+    idle: Option<(f64, f64, f64)>,
+    /// GPU time of the whole timed window per batch (CUDA, "off").
+    gpu_window_ms: Option<f64>,
+    /// Per forward: (GPU time, host-blocked time) in ms.
+    timeline_ms: Vec<(f64, f64)>,
+    /// When each timed batch's payload reached the consumer.
+    received_ms: Vec<f64>,
+}
+
+/// Mode "off": the forward loop's input path (ids uploaded ahead on CUDA,
+/// one batch queued behind the running one), nothing after it.
+fn time_off(
+    a: &BenchArgs,
+    cuda: &Option<std::sync::Arc<cudarc::driver::CudaContext>>,
+    device: Device,
+    model: &TargetModel,
+    batches: &[WorkItem],
+    layer_ids: &[i64],
+    stop: &Stop,
+) -> anyhow::Result<Timing> {
+    let (mut gpu_window_ms, mut timeline_ms) = (None, Vec::new());
+    // The forward loop's input path (ids uploaded ahead on CUDA,
+    // one batch queued behind the running one), nothing after it.
+    let upload = cuda_feed(cuda, device, a.batch_tokens, 2)?;
+    let mut previous = None;
+    let mut t0 = Instant::now();
+    let mut gpu_t0 = None;
+    let mut off_events = Vec::new();
+    for (i, w) in batches.iter().enumerate() {
+        if i == a.warmup {
+            drop(previous.take());
+            sync_device(device);
+            t0 = Instant::now();
+            if let Some(ctx) = cuda {
+                gpu_t0 = Some(dflash_target::upload::GpuBusy::mark(ctx)?);
+            }
+        }
+        let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
+        match &upload {
+            Some(feed) => {
+                let mut ids = feed.upload.upload(&w.input_ids, stop)?;
+                let start = dflash_target::upload::GpuBusy::mark(&feed.ctx)?;
+                let _ = model.capture_packed(ids.tensor(), &lens, layer_ids);
+                off_events.push((start, dflash_target::upload::GpuBusy::mark(&feed.ctx)?));
+                ids.release_after_torch_work()?;
+                // Waits for the forward before this one.
+                previous = Some(ids);
+            }
+            None => {
+                let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
+                let _ = model.capture_packed(&Tensor::from_slice(&ids).to_device(device), &lens, layer_ids);
+            }
+        }
+    }
+    drop(previous);
+    if let (Some(ctx), Some(start)) = (cuda, &gpu_t0) {
+        let end = dflash_target::upload::GpuBusy::mark(ctx)?;
+        sync_device(device);
+        gpu_window_ms = start.elapsed_ms(&end).ok().map(|ms| f64::from(ms) / a.batches as f64);
+        timeline_ms = off_events.iter().map(|(s, e)| (0.0, s.elapsed_ms(e).map_or(f64::NAN, f64::from))).collect();
+    }
+    sync_device(device);
+    Ok(Timing { elapsed: t0.elapsed(), gpu_window_ms, timeline_ms, ..Timing::default() })
+}
+
+/// The target pipeline as the capture modes build it.
+struct Pipeline<'a> {
+    dtype: DType,
+    layout: Layout,
+    hidden: usize,
+    layer_ids: &'a [i64],
+}
+
+/// Modes "async" and "sync": the forward loop and the postprocess stage
+/// (a worker thread, or inline), a consumer that plays the sender.
+#[allow(clippy::too_many_arguments)]
+fn time_pipeline(
+    a: &BenchArgs,
+    inline: bool,
+    cuda: &Option<std::sync::Arc<cudarc::driver::CudaContext>>,
+    device: Device,
+    model: TargetModel,
+    batches: Vec<WorkItem>,
+    setup: Pipeline,
+    stop: &Stop,
+) -> anyhow::Result<Timing> {
+    let Pipeline { dtype, layout, hidden, layer_ids } = setup;
+    let (mut forward_gpu_ms, mut idle, mut timeline_ms, mut received_ms) = (None, None, Vec::new(), Vec::new());
+    let spec = FeatureSpec {
+        dtype,
+        layout,
+        layer_ids: layer_ids.iter().map(|&i| i as u32).collect(),
+        noise_std: 0.0,
+        target_top_k: 0,
+    };
+    let bytes = spec.payload_bytes(a.batch_tokens, hidden);
+    let mut post = Postprocessor { spec, seed: 0, target_instance: "bench".into(), gpu: None, stop: stop.clone() };
+    if let Some(ctx) = cuda {
+        post.gpu = Some(GpuCopy {
+            ctx: ctx.clone(),
+            stream: dflash_models::gpu::side_stream(ctx)?,
+            pool: dflash_models::gpu::pinned_pool(ctx, 4, bytes)?,
+        });
+    }
+    let (work_tx, work_rx) = flume::bounded(2);
+    let (host_tx, host_rx) = flume::bounded(1);
+    let mut workers = Vec::new();
+    let sink = if inline {
+        PostprocessSink::Inline(post, host_tx)
+    } else {
+        let (cap_tx, cap_rx) = flume::bounded(1);
+        let s = stop.clone();
+        workers.push(std::thread::spawn(move || postprocess::worker(post, cap_rx, host_tx, s)));
+        PostprocessSink::Queue(cap_tx)
+    };
+    let stats = std::sync::Arc::new(dflash_target::forward::ForwardStats::new(1));
+    let fl = ForwardLoop {
+        stats: stats.clone(),
+        model,
+        layer_ids: layer_ids.to_vec(),
+        top_k: 0,
+        label: "bench".into(),
+        cuda: cuda_feed(cuda, device, a.batch_tokens, 4)?,
+        cache: dflash_target::feature_cache::FeatureCache::new(0),
+        sink,
+    };
+    let s = stop.clone();
+    let fwd = std::thread::spawn(move || fl.run(work_rx, s));
+    let feeder = std::thread::spawn(move || {
+        for w in batches {
+            if work_tx.send(w).is_err() {
+                break;
+            }
+        }
+    });
+    // The consumer plays the sender: it drops payloads (returning
+    // pinned buffers) as fast as they come.
+    let mut t0 = Instant::now();
+    let mut received = 0;
+    for i in 0..a.warmup + a.batches {
+        let Ok(batch) = host_rx.recv() else {
+            break;
+        };
+        // Read the clock before dropping the payload: the last
+        // one's drop frees the pinned pool (the pipeline has
+        // ended), which takes 0.2-0.3 s on an H200 host.
+        let now = Instant::now();
+        received += 1;
+        if i + 1 == a.warmup {
+            t0 = now;
+        }
+        if i + 1 >= a.warmup {
+            received_ms.push((now - t0).as_secs_f64() * 1e3);
+        }
+        drop(batch);
+    }
+    let el = Duration::from_secs_f64(received_ms.last().copied().unwrap_or_default() / 1e3);
+    stop.stop(dflash_role::StopCause::RunCompleted);
+    drop(host_rx);
+    let _ = feeder.join();
+    fwd.join().map_err(|_| anyhow::anyhow!("forward loop panicked"))??;
+    for w in workers {
+        w.join().map_err(|_| anyhow::anyhow!("postprocess panicked"))??;
+    }
+    anyhow::ensure!(received == a.warmup + a.batches, "the pipeline delivered {received} batches");
+    let timed = stats.timed_forwards.load(std::sync::atomic::Ordering::Relaxed);
+    if cuda.is_some() && timed > 0 {
+        let busy = stats.busy_ns.load(std::sync::atomic::Ordering::Relaxed) as f64;
+        forward_gpu_ms = Some(busy / 1e6 / timed as f64);
+        let ms = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6;
+        timeline_ms = stats.timeline.lock().map(|t| t.clone()).unwrap_or_default();
+        idle = Some((
+            ms(&stats.idle_unqueued_ns) / timed as f64,
+            ms(&stats.idle_ids_ns) / timed as f64,
+            ms(&stats.max_gap_ns),
+        ));
+    }
+    Ok(Timing { elapsed: el, forward_gpu_ms, idle, timeline_ms, received_ms, ..Timing::default() })
+}
+
+/// Where one forward's time goes, synchronized per stage (`--profile`).
+fn profile_stages(a: &BenchArgs, config: &TargetConfig, device: Device, kind: Kind, last: i64) -> anyhow::Result<()> {
+    let model = random_target(config, device, kind, last, a.parts)?;
+    let w = &make_batches(1, a, config.vocab_size, 9)[0];
+    let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
+    let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
+    let ids = Tensor::from_slice(&ids).to_device(device);
+    let _ = model.profile_packed(&ids, &lens, last); // warm-up
+    let stages = model.profile_packed(&ids, &lens, last);
+    let total: f64 = stages.iter().map(|s| s.1).sum();
+    println!("where a forward's time goes ({} tokens, synchronized per stage):", w.input_ids.len());
+    for (stage, secs) in &stages {
+        println!("  {stage:<24} {:>8.1} ms {:>5.1}%", secs * 1e3, 100.0 * secs / total);
+    }
+    Ok(())
+}
+
+/// The copy the postprocess stage makes, alone (`--profile` on CUDA).
+fn profile_copy(
+    a: &BenchArgs,
+    ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+    config: &TargetConfig,
+    device: Device,
+    kind: Kind,
+    last: i64,
+    layer_ids: &[i64],
+) -> anyhow::Result<()> {
+    // The copy the postprocess stage makes, alone: one batch's captured
+    // layers into a pinned buffer on a side stream, and into pageable
+    // memory (what a plain `.cpu()` does), in GB/s.
+    let model = random_target(config, device, kind, last, a.parts)?;
+    let w = &make_batches(1, a, config.vocab_size, 9)[0];
+    let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
+    let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
+    let layers = model.capture_packed(&Tensor::from_slice(&ids).to_device(device), &lens, layer_ids);
+    sync_device(device);
+    let bytes: usize = layers.iter().map(|l| l.numel() * l.kind().elt_size_in_bytes()).sum();
+    let stream = dflash_models::gpu::side_stream(ctx)?;
+    let pool = dflash_models::gpu::pinned_pool(ctx, 1, bytes)?;
+    let mut best_pinned = f64::INFINITY;
+    for _ in 0..3 {
+        let mut buf =
+            dflash_models::gpu::PinnedBuf::new(pool.take(std::time::Duration::from_secs(1)).context("pinned")?, bytes)?;
+        let t0 = Instant::now();
+        let mut off = 0;
+        for l in &layers {
+            buf.copy_from_device_async(off, l, &stream)?;
+            off += l.numel() * l.kind().elt_size_in_bytes();
+        }
+        dflash_models::gpu::sync(&stream)?;
+        best_pinned = best_pinned.min(t0.elapsed().as_secs_f64());
+    }
+    let t0 = Instant::now();
+    for l in &layers {
+        let _ = l.to_device(Device::Cpu);
+    }
+    let pageable = t0.elapsed().as_secs_f64();
+    println!(
+        "device-to-host of one batch ({:.0} MB): pinned {:.1} ms ({:.1} GB/s), pageable {:.1} ms ({:.1} GB/s)",
+        bytes as f64 / 1e6,
+        best_pinned * 1e3,
+        bytes as f64 / best_pinned / 1e9,
+        pageable * 1e3,
+        bytes as f64 / pageable / 1e9
+    );
+    Ok(())
+}
+
+/// The table of the modes' results.
+fn print_table(results: &[ModeResult]) {
+    println!(
+        "{:<8} {:>10} {:>12} {:>12} {:>22} {:>12} {:>7} {:>8}",
+        "mode", "step ms", "GPU step ms", "fwd GPU ms", "idle unqueued/ids/max", "tokens/s", "MFU", "vs off"
+    );
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |ms| format!("{ms:.1}"));
+    for r in results {
+        let idle = format!("{}/{}/{}", opt(r.idle_unqueued_ms), opt(r.idle_ids_ms), opt(r.max_gap_ms));
+        let fwd_ms = opt(r.forward_gpu_ms.or(r.gpu_window_ms));
+        println!(
+            "{:<8} {:>10.1} {:>12} {:>12} {:>22} {:>12.0} {:>6.1}% {:>8.3}",
+            r.mode,
+            r.step_ms,
+            opt(r.gpu_step_ms.or(r.gpu_window_ms)),
+            fwd_ms,
+            idle,
+            r.tokens_per_s,
+            100.0 * r.mfu,
+            r.vs_off
+        );
+    }
+}
+
+/// The `--json` report: the results, and what a reference implementation
+/// needs to run the same model shape on the same batches.
+fn report_json(
+    a: &BenchArgs,
+    config: &TargetConfig,
+    kind: Kind,
+    layer_ids: &[i64],
+    peak: f64,
+    results: &[ModeResult],
+) -> serde_json::Value {
+    let v = serde_json::json!({
+        "bench": "capture",
+        "shape": a.shape,
+        "device": a.device,
+        "kind": format!("{kind:?}"),
+        "captured_layers": layer_ids,
+        "batch_tokens": a.batch_tokens,
+        "seq_len_range": [a.min_len, a.max_len],
+        "layout": a.layout,
+        "parts": a.parts,
+        "cudnn_attention": a.cudnn_attention,
+        "matmul_peak_flops": peak,
+        "results": results,
+        // What a reference implementation needs to run the same model
+        // shape on the same batches (scripts/reference/hf_capture.py).
+        "target_config": config.to_hf_json(),
+        // How the FLOPs are counted, per layer, for the reference to count alike.
+        "layer_linear_macs": (0..config.num_layers).map(|i| config.layer_linear_macs(i)).collect::<Vec<_>>(),
+        // Per layer, the attention FLOPs of one query-key pair (0: no
+        // softmax attention) and the window of sliding layers: the
+        // reference counts its pairs alike.
+        "attention_pair_flops": (0..config.num_layers)
+            .map(|i| config.attention_flops(i, 1))
+            .collect::<Vec<_>>(),
+        "attention_window": (0..config.num_layers)
+            .map(|i| match config.layer_kind(i) {
+                dflash_models::LayerKind::SlidingAttention => config.sliding_window,
+                _ => None,
+            })
+            .collect::<Vec<_>>(),
+        "timed_seq_lengths": make_batches(a.warmup + a.batches, a, config.vocab_size, 7)[a.warmup..]
+            .iter()
+            .map(|w| w.seq_lengths.clone())
+            .collect::<Vec<_>>(),
+    });
+    v
+}
+
 pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     if a.threads > 0 {
         tch::set_num_threads(a.threads);
@@ -213,154 +541,15 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         let flops = capture_flops(&config, last + 1, &lens);
         let tokens: usize = timed.iter().sum();
         let stop = Stop::new();
-        let mut forward_gpu_ms = None;
-        let mut idle: Option<(f64, f64, f64)> = None;
-        let mut gpu_window_ms = None;
-        let mut timeline_ms = Vec::new();
-        let mut received_ms = Vec::new();
-        let elapsed = match mode {
-            "off" => {
-                // The forward loop's input path (ids uploaded ahead on CUDA,
-                // one batch queued behind the running one), nothing after it.
-                let upload = cuda_feed(&cuda, device, a.batch_tokens, 2)?;
-                let mut previous = None;
-                let mut t0 = Instant::now();
-                let mut gpu_t0 = None;
-                let mut off_events = Vec::new();
-                for (i, w) in batches.iter().enumerate() {
-                    if i == a.warmup {
-                        drop(previous.take());
-                        sync_device(device);
-                        t0 = Instant::now();
-                        if let Some(ctx) = &cuda {
-                            gpu_t0 = Some(dflash_target::upload::GpuBusy::mark(ctx)?);
-                        }
-                    }
-                    let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
-                    match &upload {
-                        Some(feed) => {
-                            let mut ids = feed.upload.upload(&w.input_ids, &stop)?;
-                            let start = dflash_target::upload::GpuBusy::mark(&feed.ctx)?;
-                            let _ = model.capture_packed(ids.tensor(), &lens, &layer_ids);
-                            off_events.push((start, dflash_target::upload::GpuBusy::mark(&feed.ctx)?));
-                            ids.release_after_torch_work()?;
-                            // Waits for the forward before this one.
-                            previous = Some(ids);
-                        }
-                        None => {
-                            let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
-                            let _ =
-                                model.capture_packed(&Tensor::from_slice(&ids).to_device(device), &lens, &layer_ids);
-                        }
-                    }
-                }
-                drop(previous);
-                if let (Some(ctx), Some(start)) = (&cuda, &gpu_t0) {
-                    let end = dflash_target::upload::GpuBusy::mark(ctx)?;
-                    sync_device(device);
-                    gpu_window_ms = start.elapsed_ms(&end).ok().map(|ms| f64::from(ms) / a.batches as f64);
-                    timeline_ms =
-                        off_events.iter().map(|(s, e)| (0.0, s.elapsed_ms(e).map_or(f64::NAN, f64::from))).collect();
-                }
-                sync_device(device);
-                t0.elapsed()
-            }
+        let t = match mode {
+            "off" => time_off(a, &cuda, device, &model, &batches, &layer_ids, &stop)?,
             "async" | "sync" => {
-                let spec = FeatureSpec {
-                    dtype,
-                    layout,
-                    layer_ids: layer_ids.iter().map(|&i| i as u32).collect(),
-                    noise_std: 0.0,
-                    target_top_k: 0,
-                };
-                let bytes = spec.payload_bytes(a.batch_tokens, config.hidden_size as usize);
-                let mut post =
-                    Postprocessor { spec, seed: 0, target_instance: "bench".into(), gpu: None, stop: stop.clone() };
-                if let Some(ctx) = &cuda {
-                    post.gpu = Some(GpuCopy {
-                        ctx: ctx.clone(),
-                        stream: dflash_models::gpu::side_stream(ctx)?,
-                        pool: dflash_models::gpu::pinned_pool(ctx, 4, bytes)?,
-                    });
-                }
-                let (work_tx, work_rx) = flume::bounded(2);
-                let (host_tx, host_rx) = flume::bounded(1);
-                let mut workers = Vec::new();
-                let sink = if mode == "sync" {
-                    PostprocessSink::Inline(post, host_tx)
-                } else {
-                    let (cap_tx, cap_rx) = flume::bounded(1);
-                    let s = stop.clone();
-                    workers.push(std::thread::spawn(move || postprocess::worker(post, cap_rx, host_tx, s)));
-                    PostprocessSink::Queue(cap_tx)
-                };
-                let stats = std::sync::Arc::new(dflash_target::forward::ForwardStats::new(1));
-                let fl = ForwardLoop {
-                    stats: stats.clone(),
-                    model,
-                    layer_ids: layer_ids.clone(),
-                    top_k: 0,
-                    label: "bench".into(),
-                    cuda: cuda_feed(&cuda, device, a.batch_tokens, 4)?,
-                    cache: dflash_target::feature_cache::FeatureCache::new(0),
-                    sink,
-                };
-                let s = stop.clone();
-                let fwd = std::thread::spawn(move || fl.run(work_rx, s));
-                let feeder = std::thread::spawn(move || {
-                    for w in batches {
-                        if work_tx.send(w).is_err() {
-                            break;
-                        }
-                    }
-                });
-                // The consumer plays the sender: it drops payloads (returning
-                // pinned buffers) as fast as they come.
-                let mut t0 = Instant::now();
-                let mut received = 0;
-                for i in 0..a.warmup + a.batches {
-                    let Ok(batch) = host_rx.recv() else {
-                        break;
-                    };
-                    // Read the clock before dropping the payload: the last
-                    // one's drop frees the pinned pool (the pipeline has
-                    // ended), which takes 0.2-0.3 s on an H200 host.
-                    let now = Instant::now();
-                    received += 1;
-                    if i + 1 == a.warmup {
-                        t0 = now;
-                    }
-                    if i + 1 >= a.warmup {
-                        received_ms.push((now - t0).as_secs_f64() * 1e3);
-                    }
-                    drop(batch);
-                }
-                let el = Duration::from_secs_f64(received_ms.last().copied().unwrap_or_default() / 1e3);
-                stop.stop(dflash_role::StopCause::RunCompleted);
-                drop(host_rx);
-                let _ = feeder.join();
-                fwd.join().map_err(|_| anyhow::anyhow!("forward loop panicked"))??;
-                for w in workers {
-                    w.join().map_err(|_| anyhow::anyhow!("postprocess panicked"))??;
-                }
-                anyhow::ensure!(received == a.warmup + a.batches, "the pipeline delivered {received} batches");
-                let timed = stats.timed_forwards.load(std::sync::atomic::Ordering::Relaxed);
-                if cuda.is_some() && timed > 0 {
-                    let busy = stats.busy_ns.load(std::sync::atomic::Ordering::Relaxed) as f64;
-                    forward_gpu_ms = Some(busy / 1e6 / timed as f64);
-                    let ms =
-                        |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6;
-                    timeline_ms = stats.timeline.lock().map(|t| t.clone()).unwrap_or_default();
-                    idle = Some((
-                        ms(&stats.idle_unqueued_ns) / timed as f64,
-                        ms(&stats.idle_ids_ns) / timed as f64,
-                        ms(&stats.max_gap_ns),
-                    ));
-                }
-                el
+                let setup = Pipeline { dtype, layout, hidden: config.hidden_size as usize, layer_ids: &layer_ids };
+                time_pipeline(a, mode == "sync", &cuda, device, model, batches, setup, &stop)?
             }
             other => anyhow::bail!("unknown mode {other} (off, async, sync)"),
         };
+        let Timing { elapsed, forward_gpu_ms, idle, gpu_window_ms, timeline_ms, received_ms } = t;
         let secs = elapsed.as_secs_f64();
         let step_ms = 1e3 * secs / a.batches as f64;
         if mode == "off" {
@@ -385,117 +574,14 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         });
     }
     if a.profile {
-        let model = random_target(&config, device, kind, last, a.parts)?;
-        let w = &make_batches(1, a, config.vocab_size, 9)[0];
-        let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
-        let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
-        let ids = Tensor::from_slice(&ids).to_device(device);
-        let _ = model.profile_packed(&ids, &lens, last); // warm-up
-        let stages = model.profile_packed(&ids, &lens, last);
-        let total: f64 = stages.iter().map(|s| s.1).sum();
-        println!("where a forward's time goes ({} tokens, synchronized per stage):", w.input_ids.len());
-        for (stage, secs) in &stages {
-            println!("  {stage:<24} {:>8.1} ms {:>5.1}%", secs * 1e3, 100.0 * secs / total);
+        profile_stages(a, &config, device, kind, last)?;
+        if let Some(ctx) = &cuda {
+            profile_copy(a, ctx, &config, device, kind, last, &layer_ids)?;
         }
     }
-    if let (Some(ctx), true) = (&cuda, a.profile) {
-        // The copy the postprocess stage makes, alone: one batch's captured
-        // layers into a pinned buffer on a side stream, and into pageable
-        // memory (what a plain `.cpu()` does), in GB/s.
-        let model = random_target(&config, device, kind, last, a.parts)?;
-        let w = &make_batches(1, a, config.vocab_size, 9)[0];
-        let ids: Vec<i64> = w.input_ids.iter().map(|&x| x as i64).collect();
-        let lens: Vec<i64> = w.seq_lengths.iter().map(|&x| x as i64).collect();
-        let layers = model.capture_packed(&Tensor::from_slice(&ids).to_device(device), &lens, &layer_ids);
-        sync_device(device);
-        let bytes: usize = layers.iter().map(|l| l.numel() * l.kind().elt_size_in_bytes()).sum();
-        let stream = dflash_models::gpu::side_stream(ctx)?;
-        let pool = dflash_models::gpu::pinned_pool(ctx, 1, bytes)?;
-        let mut best_pinned = f64::INFINITY;
-        for _ in 0..3 {
-            let mut buf = dflash_models::gpu::PinnedBuf::new(
-                pool.take(std::time::Duration::from_secs(1)).context("pinned")?,
-                bytes,
-            )?;
-            let t0 = Instant::now();
-            let mut off = 0;
-            for l in &layers {
-                buf.copy_from_device_async(off, l, &stream)?;
-                off += l.numel() * l.kind().elt_size_in_bytes();
-            }
-            dflash_models::gpu::sync(&stream)?;
-            best_pinned = best_pinned.min(t0.elapsed().as_secs_f64());
-        }
-        let t0 = Instant::now();
-        for l in &layers {
-            let _ = l.to_device(Device::Cpu);
-        }
-        let pageable = t0.elapsed().as_secs_f64();
-        println!(
-            "device-to-host of one batch ({:.0} MB): pinned {:.1} ms ({:.1} GB/s), pageable {:.1} ms ({:.1} GB/s)",
-            bytes as f64 / 1e6,
-            best_pinned * 1e3,
-            bytes as f64 / best_pinned / 1e9,
-            pageable * 1e3,
-            bytes as f64 / pageable / 1e9
-        );
-    }
-    println!(
-        "{:<8} {:>10} {:>12} {:>12} {:>22} {:>12} {:>7} {:>8}",
-        "mode", "step ms", "GPU step ms", "fwd GPU ms", "idle unqueued/ids/max", "tokens/s", "MFU", "vs off"
-    );
-    let opt = |v: Option<f64>| v.map_or("-".to_string(), |ms| format!("{ms:.1}"));
-    for r in &results {
-        let idle = format!("{}/{}/{}", opt(r.idle_unqueued_ms), opt(r.idle_ids_ms), opt(r.max_gap_ms));
-        let fwd_ms = opt(r.forward_gpu_ms.or(r.gpu_window_ms));
-        println!(
-            "{:<8} {:>10.1} {:>12} {:>12} {:>22} {:>12.0} {:>6.1}% {:>8.3}",
-            r.mode,
-            r.step_ms,
-            opt(r.gpu_step_ms.or(r.gpu_window_ms)),
-            fwd_ms,
-            idle,
-            r.tokens_per_s,
-            100.0 * r.mfu,
-            r.vs_off
-        );
-    }
+    print_table(&results);
     if let Some(p) = &a.json {
-        let v = serde_json::json!({
-            "bench": "capture",
-            "shape": a.shape,
-            "device": a.device,
-            "kind": format!("{kind:?}"),
-            "captured_layers": layer_ids,
-            "batch_tokens": a.batch_tokens,
-            "seq_len_range": [a.min_len, a.max_len],
-            "layout": a.layout,
-            "parts": a.parts,
-            "cudnn_attention": a.cudnn_attention,
-            "matmul_peak_flops": peak,
-            "results": results,
-            // What a reference implementation needs to run the same model
-            // shape on the same batches (scripts/reference/hf_capture.py).
-            "target_config": config.to_hf_json(),
-            // How the FLOPs are counted, per layer, for the reference to count alike.
-            "layer_linear_macs": (0..config.num_layers).map(|i| config.layer_linear_macs(i)).collect::<Vec<_>>(),
-            // Per layer, the attention FLOPs of one query-key pair (0: no
-            // softmax attention) and the window of sliding layers: the
-            // reference counts its pairs alike.
-            "attention_pair_flops": (0..config.num_layers)
-                .map(|i| config.attention_flops(i, 1))
-                .collect::<Vec<_>>(),
-            "attention_window": (0..config.num_layers)
-                .map(|i| match config.layer_kind(i) {
-                    dflash_models::LayerKind::SlidingAttention => config.sliding_window,
-                    _ => None,
-                })
-                .collect::<Vec<_>>(),
-            "timed_seq_lengths": make_batches(a.warmup + a.batches, a, config.vocab_size, 7)[a.warmup..]
-                .iter()
-                .map(|w| w.seq_lengths.clone())
-                .collect::<Vec<_>>(),
-        });
+        let v = report_json(a, &config, kind, &layer_ids, peak, &results);
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }
     Ok(())
