@@ -109,3 +109,116 @@ extern "C" __global__ void swiglu(const in_t* __restrict__ gu, i64 rows, int I, 
     reinterpret_cast<vec_t*>(act + r * I)[v] = o;
 }
 
+// The Qwen MoE router's softmax over E experts and its top K, one warp per
+// token: probabilities in f32 (exp(l - max) / sum, as softmax computes
+// them), the K largest in descending order (a tie to the lower expert),
+// divided by their sum when `renorm`, the weights rounded to the input
+// kind. E <= 32 * RPL.
+#define RPL 16
+extern "C" __global__ void route_softmax_topk(const in_t* __restrict__ logits, i64 T, int E, int K, int renorm,
+                                              i64* __restrict__ chosen, in_t* __restrict__ weights) {
+    const i64 t = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (t >= T) return; // whole warps
+    const in_t* row = logits + t * E;
+    float p[RPL];
+    const float neg_inf = __int_as_float(0xff800000);
+    float mx = neg_inf;
+#pragma unroll
+    for (int r = 0; r < RPL; r++) {
+        const int e = lane + 32 * r;
+        p[r] = e < E ? ld(row[e]) : neg_inf;
+        mx = fmaxf(mx, p[r]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+#pragma unroll
+    for (int r = 0; r < RPL; r++) {
+        p[r] = lane + 32 * r < E ? expf(p[r] - mx) : 0.f;
+        sum += p[r];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+#pragma unroll
+    for (int r = 0; r < RPL; r++) p[r] = lane + 32 * r < E ? p[r] / sum : -1.f; // -1: not a candidate
+    float picked = 0.f, total = 0.f;
+    int picked_e = 0;
+    for (int j = 0; j < K; j++) {
+        float best = -1.f;
+        int best_e = 0x7fffffff;
+#pragma unroll
+        for (int r = 0; r < RPL; r++) {
+            if (p[r] > best) { // r ascending: the lower expert wins a tie
+                best = p[r];
+                best_e = lane + 32 * r;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) {
+                best = ob;
+                best_e = oe;
+            }
+        }
+        if (best_e % 32 == lane) {
+#pragma unroll
+            for (int r = 0; r < RPL; r++)
+                if (lane + 32 * r == best_e) p[r] = -1.f;
+        }
+        total += best;
+        if (lane == j) {
+            picked = best;
+            picked_e = best_e;
+        }
+    }
+    if (lane < K) {
+        chosen[t * K + lane] = picked_e;
+        weights[t * K + lane] = st(renorm ? picked / total : picked);
+    }
+}
+
+// How many (token, slot) pairs chose each expert (int32 counts, zeroed by
+// the caller).
+extern "C" __global__ void expert_counts(const i64* __restrict__ chosen, i64 N, int* __restrict__ counts) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < N; i += (i64)gridDim.x * blockDim.x)
+        atomicAdd(&counts[chosen[i]], 1);
+}
+
+// A stable counting sort of the (token, slot) pairs by expert, as a stable
+// sort of the chosen experts orders them: block e walks all pairs in order
+// and places those of expert e from start[e] on: order[pos] = pair,
+// inverse[pair] = pos, token[pos] = pair / K. Block: 1024 threads.
+extern "C" __global__ void expert_order(const i64* __restrict__ chosen, i64 N, int K, const int* __restrict__ start,
+                                        i64* __restrict__ order, i64* __restrict__ inverse, i64* __restrict__ token) {
+    __shared__ int warp_base[33];
+    const int e = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    i64 placed = start[e];
+    for (i64 i0 = 0; i0 < N; i0 += blockDim.x) {
+        const i64 i = i0 + threadIdx.x;
+        const bool mine = i < N && chosen[i] == e;
+        const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+        if (lane == 0) warp_base[warp] = __popc(ballot);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int acc = 0;
+            for (int w = 0; w < warps; w++) {
+                const int c = warp_base[w];
+                warp_base[w] = acc;
+                acc += c;
+            }
+            warp_base[32] = acc;
+        }
+        __syncthreads();
+        if (mine) {
+            const i64 pos = placed + warp_base[warp] + __popc(ballot & ((1u << lane) - 1u));
+            order[pos] = i;
+            inverse[i] = pos;
+            token[pos] = i / K;
+        }
+        placed += warp_base[32];
+        __syncthreads();
+    }
+}

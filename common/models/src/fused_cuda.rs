@@ -1,10 +1,13 @@
 //! Row and elementwise kernels of the capture path (`csrc/fused.cu`) in
 //! place of chains of libtorch ops that each make a full pass over memory:
 //! the f32-scale RMSNorm of the zero-centred norms (Qwen3-Next, Qwen3.5: a
-//! cast to f32, the norm, a cast back); and of the MoE block, the experts'
-//! SwiGLU (two strided reads, two writes) and the un-permute (a gather of
-//! `[T, K, H]` rows and a batched matmul). Same math in f32, the same
-//! roundings to the input kind.
+//! cast to f32, the norm, a cast back); and of the MoE block, the Qwen
+//! router's softmax and top-k (five ops), the grouping of the (token, slot)
+//! pairs by expert (a counting sort in place of a stable sort, a histogram
+//! and three index ops), the experts' SwiGLU (two strided reads, two
+//! writes) and the un-permute (a gather of `[T, K, H]` rows and a batched
+//! matmul). Same math in f32, the same roundings to the input kind, the
+//! same order of the pairs.
 //!
 //! Each entry returns None where its kernel does not apply (not a CUDA
 //! tensor, a kind other than bf16/f32, rows not 16-byte aligned, a tensor
@@ -25,6 +28,9 @@ struct Kernels {
     rms_norm: CudaFunction,
     unpermute: CudaFunction,
     swiglu: CudaFunction,
+    route: CudaFunction,
+    counts: CudaFunction,
+    order: CudaFunction,
 }
 
 /// Whether the kernels may run. Any value but `on` and `off` is refused:
@@ -57,6 +63,9 @@ fn kernels(ordinal: usize, bf16: bool) -> Option<Arc<Kernels>> {
                             rms_norm: f("rms_norm_f32_scale")?,
                             unpermute: f("moe_unpermute")?,
                             swiglu: f("swiglu")?,
+                            route: f("route_softmax_topk")?,
+                            counts: f("expert_counts")?,
+                            order: f("expert_order")?,
                             ctx,
                         })
                     });
@@ -209,4 +218,112 @@ pub fn swiglu(gate_up: &Tensor) -> Option<Tensor> {
     };
     launched.unwrap_or_else(|e| launch_failed("SwiGLU", e));
     Some(act)
+}
+
+/// The Qwen router's choice from its logits `[T, E]`: softmax in f32, the
+/// `k` largest in descending order, renormalised to sum to 1 when `renorm`.
+/// The chosen experts `[T, k]` (int64) and their weights `[T, k]` in the
+/// logits' kind.
+pub fn route_softmax_topk(logits: &Tensor, k: i64, renorm: bool) -> Option<(Tensor, Tensor)> {
+    let Device::Cuda(ordinal) = logits.device() else { return None };
+    vec_len(logits.kind())?;
+    if !enabled() || logits.dim() != 2 || !logits.is_contiguous() || logits.requires_grad() {
+        return None;
+    }
+    let (t, e) = (logits.size()[0], logits.size()[1]);
+    // The kernel holds 16 logits a lane and writes one choice a lane.
+    if !(1..=32).contains(&k) || k > e || e > 512 || t == 0 || t > i64::from(u32::MAX) / 32 {
+        return None;
+    }
+    let kern = kernels(ordinal, logits.kind() == Kind::BFloat16)?;
+    let chosen = Tensor::empty([t, k], (Kind::Int64, logits.device()));
+    let weights = Tensor::empty([t, k], (logits.kind(), logits.device()));
+    let (pl, pc, pw, ei, ki, norm) = (ptr(logits), ptr(&chosen), ptr(&weights), e as i32, k as i32, i32::from(renorm));
+    const WARPS: i64 = 8; // tokens per block
+    let cfg = LaunchConfig {
+        grid_dim: (((t + WARPS - 1) / WARPS) as u32, 1, 1),
+        block_dim: (32 * WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `logits` is a contiguous [T, E] of the compiled kind, `chosen`
+    // and `weights` fresh [T, k]; libtorch's stream orders their lifetimes.
+    let launched = unsafe {
+        kern.ctx
+            .default_stream()
+            .launch_builder(&kern.route)
+            .arg(&pl)
+            .arg(&t)
+            .arg(&ei)
+            .arg(&ki)
+            .arg(&norm)
+            .arg(&pc)
+            .arg(&pw)
+            .launch(cfg)
+    };
+    launched.unwrap_or_else(|e| launch_failed("MoE routing", e));
+    Some((chosen, weights))
+}
+
+/// The (token, slot) pairs of a MoE block grouped by expert, in the order a
+/// stable sort of the chosen experts gives them.
+pub struct ExpertOrder {
+    /// Each position's pair (`token * k + slot`).
+    pub order: Tensor,
+    /// Each pair's position.
+    pub inverse: Tensor,
+    /// Each position's token.
+    pub token: Tensor,
+    /// Cumulative pair counts per expert (int32, as the grouped GEMM takes them).
+    pub offsets: Tensor,
+}
+
+/// [`ExpertOrder`] of `chosen` `[T, k]` (int64 ids below `experts`) by a
+/// histogram and a stable counting sort.
+pub fn expert_order(chosen: &Tensor, experts: i64) -> Option<ExpertOrder> {
+    let Device::Cuda(ordinal) = chosen.device() else { return None };
+    if !enabled() || chosen.kind() != Kind::Int64 || chosen.dim() != 2 {
+        return None;
+    }
+    let (t, k, n) = (chosen.size()[0], chosen.size()[1], chosen.numel() as i64);
+    if n == 0 || n > i64::from(i32::MAX) || experts <= 0 || experts > i64::from(u32::MAX) || t == 0 {
+        return None;
+    }
+    // The index kernels do not depend on the kind; a GPU run has the bf16 build.
+    let kern = kernels(ordinal, true)?;
+    let device = chosen.device();
+    let chosen = chosen.contiguous();
+    let counts = Tensor::zeros([experts], (Kind::Int, device));
+    let (pc, pn) = (ptr(&chosen), ptr(&counts));
+    let blocks = ((n + 255) / 256).min(4096) as u32;
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: `chosen` is a contiguous [n] of int64 expert ids below
+    // `experts` (the router's top-k), `counts` a zeroed int32 [experts].
+    let launched =
+        unsafe { kern.ctx.default_stream().launch_builder(&kern.counts).arg(&pc).arg(&n).arg(&pn).launch(cfg) };
+    launched.unwrap_or_else(|e| launch_failed("MoE expert counts", e));
+    let offsets = counts.cumsum(0, Kind::Int);
+    let start = &offsets - &counts;
+    let order = Tensor::empty([n], (Kind::Int64, device));
+    let inverse = Tensor::empty([n], (Kind::Int64, device));
+    let token = Tensor::empty([n], (Kind::Int64, device));
+    let (ps, po, pi, pt, ki) = (ptr(&start), ptr(&order), ptr(&inverse), ptr(&token), k as i32);
+    let cfg = LaunchConfig { grid_dim: (experts as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: as above; `start` [experts] int32 holds each expert's first
+    // position, so the positions written are a permutation of 0..n; the
+    // outputs are fresh [n] int64.
+    let launched = unsafe {
+        kern.ctx
+            .default_stream()
+            .launch_builder(&kern.order)
+            .arg(&pc)
+            .arg(&n)
+            .arg(&ki)
+            .arg(&ps)
+            .arg(&po)
+            .arg(&pi)
+            .arg(&pt)
+            .launch(cfg)
+    };
+    launched.unwrap_or_else(|e| launch_failed("MoE expert order", e));
+    Some(ExpertOrder { order, inverse, token, offsets })
 }

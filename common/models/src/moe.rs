@@ -88,9 +88,14 @@ impl Router {
         let k = self.top_k;
         let (weights, chosen) = match &self.routing {
             Routing::Softmax { norm_topk_prob } => {
+                let logits = x.linear(&self.weight, self.bias.as_ref());
+                // On a GPU one kernel: softmax, top-k and weights.
+                if let Some(routed) = crate::fused_cuda::route_softmax_topk(&logits, k, *norm_topk_prob) {
+                    return routed;
+                }
                 // In f32, as transformers routes; the weights then take the
                 // activations' dtype.
-                let probs = x.linear(&self.weight, self.bias.as_ref()).softmax(-1, Kind::Float);
+                let probs = logits.softmax(-1, Kind::Float);
                 let (mut w, chosen) = probs.topk(k, -1, true, true);
                 if *norm_topk_prob {
                     w = &w / w.sum_dim_intlist(-1, true, Kind::Float);
@@ -172,12 +177,18 @@ impl Experts {
     /// `chosen` and `weights` `[T, k]`.
     pub fn forward(&self, x: &Tensor, chosen: &Tensor, weights: &Tensor) -> Tensor {
         let (experts, k, h) = (self.num_experts(), chosen.size()[1], x.size()[1]);
-        // Every (token, slot) pair, grouped by its expert.
+        // Every (token, slot) pair, grouped by its expert (on a GPU by a
+        // counting sort, which also gives where each pair went).
         let flat = chosen.reshape([-1]);
-        let order = flat.argsort_stable(true, 0, false);
-        let token = order.floor_divide_scalar(k);
         let count = || Tensor::zeros([experts], (Kind::Int64, x.device())).scatter_add(0, &flat, &flat.ones_like());
-        let offsets = count().cumsum(0, Kind::Int);
+        let (order, token, offsets, inverse) = match crate::fused_cuda::expert_order(chosen, experts) {
+            Some(o) => (o.order, o.token, o.offsets, Some(o.inverse)),
+            None => {
+                let order = flat.argsort_stable(true, 0, false);
+                let token = order.floor_divide_scalar(k);
+                (order, token, count().cumsum(0, Kind::Int), None)
+            }
+        };
         // Each position's expert, for the biases of the families that have them.
         let biased = self.gate_up_bias.is_some() || self.down_bias.is_some();
         let sorted_experts = biased.then(|| flat.index_select(0, &order));
@@ -192,7 +203,8 @@ impl Experts {
         // slots as one batched matmul: no atomics (index_add on bf16 took
         // 3x as long on an H200) and the sum accumulates in f32.
         let n = flat.size()[0];
-        let inverse = order.empty_like().scatter(0, &order, &Tensor::arange(n, (Kind::Int64, x.device())));
+        let inverse = inverse
+            .unwrap_or_else(|| order.empty_like().scatter(0, &order, &Tensor::arange(n, (Kind::Int64, x.device()))));
         // On a GPU one kernel reads each row once, without the gathered copy.
         if let Some(y) = crate::fused_cuda::moe_unpermute(&out, &inverse, weights) {
             return y;

@@ -735,9 +735,10 @@ fn fused_gated_norm_on_cuda_matches_the_ops() {
 /// The fused row kernels of the capture path against the libtorch ops they
 /// replace, on shapes of the published models and odd row counts: the
 /// f32-scale RMSNorm (hidden rows and per-head rows), the MoE un-permute
-/// (each token's weighted sum over its expert rows) and the experts'
-/// SwiGLU; f32 to rounding, bf16 to one rounding of the output (sums are
-/// added in another order).
+/// (each token's weighted sum over its expert rows), the Qwen router's
+/// softmax and top-k, the grouping of the pairs by expert (exactly a stable
+/// sort's) and the experts' SwiGLU; f32 to rounding, bf16 to one rounding of
+/// the output (sums are added in another order).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fused_row_kernels_on_cuda_match_the_ops() {
@@ -764,6 +765,31 @@ fn fused_row_kernels_on_cuda_match_the_ops() {
         let want = weights.unsqueeze(1).bmm(&out.index_select(0, &inverse).view([t, k, h])).squeeze_dim(1);
         let err = max_rel_err(&cpu(&got), &cpu(&want));
         assert!(err < tolerance, "MoE un-permute {kind:?}: {err}");
+        // The Qwen router (256 experts, top 8; 60 experts, top 4 unnormalised)
+        // and the grouping of the pairs by expert, which must be exactly a
+        // stable sort's.
+        for (e, top, renorm) in [(256i64, 8i64, true), (60, 4, false)] {
+            // Distinct logits, exact in bf16 (a permutation of steps of 1/16),
+            // so that the top k is one set.
+            let perm = Tensor::rand([t, e], (Kind::Float, gpu)).argsort(-1, false);
+            let logits = (perm.to_kind(Kind::Float) * 0.0625 - 8.0).to_kind(kind);
+            let (chosen, w) = fused_cuda::route_softmax_topk(&logits, top, renorm).expect("the routing kernel runs");
+            let (mut want_w, want_chosen) = logits.softmax(-1, Kind::Float).topk(top, -1, true, true);
+            if renorm {
+                want_w = &want_w / want_w.sum_dim_intlist(-1, true, Kind::Float);
+            }
+            assert!(chosen.equal(&want_chosen), "routing {kind:?} E {e}: other experts chosen");
+            let err = max_rel_err(&cpu(&w), &cpu(&want_w.to_kind(kind)));
+            assert!(err < tolerance, "routing weights {kind:?} E {e}: {err}");
+            let got = fused_cuda::expert_order(&chosen, e).expect("the grouping kernels run");
+            let flat = chosen.reshape([-1]);
+            let order = flat.argsort_stable(true, 0, false);
+            assert!(got.order.equal(&order), "pairs grouped in another order");
+            assert!(got.token.equal(&order.floor_divide_scalar(top)), "tokens of the grouped pairs");
+            assert!(got.inverse.index_select(0, &order).equal(&Tensor::arange(t * top, (Kind::Int64, gpu))));
+            let counts = Tensor::zeros([e], (Kind::Int64, gpu)).scatter_add(0, &flat, &flat.ones_like());
+            assert!(got.offsets.equal(&counts.cumsum(0, Kind::Int)), "offsets per expert");
+        }
         let (n, i) = (1003i64, 512i64);
         let gate_up = Tensor::randn([n, 2 * i], (kind, gpu)) * 2.0;
         let got = fused_cuda::swiglu(&gate_up).expect("the SwiGLU kernel runs");
