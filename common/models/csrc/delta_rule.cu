@@ -59,9 +59,15 @@ __device__ __forceinline__ void load_decay(const float* __restrict__ g, i64 t0, 
     for (int i = threadIdx.x; i < L; i += blockDim.x) Gs[i] = i < len ? g[(t0 + i) * H + h] : 0.f;
     __syncthreads();
     if (threadIdx.x == 0) {
+        // All loads first (each store would otherwise wait for its load),
+        // then the sum in order.
+        float v[L];
+#pragma unroll
+        for (int i = 0; i < L; i++) v[i] = Gs[i];
         float acc = 0.f;
+#pragma unroll
         for (int i = 0; i < L; i++) {
-            acc += Gs[i];
+            acc += v[i];
             Gs[i] = acc;
         }
     }
@@ -727,6 +733,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) ut_prep_tc(const in_t* __re
         }
     }
     __syncthreads();
+#pragma unroll
     for (int bi = 1; bi < L / 16; bi++) {
         // M_j = sum_{j <= m < bi} A_{bi,m} T_{m,j} for every block j < bi.
         for (int e = threadIdx.x; e < bi * 256; e += blockDim.x) {
