@@ -403,9 +403,10 @@ extern "C" __global__ void output(const in_t* __restrict__ q, const in_t* __rest
 }
 
 #if TC
-// The scan's and the outputs' products on tensor cores (mma.sync m16n8k8,
-// tf32 operands, f32 accumulators), for head dims that are multiples of 32
-// (-DTC=1; every published hybrid has 128). With f32 inputs each operand is
+// The rule's products on tensor cores (mma.sync m16n8k8, tf32 operands, f32
+// accumulators), written for dk a multiple of 32 up to 128 and dv a multiple
+// of 32 (-DTC=1; the host enables them for dk = dv = 128, the shape of every
+// published hybrid and the one tested on a GPU). With f32 inputs each operand is
 // split into a tf32 high part and a tf32 remainder and three products are
 // summed (the "3xTF32" scheme), which keeps f32 accuracy; with bf16 inputs
 // one tf32 product (10 mantissa bits: finer than the bf16 outputs the layer

@@ -12,8 +12,8 @@
 //! NVRTC cannot be loaded or compiling fails, the rule runs as libtorch ops
 //! and the reason is logged once.
 //!
-//! For head dims that are multiples of 32 up to 128 (every published
-//! hybrid has 128), the products of all three run on tensor cores
+//! For the head shape of every published hybrid (dk = dv = 128), the
+//! products of all three run on tensor cores
 //! (`ut_prep_tc`, `scan_tc`, `output_tc`: tf32 operands, f32 accumulators;
 //! f32 inputs keep f32 accuracy by summing three tf32 products per
 //! product). Other head dims run the same kernels' CUDA-core versions.
@@ -88,12 +88,12 @@ fn selected() -> bool {
     path() != Path::Torch
 }
 
-/// Whether the scan and the outputs run on tensor cores for this head
-/// shape: a warp's 16 x 8 tiles must cover the state evenly (dk a multiple
-/// of 32, dv of the scan's 32 columns), and above dk = 128 the state and
-/// the prefetched chunk no longer fit the registers.
+/// Whether the rule runs on tensor cores for this head shape: the shape of
+/// every published hybrid (dk = dv = 128), the one they are tested at on a
+/// GPU. (The kernels are written for dk a multiple of 32 up to 128 and dv a
+/// multiple of 32; other shapes run the CUDA-core kernels until tested.)
 fn tensor_cores(dk: i64, dv: i64) -> bool {
-    path() == Path::Fused && dk % 32 == 0 && dk <= 128 && dv % 32 == 0
+    path() == Path::Fused && dk == 128 && dv == 128
 }
 
 fn compile(ordinal: usize, dk: i64, dv: i64, bf16: bool) -> Result<Kernels, String> {

@@ -632,9 +632,9 @@ fn hybrid_capture_on_cuda_matches_transformers() {
 }
 
 /// The delta rule's fused CUDA kernels against the recurrence, token by
-/// token in f64 on the CPU: Qwen3.5's head shape (dk = dv = 128, whose scan
-/// and outputs run on tensor cores) and a small one (dk = dv = 16, on CUDA
-/// cores), each key head serving three value heads; packed sequences inside
+/// token in f64 on the CPU: Qwen3.5's head shape (dk = dv = 128, on tensor
+/// cores) and others (dk 16 to 128, dv 16 to 256, on CUDA cores), each key
+/// head serving three value heads; packed sequences inside
 /// one chunk, at a chunk's edge and across several, from zero and from
 /// given states; f32 inputs and bf16 ones (whose recurrence is run on the
 /// same rounded inputs). f32 and the CUDA-core kernels keep f32 accuracy;
@@ -649,17 +649,22 @@ fn fused_delta_rule_on_cuda_matches_the_recurrence() {
     tch::manual_seed(21);
     let lens = [5i64, 64, 130, 1, 200, 63];
     let total: i64 = lens.iter().sum();
-    for (d, bf16_tolerance) in [(128i64, 3e-3), (16, 2e-5)] {
+    for (dk, dv, bf16_tolerance) in
+        [(128i64, 128i64, 3e-3), (64, 64, 2e-5), (128, 256, 2e-5), (32, 64, 2e-5), (16, 16, 2e-5)]
+    {
         let (hk, h) = (2i64, 6i64);
         let f = (Kind::Float, Device::Cpu);
-        let q = delta_rule::l2_normalize(&Tensor::randn([total, hk, d], f)) * (d as f64).powf(-0.5);
-        let k = delta_rule::l2_normalize(&Tensor::randn([total, hk, d], f));
-        let v = Tensor::randn([total, h, d], f);
+        let q = delta_rule::l2_normalize(&Tensor::randn([total, hk, dk], f)) * (dk as f64).powf(-0.5);
+        let k = delta_rule::l2_normalize(&Tensor::randn([total, hk, dk], f));
+        let v = Tensor::randn([total, h, dv], f);
         let g = -(Tensor::rand([total, h], f) * 4.0 + 0.01) * (Tensor::randn([total, h], f) + 1.0).softplus();
         let beta = Tensor::randn([total, h], f).sigmoid();
-        let initial = Tensor::randn([lens.len() as i64, h, d, d], f) * 0.1;
+        let initial = Tensor::randn([lens.len() as i64, h, dk, dv], f) * 0.1;
         for (kind, tolerance) in [(Kind::Float, 2e-5), (Kind::BFloat16, bf16_tolerance)] {
-            assert!(dflash_models::delta_rule_cuda::available(gpu, d, d, kind), "fused kernels for {kind:?}, d {d}");
+            assert!(
+                dflash_models::delta_rule_cuda::available(gpu, dk, dv, kind),
+                "fused kernels for {kind:?}, dk {dk} dv {dv}"
+            );
             // The inputs as the kernels see them (bf16 rounding included).
             let (q, k, v) = (q.to_kind(kind), k.to_kind(kind), v.to_kind(kind));
             let on = |t: &Tensor| t.to_device(gpu);
@@ -677,7 +682,7 @@ fn fused_delta_rule_on_cuda_matches_the_recurrence() {
                 for (s, &l) in lens.iter().enumerate() {
                     let mut state = match init {
                         Some(i) => dd(&i.narrow(0, s as i64, 1)),
-                        None => Tensor::zeros([1, h, d, d], (Kind::Double, Device::Cpu)),
+                        None => Tensor::zeros([1, h, dk, dv], (Kind::Double, Device::Cpu)),
                     };
                     for t in start..start + l {
                         let one = |x: &Tensor| dd(&x.narrow(0, t, 1));
@@ -691,7 +696,7 @@ fn fused_delta_rule_on_cuda_matches_the_recurrence() {
                 }
                 let want = Tensor::cat(&outs, 0);
                 let want_final = Tensor::cat(&finals, 0);
-                let label = format!("d {d} {kind:?} (initial {})", init.is_some());
+                let label = format!("dk {dk} dv {dv} {kind:?} (initial {})", init.is_some());
                 let err = max_rel_err(&got.out.to_device(Device::Cpu), &want);
                 println!("{label}: outputs within {err:.2e}");
                 assert!(err < tolerance, "{label} outputs: {err}");
