@@ -52,11 +52,16 @@ typedef long long i64;
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
-// Loads the chunk's G (prefix sums of g; padding rows repeat the last) into
-// Gs[L]: the loads in parallel, the sum by one thread from shared memory
-// (in order, as a cumulative sum does it). Ends with a barrier.
-__device__ __forceinline__ void load_decay(const float* __restrict__ g, i64 t0, int len, int H, int h, float* Gs) {
-    for (int i = threadIdx.x; i < L; i += blockDim.x) Gs[i] = i < len ? g[(t0 + i) * H + h] : 0.f;
+// The chunk's G (prefix sums of g; padding rows repeat the last) into
+// Gs[L], from gi = g of token threadIdx.x (fetch_decay: zero past len): the
+// sum by one thread from shared memory, in order, as a cumulative sum does
+// it. Starts and ends with a barrier.
+__device__ __forceinline__ float fetch_decay(const float* __restrict__ g, i64 t0, int len, int H, int h) {
+    return threadIdx.x < len ? g[(t0 + threadIdx.x) * H + h] : 0.f;
+}
+
+__device__ __forceinline__ void decay_prefix(float gi, float* Gs) {
+    if (threadIdx.x < L) Gs[threadIdx.x] = gi;
     __syncthreads();
     if (threadIdx.x == 0) {
         // All loads first (each store would otherwise wait for its load),
@@ -72,6 +77,10 @@ __device__ __forceinline__ void load_decay(const float* __restrict__ g, i64 t0, 
         }
     }
     __syncthreads();
+}
+
+__device__ __forceinline__ void load_decay(const float* __restrict__ g, i64 t0, int len, int H, int h, float* Gs) {
+    decay_prefix(fetch_decay(g, t0, len, H, h), Gs);
 }
 
 // Rows of a [T, heads, DK] input, transposed into a shared [DK][LP] tile
@@ -634,23 +643,32 @@ extern "C" __global__ void __launch_bounds__(256, 2) scan_tc(
     }
 }
 
-// Rows of a [T, heads, N] input into a shared row-major [L][ld] tile, zero
-// past len. 256 threads, four elements a load.
-template <int N>
-__device__ __forceinline__ void load_rows(const in_t* __restrict__ x, i64 t0, int len, int heads, int head, float* tile,
-                                          int ld) {
-    constexpr int VECS = L * N / 4;
+// Rows of a [T, heads, N] input for a shared row-major [L][ld] tile, zero
+// past len, in two steps: fetch() issues every load of the tile into
+// registers, store() widens them into the tile. A block fetches all its
+// tiles before it stores any, so that all its loads are in flight at once
+// (a store waits for its load: loading and storing row by row left a block
+// one load deep, latency-bound at a fraction of the memory's bandwidth).
+// 256 threads, four elements a load.
+template <int N> struct RowTile {
+    static constexpr int P = (L * N / 4 + 255) / 256;
+    in4_t r[P];
+    __device__ __forceinline__ void fetch(const in_t* __restrict__ x, i64 t0, int len, int heads, int head) {
 #pragma unroll
-    for (int p = 0; p < (VECS + 255) / 256; p++) {
-        const int e = (threadIdx.x + p * 256) * 4;
-        if (e < L * N) {
-            const int i = e / N, d = e - i * N;
+        for (int p = 0; p < P; p++) {
+            const int e = (threadIdx.x + p * 256) * 4, i = e / N, d = e - i * N;
             in4_t zero = {};
-            const float4 v = widen4(i < len ? *reinterpret_cast<const in4_t*>(x + ((t0 + i) * heads + head) * N + d) : zero);
-            *reinterpret_cast<float4*>(tile + i * ld + d) = v;
+            r[p] = e < L * N && i < len ? *reinterpret_cast<const in4_t*>(x + ((t0 + i) * heads + head) * N + d) : zero;
         }
     }
-}
+    __device__ __forceinline__ void store(float* tile, int ld) const {
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            const int e = (threadIdx.x + p * 256) * 4, i = e / N, d = e - i * N;
+            if (e < L * N) *reinterpret_cast<float4*>(tile + i * ld + d) = widen4(r[p]);
+        }
+    }
+};
 
 // UT prep (as `ut_prep` above) with its products on tensor cores: the gram
 // K K^T, then T = L^-1 (L = I + A, unit lower triangular) by blocks, then
@@ -677,10 +695,18 @@ extern "C" __global__ void __launch_bounds__(256, 2) ut_prep_tc(const in_t* __re
     const i64 t0 = chunk_tok[c];
     const int len = (int)chunk_len[c];
     const i64 base = (i64)c * H + h;
-    for (int i = threadIdx.x; i < L; i += blockDim.x) Bs[i] = i < len ? beta[(t0 + i) * H + h] : 0.f;
-    load_rows<DK>(k, t0, len, HK, kh, Ks, KR);
-    load_rows<DV>(v, t0, len, H, h, Vs, VR);
-    load_decay(g, t0, len, H, h, Gs); // ends with a barrier
+    {
+        RowTile<DK> kr;
+        RowTile<DV> vr;
+        kr.fetch(k, t0, len, HK, kh);
+        vr.fetch(v, t0, len, H, h);
+        const float gi = fetch_decay(g, t0, len, H, h);
+        const float bi = threadIdx.x < len ? beta[(t0 + threadIdx.x) * H + h] : 0.f;
+        kr.store(Ks, KR);
+        vr.store(Vs, VR);
+        if (threadIdx.x < L) Bs[threadIdx.x] = bi;
+        decay_prefix(gi, Gs); // starts and ends with a barrier
+    }
     {
         // A = strictly_lower(beta_i exp(G_i - G_j) k_i . k_j)
         const int mp = warp / 2, np = (warp % 2) * 4;
@@ -691,12 +717,21 @@ extern "C" __global__ void __launch_bounds__(256, 2) ut_prep_tc(const in_t* __re
 #pragma unroll
             for (int jn = 0; jn < 4; jn++) mma(p[jn], a, frag_bt(Ks, KR, k0, (np + jn) * 8));
         }
+        // The rows' and columns' G and beta into registers before the
+        // first store (which the loads after it would wait for).
+        const int i0 = mp * 16 + gq;
+        const float gr[2] = {Gs[i0], Gs[i0 + 8]}, br[2] = {Bs[i0], Bs[i0 + 8]};
+        float gc[4][2];
+#pragma unroll
+        for (int jn = 0; jn < 4; jn++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) gc[jn][e] = Gs[(np + jn) * 8 + 2 * t4 + e];
 #pragma unroll
         for (int jn = 0; jn < 4; jn++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int i = mp * 16 + gq + (e / 2) * 8, j = (np + jn) * 8 + 2 * t4 + e % 2;
-                A[i * LP + j] = j < i ? Bs[i] * expf(Gs[i] - Gs[j]) * p[jn][e] : 0.f;
+                const int i = i0 + (e / 2) * 8, j = (np + jn) * 8 + 2 * t4 + e % 2;
+                A[i * LP + j] = j < i ? br[e / 2] * expf(gr[e / 2] - gc[jn][e % 2]) * p[jn][e] : 0.f;
             }
     }
     for (int i = threadIdx.x; i < L; i += blockDim.x) Gc[base * L + i] = Gs[i];
@@ -727,32 +762,53 @@ extern "C" __global__ void __launch_bounds__(256, 2) ut_prep_tc(const in_t* __re
             const int i = e / L, j = e - i * L;
             if (j / 16 > i / 16) Ti[i * LP + j] = 0.f;
         }
-        for (int e = threadIdx.x - L; e < L * (DK + DV); e += blockDim.x - L) {
-            const int i = e / (DK + DV), d = e - i * (DK + DV);
-            if (d < DK) Ks[i * KR + d] *= Bs[i] * expf(Gs[i]);
-            else Vs[i * VR + d - DK] *= Bs[i];
+        // Four values a thread and step, so that a row's factor is computed
+        // once for four.
+        for (int e = threadIdx.x - L; e < L * (DK + DV) / 4; e += blockDim.x - L) {
+            const int i = e / ((DK + DV) / 4), d = (e - i * ((DK + DV) / 4)) * 4;
+            float4* x = reinterpret_cast<float4*>(d < DK ? Ks + i * KR + d : Vs + i * VR + d - DK);
+            const float f = d < DK ? Bs[i] * expf(Gs[i]) : Bs[i];
+            float4 y = *x;
+            y.x *= f;
+            y.y *= f;
+            y.z *= f;
+            y.w *= f;
+            *x = y;
         }
     }
     __syncthreads();
+    // Thread (r, cc) = (t / 16, t % 16) computes row r, column cc of every
+    // 16 x 16 block of the block row; each sum's loads are issued together
+    // (compile-time bounds) and the sums are stored after all of them.
+    {
+        const int r = threadIdx.x / 16, cc = threadIdx.x % 16;
 #pragma unroll
-    for (int bi = 1; bi < L / 16; bi++) {
-        // M_j = sum_{j <= m < bi} A_{bi,m} T_{m,j} for every block j < bi.
-        for (int e = threadIdx.x; e < bi * 256; e += blockDim.x) {
-            const int bj = e / 256, r = e % 256 / 16, cc = e % 16;
+        for (int bi = 1; bi < L / 16; bi++) {
+            // M_j = sum_{j <= m < bi} A_{bi,m} T_{m,j} for every block j < bi.
             const float* a = A + (bi * 16 + r) * LP;
-            float acc = 0.f;
-            for (int m = bj * 16; m < bi * 16; m++) acc += a[m] * Ti[m * LP + bj * 16 + cc];
-            Ms[r * MP + bj * 16 + cc] = acc;
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < bi * 256; e += blockDim.x) {
-            const int bj = e / 256, r = e % 256 / 16, cc = e % 16;
+            float acc[L / 16 - 1];
+#pragma unroll
+            for (int bj = 0; bj < bi; bj++) {
+                acc[bj] = 0.f;
+#pragma unroll
+                for (int m = bj * 16; m < bi * 16; m++) acc[bj] += a[m] * Ti[m * LP + bj * 16 + cc];
+            }
+#pragma unroll
+            for (int bj = 0; bj < bi; bj++) Ms[r * MP + bj * 16 + cc] = acc[bj];
+            __syncthreads();
+            // T_{bi,j} = -T_{bi,bi} M_j.
             const float* t = Ti + (bi * 16 + r) * LP + bi * 16;
-            float acc = 0.f;
-            for (int m = 0; m <= r; m++) acc += t[m] * Ms[m * MP + bj * 16 + cc];
-            Ti[(bi * 16 + r) * LP + bj * 16 + cc] = -acc;
+#pragma unroll
+            for (int bj = 0; bj < bi; bj++) {
+                acc[bj] = 0.f;
+#pragma unroll
+                for (int m = 0; m < 16; m++)
+                    if (m <= r) acc[bj] += t[m] * Ms[m * MP + bj * 16 + cc];
+            }
+#pragma unroll
+            for (int bj = 0; bj < bi; bj++) Ti[(bi * 16 + r) * LP + bj * 16 + cc] = -acc[bj];
+            __syncthreads();
         }
-        __syncthreads();
     }
     // U = T (beta v), W = T (beta exp(G) k): warp w, rows (w % 4) * 16..,
     // its half of the columns.
@@ -814,9 +870,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) output_tc(
     const i64 t0 = chunk_tok[c];
     const int len = (int)chunk_len[c];
     const i64 base = (i64)c * H + h;
-    for (int i = threadIdx.x; i < L; i += blockDim.x) Gs[i] = Gc[base * L + i];
-    load_rows<DK>(q, t0, len, HK, kh, Qs, QP);
-    load_rows<DK>(k, t0, len, HK, kh, Ks, QP);
+    {
+        RowTile<DK> qr, kr;
+        qr.fetch(q, t0, len, HK, kh);
+        kr.fetch(k, t0, len, HK, kh);
+        const float gi = threadIdx.x < L ? Gc[base * L + threadIdx.x] : 0.f;
+        qr.store(Qs, QP);
+        kr.store(Ks, QP);
+        if (threadIdx.x < L) Gs[threadIdx.x] = gi;
+    }
     __syncthreads();
     {
         const int mp = warp / 2, np = (warp % 2) * 4;
@@ -839,7 +901,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) output_tc(
     const int mo = warp % 4, no = (warp / 4) * ON;
     float o[ON][4] = {};
     const float* S = S_in + base * DK * DV;
-#pragma unroll 2
+#pragma unroll 4
     for (int k0 = 0; k0 < DK; k0 += 8) {
         const Frag<4> a = frag_a(Qs, QP, mo * 16, k0);
 #pragma unroll
@@ -854,7 +916,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) output_tc(
         o[jn][3] *= e1;
     }
     const float* V = Vnew + base * L * DV;
-#pragma unroll 2
+#pragma unroll 4
     for (int k0 = 0; k0 < L; k0 += 8) {
         const Frag<4> a = frag_a(Ps, PP, mo * 16, k0);
 #pragma unroll
