@@ -8,7 +8,7 @@
 //! is the checkpoint's content hash, which the coordinator's ledger
 //! records when it commits the checkpoint.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -17,8 +17,10 @@ use tch::{Kind, Tensor};
 
 use crate::ModelError;
 use crate::drafter::{DrafterConfig, LayerType};
+use crate::host_copies::HostCopies;
+pub use crate::tensor_file::{FileDigest, digest_file};
+use crate::tensor_file::{digest_files, hex, write_file_digested, write_safetensors_digested};
 use crate::trainer::Trainer;
-use crate::weights::write_safetensors;
 
 /// File naming the most recent complete checkpoint directory (for people
 /// and tools; resuming goes by the ledger and the manifests).
@@ -30,18 +32,11 @@ pub const MANIFEST: &str = "manifest.json";
 /// Files a checkpoint holds, all covered by its manifest.
 const FILES: [&str; 4] = ["config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"];
 
-/// One file's size and sha256.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileDigest {
-    pub bytes: u64,
-    pub sha256: String,
-}
-
 /// What a checkpoint's files must be.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
     pub step: u64,
-    pub files: std::collections::BTreeMap<String, FileDigest>,
+    pub files: BTreeMap<String, FileDigest>,
 }
 
 impl Manifest {
@@ -67,42 +62,6 @@ impl Checkpoint {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Size and sha256 of a file, read in 8 MiB pieces.
-pub fn digest_file(path: &Path) -> Result<FileDigest, ModelError> {
-    use sha2::Digest;
-    use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
-    let mut hasher = sha2::Sha256::new();
-    let mut buf = vec![0u8; 8 << 20];
-    let mut bytes = 0u64;
-    loop {
-        let n = f.read(&mut buf).map_err(|e| ModelError::io(path, e))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        bytes += n as u64;
-    }
-    Ok(FileDigest { bytes, sha256: hex(&hasher.finalize()) })
-}
-
-/// Digests of the checkpoint files in `dir`, one thread per file.
-fn digest_files(dir: &Path) -> Result<std::collections::BTreeMap<String, FileDigest>, ModelError> {
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = FILES.iter().map(|f| (f, scope.spawn(move || digest_file(&dir.join(f))))).collect();
-        handles
-            .into_iter()
-            .map(|(f, h)| {
-                Ok((f.to_string(), h.join().map_err(|_| ModelError::Checkpoint("digest thread panicked".into()))??))
-            })
-            .collect()
-    })
-}
-
 /// Checks every file of the checkpoint in `dir` against its manifest and
 /// returns the checkpoint with its content hash. A missing manifest, a
 /// missing, truncated or altered file is an error naming it.
@@ -116,7 +75,7 @@ pub fn verify_checkpoint(dir: &Path) -> Result<Checkpoint, ModelError> {
             return Err(ModelError::Checkpoint(format!("{} does not cover {f}", path.display())));
         }
     }
-    let found = digest_files(dir)?;
+    let found = digest_files(dir, &FILES)?;
     for (name, want) in &manifest.files {
         let got = found.get(name).ok_or_else(|| ModelError::Checkpoint(format!("{name}: not a checkpoint file")))?;
         if got != want {
@@ -462,25 +421,22 @@ without the drafter's `fc` and `hidden_norm`.
 pub fn export_drafter(dir: &Path, trainer: &Trainer) -> Result<(), ModelError> {
     let weights: Vec<(String, Tensor)> =
         trainer.drafter.named_parameters().into_iter().map(|(n, t)| (n, t.detach().to_kind(Kind::BFloat16))).collect();
-    write_export(dir, &trainer.drafter.config, &weights)
+    write_export(dir, &trainer.drafter.config, &weights).map(|_| ())
 }
 
-fn write_export(dir: &Path, c: &DrafterConfig, weights: &[(String, Tensor)]) -> Result<(), ModelError> {
+/// The served files (config.json, README.md, bf16 model.safetensors),
+/// durable; returns the digests of the ones a manifest covers.
+fn write_export(
+    dir: &Path,
+    c: &DrafterConfig,
+    weights: &[(String, Tensor)],
+) -> Result<BTreeMap<String, FileDigest>, ModelError> {
     let config = serde_json::to_vec_pretty(&hf_config_json(c)).expect("json");
-    write_file(&dir.join("config.json"), &config)?;
+    let mut files = BTreeMap::new();
+    files.insert("config.json".to_string(), write_file_digested(&dir.join("config.json"), &config)?);
     write_file(&dir.join("README.md"), model_card(c).as_bytes())?;
-    write_safetensors(&dir.join("model.safetensors"), weights)?;
-    // write_safetensors does not fsync; do it so the rename publishes durable bytes.
-    sync_file(&dir.join("model.safetensors"))
-}
-
-/// A new host tensor of `kind` holding `t`'s values: never a view of `t`
-/// (a CPU parameter already of `kind` is copied too), so the trainer may
-/// step on while the copy is written.
-fn host_copy(t: &Tensor, kind: Kind) -> Result<Tensor, ModelError> {
-    let mut out = Tensor::f_empty(t.size(), (kind, tch::Device::Cpu))?;
-    tch::no_grad(|| out.f_copy_(&t.detach()))?;
-    Ok(out)
+    files.insert("model.safetensors".to_string(), write_safetensors_digested(&dir.join("model.safetensors"), weights)?);
+    Ok(files)
 }
 
 /// Everything a checkpoint holds, copied off the trainer to host memory:
@@ -489,26 +445,54 @@ fn host_copy(t: &Tensor, kind: Kind) -> Result<Tensor, ModelError> {
 /// it ([`CheckpointSnapshot::save`]) can run on another thread meanwhile.
 pub struct CheckpointSnapshot {
     config: DrafterConfig,
-    weights: Vec<(String, Tensor)>,
-    optimizer: Vec<(String, Tensor)>,
+    buffers: SnapshotBuffers,
     pub state: TrainerState,
 }
 
+/// The host memory a snapshot is taken into, handed back after its write
+/// ([`CheckpointSnapshot::into_buffers`]) so that the next snapshot reuses
+/// it: pinned for a GPU trainer, allocated at the first checkpoint.
+#[derive(Default)]
+pub struct SnapshotBuffers {
+    weights: HostCopies,
+    optimizer: HostCopies,
+}
+
+impl SnapshotBuffers {
+    /// Host memory held.
+    pub fn bytes(&self) -> usize {
+        self.weights.bytes() + self.optimizer.bytes()
+    }
+}
+
 impl CheckpointSnapshot {
-    /// Copies the trainer's state after its last step (a device-to-host
-    /// copy on a GPU, ordered after that step's kernels on their stream).
+    /// Copies the trainer's state after its last step into new host buffers.
     pub fn take(trainer: &Trainer, state: TrainerState) -> Result<Self, ModelError> {
-        let copy = |list: Vec<(String, Tensor)>, kind: Option<Kind>| -> Result<Vec<(String, Tensor)>, ModelError> {
-            list.into_iter().map(|(n, t)| Ok((n, host_copy(&t, kind.unwrap_or(t.kind()))?))).collect()
-        };
-        let weights = copy(trainer.drafter.named_parameters(), Some(Kind::BFloat16))?;
-        let optimizer = copy(trainer.opt.state_tensors(), None)?;
-        Ok(Self { config: trainer.drafter.config.clone(), weights, optimizer, state })
+        Self::take_into(trainer, state, SnapshotBuffers::default())
+    }
+
+    /// Copies the trainer's state after its last step into `buffers` (a
+    /// device-to-host copy on a GPU, ordered after that step's kernels on
+    /// their stream; it returns once the copy is done).
+    pub fn take_into(trainer: &Trainer, state: TrainerState, mut buffers: SnapshotBuffers) -> Result<Self, ModelError> {
+        buffers.weights.fill(trainer.drafter.named_parameters(), Some(Kind::BFloat16))?;
+        buffers.optimizer.fill(trainer.opt.state_tensors(), None)?;
+        Ok(Self { config: trainer.drafter.config.clone(), buffers, state })
     }
 
     /// Host memory the snapshot holds.
     pub fn bytes(&self) -> usize {
-        self.weights.iter().chain(&self.optimizer).map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum()
+        self.buffers.bytes()
+    }
+
+    /// The host tensors held: the weights, then the optimizer's state.
+    pub fn tensors(&self) -> impl Iterator<Item = &(String, Tensor)> {
+        self.buffers.weights.tensors().iter().chain(self.buffers.optimizer.tensors())
+    }
+
+    /// The buffers, for the next snapshot.
+    pub fn into_buffers(self) -> SnapshotBuffers {
+        self.buffers
     }
 
     /// Writes the snapshot as [`save_checkpoint`] writes a trainer.
@@ -547,12 +531,16 @@ impl CheckpointSnapshot {
             std::fs::remove_dir_all(tmp).map_err(|e| ModelError::io(tmp, e))?;
         }
         std::fs::create_dir_all(tmp).map_err(|e| ModelError::write(tmp, e))?;
-        write_export(tmp, &self.config, &self.weights)?;
-        let opt_path = tmp.join("optimizer.safetensors");
-        write_safetensors(&opt_path, &self.optimizer)?;
-        sync_file(&opt_path)?;
-        write_file(&tmp.join("trainer_state.json"), &serde_json::to_vec(&self.state).expect("json"))?;
-        let manifest = Manifest { step: self.state.step, files: digest_files(tmp)? };
+        // Each file is hashed while it is written, not read back.
+        let mut files = write_export(tmp, &self.config, self.buffers.weights.tensors())?;
+        files.insert(
+            "optimizer.safetensors".to_string(),
+            write_safetensors_digested(&tmp.join("optimizer.safetensors"), self.buffers.optimizer.tensors())?,
+        );
+        let state = serde_json::to_vec(&self.state).expect("json");
+        files.insert("trainer_state.json".to_string(), write_file_digested(&tmp.join("trainer_state.json"), &state)?);
+        debug_assert!(files.keys().map(String::as_str).eq(FILES), "the manifest covers every checkpoint file");
+        let manifest = Manifest { step: self.state.step, files };
         write_file(&tmp.join(MANIFEST), &serde_json::to_vec_pretty(&manifest).expect("json"))?;
         sync_dir(tmp)?;
         write_file(latest_tmp, name.as_bytes())?;

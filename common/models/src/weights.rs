@@ -540,56 +540,8 @@ fn random_tensor(name: &str, shape: &[i64], device: Device, kind: Kind, init: Ra
 }
 
 /// Writes tensors to one safetensors file with `{"format": "pt"}` metadata,
-/// as Hugging Face loaders expect.
+/// as Hugging Face loaders expect, durable when it returns
+/// ([`crate::tensor_file::write_safetensors_digested`]).
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), ModelError> {
-    struct View {
-        dtype: Dtype,
-        shape: Vec<usize>,
-        data: Vec<u8>,
-    }
-    impl safetensors::tensor::View for &View {
-        fn dtype(&self) -> Dtype {
-            self.dtype
-        }
-        fn shape(&self) -> &[usize] {
-            &self.shape
-        }
-        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-            std::borrow::Cow::Borrowed(&self.data)
-        }
-        fn data_len(&self) -> usize {
-            self.data.len()
-        }
-    }
-    let mut views = Vec::with_capacity(tensors.len());
-    for (name, t) in tensors {
-        let t = t.to_device(Device::Cpu).contiguous();
-        let dtype = match t.kind() {
-            Kind::Float => Dtype::F32,
-            Kind::BFloat16 => Dtype::BF16,
-            Kind::Half => Dtype::F16,
-            Kind::Int64 => Dtype::I64,
-            Kind::Int => Dtype::I32,
-            Kind::Uint8 => Dtype::U8,
-            k => {
-                return Err(ModelError::Weights {
-                    path: path.to_path_buf(),
-                    message: format!("cannot write {name} of kind {k:?}"),
-                });
-            }
-        };
-        let numel = t.numel();
-        let mut data = vec![0u8; numel * t.kind().elt_size_in_bytes()];
-        t.f_copy_data_u8(&mut data, numel)?;
-        let shape = t.size().iter().map(|&d| d as usize).collect();
-        views.push((name.clone(), View { dtype, shape, data }));
-    }
-    let meta: Option<HashMap<String, String>> = Some([("format".to_string(), "pt".to_string())].into());
-    safetensors::tensor::serialize_to_file(views.iter().map(|(n, v)| (n.as_str(), v)), meta, path).map_err(
-        |e| match e {
-            // A full disk is said as the OS says it, and typed so (ModelError::NoSpace).
-            safetensors::SafeTensorError::IoError(io) => ModelError::write(path, io),
-            e => ModelError::Weights { path: path.to_path_buf(), message: format!("{e:?}") },
-        },
-    )
+    crate::tensor_file::write_safetensors_digested(path, tensors).map(|_| ())
 }

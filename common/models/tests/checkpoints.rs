@@ -17,13 +17,17 @@ use dflash_models::{DeviceBatch, Drafter, DrafterConfig, StepOutcome, TrainSetti
 use tch::{Device, Kind, Tensor};
 
 fn trainer(seed: i64) -> Trainer {
+    trainer_on(seed, Device::Cpu, Kind::Float)
+}
+
+fn trainer_on(seed: i64, device: Device, kind: Kind) -> Trainer {
     let tc = synthetic_target_config(2);
     tch::manual_seed(seed);
     let dc = DrafterConfig::for_target(&tc, 1, 4, 3, vec![0, 1]);
-    let drafter = Drafter::new(dc, Device::Cpu, Kind::Float);
+    let drafter = Drafter::new(dc, device, kind);
     tch::manual_seed(1);
-    let embed = Tensor::randn([tc.vocab_size, tc.hidden_size], (Kind::Float, Device::Cpu));
-    let head = Tensor::randn([tc.vocab_size, tc.hidden_size], (Kind::Float, Device::Cpu)) * 0.1;
+    let embed = Tensor::randn([tc.vocab_size, tc.hidden_size], (kind, device));
+    let head = Tensor::randn([tc.vocab_size, tc.hidden_size], (kind, device)) * 0.1;
     let settings = TrainSettings {
         blocks: BlockSettings { block_size: 4, mask_token_id: 3, gamma: 4.0, anchors_per_sequence: 6 },
         schedule: LrSchedule::new(1e-2, 100, 0.0, 0.0),
@@ -115,6 +119,40 @@ fn a_snapshot_is_a_copy_written_while_the_trainer_steps_on() {
     restore_checkpoint(&ck.dir, &mut fresh).unwrap();
     for ((n, a), (_, b)) in params(&three).iter().zip(params(&fresh)) {
         assert!(a.equal(&b), "{n} is not step 3's after a restore");
+    }
+}
+
+/// A GPU trainer's snapshot goes into pinned host buffers, which the next
+/// snapshot reuses (refilled with the new values), and its checkpoint
+/// holds the trainer's values exactly.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_snapshots_go_into_pinned_buffers_that_the_next_reuses() {
+    dflash_models::cuda::ensure_cuda(&[0]).unwrap();
+    let gpu = Device::Cuda(0);
+    let t = trainer_on(11, gpu, Kind::BFloat16);
+    let first = CheckpointSnapshot::take(&t, state(&t)).unwrap();
+    let pointers: Vec<usize> = first.tensors().map(|(_, h)| h.data_ptr() as usize).collect();
+    for (name, h) in first.tensors() {
+        assert!(h.is_pinned(gpu), "{name} is not in pinned memory");
+    }
+    let snapshot = CheckpointSnapshot::take_into(&t, state(&t), first.into_buffers()).unwrap();
+    let again: Vec<usize> = snapshot.tensors().map(|(_, h)| h.data_ptr() as usize).collect();
+    assert_eq!(again, pointers, "the second snapshot reuses the first's buffers");
+    // Changed weights are what the reused buffers hold next.
+    tch::no_grad(|| {
+        for (_, p) in params(&t) {
+            let _ = p.shallow_clone().f_add_scalar_(0.5).unwrap();
+        }
+    });
+    let snapshot = CheckpointSnapshot::take_into(&t, state(&t), snapshot.into_buffers()).unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let ck = snapshot.save(root.path(), 0).unwrap();
+    assert_eq!(verify_checkpoint(&ck.dir).unwrap(), ck);
+    let written: std::collections::HashMap<String, Tensor> =
+        Tensor::read_safetensors(ck.dir.join("model.safetensors")).unwrap().into_iter().collect();
+    for (n, p) in params(&t) {
+        assert!(written[&n].equal(&p.to_device(Device::Cpu)), "{n}: the checkpoint holds other values");
     }
 }
 

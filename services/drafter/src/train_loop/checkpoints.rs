@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use backon::BackoffBuilder;
 use dflash_models::ModelError;
-use dflash_models::checkpoint::{Checkpoint, CheckpointSnapshot, TrainerState};
+use dflash_models::checkpoint::{Checkpoint, CheckpointSnapshot, SnapshotBuffers, TrainerState};
 use dflash_telemetry::ErrorKind;
 
 use super::TrainLoop;
@@ -23,7 +23,8 @@ pub(super) struct Writing {
     started: Instant,
     /// How long taking the snapshot paused training.
     paused: Duration,
-    done: flume::Receiver<Result<Checkpoint, ModelError>>,
+    /// The write's result and the snapshot's buffers, for the next.
+    done: flume::Receiver<(Result<Checkpoint, ModelError>, SnapshotBuffers)>,
     thread: std::thread::JoinHandle<()>,
 }
 
@@ -82,7 +83,8 @@ impl TrainLoop {
             run_id: self.session.run_id.clone(),
         };
         let (step, trained, batch_ids) = (state.step, self.trained.len(), state.batch_ids.clone());
-        let snapshot = match CheckpointSnapshot::take(&self.trainer, state) {
+        let buffers = self.snapshot_buffers.take().unwrap_or_default();
+        let snapshot = match CheckpointSnapshot::take_into(&self.trainer, state, buffers) {
             Ok(s) => s,
             Err(e) => {
                 self.written(step, trained, batch_ids, (started, started.elapsed()), Err(e));
@@ -94,6 +96,7 @@ impl TrainLoop {
         let root = self.checkpoint_dir.clone();
         if !self.session.config.checkpoint.async_write {
             let r = snapshot.save(&root, keep);
+            self.snapshot_buffers = Some(snapshot.into_buffers());
             self.written(step, trained, batch_ids, (started, started.elapsed()), r);
             return Ok(());
         }
@@ -102,7 +105,8 @@ impl TrainLoop {
         let thread = std::thread::Builder::new()
             .name("checkpoint-write".into())
             .spawn(move || {
-                let _ = tx.send(snapshot.save(&root, keep));
+                let r = snapshot.save(&root, keep);
+                let _ = tx.send((r, snapshot.into_buffers()));
             })
             .context("starting the checkpoint writer thread")?;
         self.writing = Some(Writing { step, trained, batch_ids, started, paused, done, thread });
@@ -115,7 +119,10 @@ impl TrainLoop {
         let Some(w) = self.writing.as_ref() else { return Ok(()) };
         let result = loop {
             match w.done.recv_timeout(if wait { WRITE_WAIT_NOTICE } else { Duration::ZERO }) {
-                Ok(r) => break r,
+                Ok((r, buffers)) => {
+                    self.snapshot_buffers = Some(buffers);
+                    break r;
+                }
                 Err(flume::RecvTimeoutError::Timeout) if wait => tracing::warn!(
                     "still writing the checkpoint of step {} after {:.0} s (training waits for it)",
                     w.step,

@@ -69,6 +69,9 @@ pub struct TrainLoop {
     checkpointed: usize,
     /// The checkpoint being written while training goes on (at most one).
     writing: Option<Writing>,
+    /// The host memory of the last snapshot, for the next (pinned on a
+    /// GPU; `None` while a write holds it).
+    snapshot_buffers: Option<dflash_models::checkpoint::SnapshotBuffers>,
     bad_in_a_row: u32,
     log: ProgressLog,
 }
@@ -114,6 +117,7 @@ impl TrainLoop {
             last_checkpoint_step: 0,
             checkpointed: 0,
             writing: None,
+            snapshot_buffers: None,
             bad_in_a_row: 0,
             log: ProgressLog::new(),
         }
