@@ -2,7 +2,8 @@
 //! here find `libtorch_cpu.so` without LD_LIBRARY_PATH (on GPU hosts
 //! LD_LIBRARY_PATH, searched first, points at the host's PyTorch), and
 //! compiles the small C++ shim for libtorch settings tch does not expose
-//! (and for libtorch's Gloo process group, the drafter group's CPU collectives).
+//! (and for libtorch's Gloo process group, the drafter group's CPU collectives,
+//! and for its Kineto profiler).
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
@@ -11,6 +12,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/split_attention.cpp");
     println!("cargo:rerun-if-changed=csrc/gloo_group.cpp");
     println!("cargo:rerun-if-changed=csrc/varlen_attention.cpp");
+    println!("cargo:rerun-if-changed=csrc/profiler.cpp");
     println!("cargo:rerun-if-env-changed=DFLASH_GLOO_INCLUDE");
     let Ok(dir) = std::env::var("LIBTORCH") else {
         panic!("LIBTORCH is not set: run scripts/setup-libtorch.sh (the Makefile does)");
@@ -30,6 +32,7 @@ fn main() {
         .file("csrc/split_attention.cpp")
         .file("csrc/gloo_group.cpp")
         .file("csrc/varlen_attention.cpp")
+        .file("csrc/profiler.cpp")
         .define("USE_C10D_GLOO", None)
         .include(gloo)
         .include(format!("{dir}/include"))

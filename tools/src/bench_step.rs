@@ -12,6 +12,8 @@ use dflash_models::gloo::GroupStore;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::perf::{matmul_peak, sync_device};
 use dflash_models::{DeviceBatch, Drafter, DrafterConfig, LayerType, StepOutcome, TrainSettings, Trainer};
+
+use crate::step_profile::{self, StepFlops};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
@@ -91,6 +93,11 @@ pub struct BenchStepArgs {
     pub context_multiple: usize,
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
+    /// Also run one step of each configuration under libtorch's profiler
+    /// and print where its time goes, by kernel class (the first batch;
+    /// without a group).
+    #[arg(long)]
+    pub profile: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
@@ -115,21 +122,22 @@ struct Row {
 /// slots; keys/values also the context), attention over the visible keys
 /// only (context before the anchor, about S/2 on average, plus the block),
 /// and the frozen LM head (forward and input gradient).
-pub fn step_flops(c: &DrafterConfig, lens: &[usize], anchors: usize) -> f64 {
+pub fn step_flops(c: &DrafterConfig, lens: &[usize], anchors: usize) -> StepFlops {
     let (h, i, v) = (c.hidden_size as f64, c.intermediate_size as f64, c.vocab_size as f64);
     let (qd, kvd) = ((c.num_heads * c.head_dim) as f64, (c.num_kv_heads * c.head_dim) as f64);
     let b = c.block_size as f64;
     let width = c.feature_width() as f64;
-    let mut f = 0.0;
+    let mut f = StepFlops::default();
     for &s in lens {
         let s = s as f64;
         let n = (anchors as f64).min(s - 1.0);
         let q = n * b;
-        f += 2.0 * 2.0 * s * width * h; // fc: forward + weight gradient
+        f.layers += 2.0 * 2.0 * s * width * h; // fc: forward + weight gradient
         let linear = 2.0 * (q * (h * qd + qd * h + 3.0 * h * i) + (s + q) * 2.0 * h * kvd);
         let attn = 4.0 * qd * q * (s / 2.0 + b);
-        f += c.num_layers as f64 * 3.0 * (linear + attn);
-        f += 2.0 * 2.0 * n * (b - 1.0) * h * v; // LM head: forward + input gradient
+        f.layers += c.num_layers as f64 * 3.0 * linear;
+        f.attention += c.num_layers as f64 * 3.0 * attn;
+        f.lm_head += 2.0 * 2.0 * n * (b - 1.0) * h * v; // LM head: forward + input gradient
     }
     f
 }
@@ -141,6 +149,10 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
     let shape = crate::cli_args::shape(&a.shape)?;
     let device = crate::cli_args::device(&a.device)?;
     let kind = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
+    anyhow::ensure!(
+        !a.profile || device.is_cuda(),
+        "--profile sorts a GPU's kernels by class; on {device:?} there are none (use a CUDA device)"
+    );
     if device.is_cuda() {
         dflash_models::cuda::set_cudnn_attention(!a.no_cudnn_attention);
     }
@@ -227,6 +239,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
     let embed = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
     let head = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
     let mut rows = Vec::new();
+    let mut profiles = Vec::new();
     let mut modes = Vec::new();
     for m in a.attention.split(',').map(str::trim) {
         match m {
@@ -295,7 +308,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
                     anyhow::bail!("benchmark step skipped: {r}");
                 }
                 if i >= a.warmup {
-                    flops += step_flops(&config, &all_lens[b], anchors);
+                    flops += step_flops(&config, &all_lens[b], anchors).total();
                     step_seqs += all_lens[b].len();
                     step_tokens += all_lens[b].iter().sum::<usize>();
                 }
@@ -303,6 +316,19 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             sync_device(device);
             let secs = t0.elapsed().as_secs_f64();
             let mem = if device.is_cuda() { device_memory_used_gib() } else { 0.0 };
+            if a.profile {
+                let label = format!("{} attention, {anchors} anchors", if split { "split" } else { "masked" });
+                let p = step_profile::profile_step(
+                    device.is_cuda(),
+                    &config,
+                    step_flops(&config, &all_lens[0], anchors),
+                    peak,
+                    || trainer.train_batch(&batches[0]),
+                    || sync_device(device),
+                )?;
+                step_profile::print(&p, &label);
+                profiles.push(serde_json::json!({ "config": label, "profile": p }));
+            }
             rows.push(Row {
                 collective: collective.into(),
                 attention: if split { "split" } else { "masked" }.into(),
@@ -351,6 +377,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             "f32_residual": a.f32_residual,
             "matmul_peak_flops": peak,
             "rows": rows,
+            "profiles": profiles,
         });
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }

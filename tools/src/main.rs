@@ -24,6 +24,7 @@ mod prepare;
 mod progress;
 mod regenerate;
 mod run_report;
+mod step_profile;
 
 use std::process::ExitCode;
 

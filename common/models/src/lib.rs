@@ -26,6 +26,7 @@ pub mod gpu;
 pub mod group;
 pub mod hf_config;
 pub mod host_copies;
+pub mod kernel_profile;
 pub mod kv_cache;
 pub mod latent_attention;
 pub mod layers;
