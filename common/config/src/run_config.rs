@@ -587,8 +587,8 @@ pub struct FaultSection {
     /// window in steps, plus a checkpoint pause).
     pub sent_timeout_ms: u64,
     /// The coordinator raises the `supply_stalled` alarm (metric, status)
-    /// when no target produced a feature token for this long while batches
-    /// are leased or sent.
+    /// when for this long no target produced a feature token and the
+    /// drafter trained none while batches are leased or sent.
     pub supply_stall_alarm_ms: u64,
     /// A target whose drafter acknowledges nothing for this long while
     /// batches are outstanding ends the stream and replays them on a new

@@ -13,6 +13,8 @@ const MAX_SAMPLES: usize = 4096;
 pub struct Flow {
     /// When a target last produced a token (or the flow began).
     last_supply: Instant,
+    /// When the drafter last trained a token (or the flow began).
+    last_training: Instant,
     /// Last cumulative count each target reported (restarts start at 0).
     produced_by: BTreeMap<String, u64>,
     busy_by: BTreeMap<String, f32>,
@@ -36,6 +38,7 @@ impl Default for Flow {
     fn default() -> Self {
         Self {
             last_supply: Instant::now(),
+            last_training: Instant::now(),
             produced_by: BTreeMap::new(),
             busy_by: BTreeMap::new(),
             produced_total: 0,
@@ -51,6 +54,19 @@ impl Flow {
     /// none ever did).
     pub fn supply_silent_for(&self, now: Instant) -> Duration {
         now.saturating_duration_since(self.last_supply)
+    }
+
+    /// Whether any target has produced a token in this flow.
+    pub fn has_supplied(&self) -> bool {
+        self.produced_total > 0
+    }
+
+    /// How long neither a target produced a token nor the drafter trained
+    /// one: training that waits on work that does not come. (Supply alone
+    /// is silent whenever the drafter bounds the run: the targets wait for
+    /// its credits while it trains what it holds.)
+    pub fn starved_for(&self, now: Instant) -> Duration {
+        self.supply_silent_for(now).min(now.saturating_duration_since(self.last_training))
     }
 
     /// A target's heartbeat: its cumulative tokens and busy fraction.
@@ -71,6 +87,9 @@ impl Flow {
 
     /// The drafter trained `tokens` and waited this fraction of its time.
     pub fn drafter_report(&mut self, tokens: u64, wait: f32) {
+        if tokens > 0 {
+            self.last_training = Instant::now();
+        }
         self.trained_total += tokens;
         self.drafter_wait = wait;
     }
@@ -154,5 +173,20 @@ mod tests {
         f.target_report("t0", 500, 0.3);
         f.sample(t0 + Duration::from_secs(11));
         assert!(f.summary().supply_tokens_per_s > 0.0);
+    }
+
+    #[test]
+    fn training_that_goes_on_while_supply_waits_is_not_starved() {
+        let mut f = Flow::default();
+        std::thread::sleep(Duration::from_millis(30));
+        f.drafter_report(100, 0.0);
+        let now = Instant::now();
+        assert!(f.supply_silent_for(now) >= Duration::from_millis(30));
+        assert!(f.starved_for(now) < Duration::from_millis(30), "the drafter trains: not starved");
+        std::thread::sleep(Duration::from_millis(30));
+        f.drafter_report(0, 1.0); // a report that trained nothing keeps the clock
+        assert!(f.starved_for(Instant::now()) >= Duration::from_millis(30));
+        f.target_report("t0", 10, 1.0);
+        assert!(f.starved_for(Instant::now()) < Duration::from_millis(30), "supply came");
     }
 }

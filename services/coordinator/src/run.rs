@@ -685,24 +685,33 @@ impl Run {
     }
 
     /// The alarms raised now, each `name: what`. `supply_stalled`: the run
-    /// is running, batches are leased or sent, and no target produced a
-    /// feature token for `faults.supply_stall_alarm_ms`: training waits on
-    /// work that does not come (a stalled stream, a hung target).
+    /// is running with work left (batches leased or sent; or pending, once
+    /// any target has produced, so that loading targets at the start are
+    /// not a stall), and for `faults.supply_stall_alarm_ms` no target
+    /// produced a feature token and the drafter trained none: training waits
+    /// on work that does not come (a stalled stream, a hung target, with a
+    /// lease or between leases). A drafter that trains while the targets
+    /// wait for its credits is the run's bound, not a stall.
     pub fn alarms(&self) -> Vec<String> {
         self.alarms_for(&self.counts())
     }
 
     fn alarms_for(&self, c: &Counts) -> Vec<String> {
-        let silent = self.flow().supply_silent_for(Instant::now());
+        let (silent, supplied) = {
+            let flow = self.flow();
+            (flow.starved_for(Instant::now()), flow.has_supplied())
+        };
         let limit = Duration::from_millis(self.config.faults.supply_stall_alarm_ms);
+        let outstanding = c.leased + c.sent > 0 || (supplied && c.pending > 0);
         let mut alarms = Vec::new();
-        if self.is_running() && c.leased + c.sent > 0 && silent >= limit {
+        if self.is_running() && outstanding && silent >= limit {
             alarms.push(format!(
-                "supply_stalled: no target produced a token for {} s while {} batches are leased and {} sent \
-                 (faults.supply_stall_alarm_ms = {})",
+                "supply_stalled: no target produced a token and the drafter trained none for {} s while {} batches \
+                 are leased, {} sent and {} pending (faults.supply_stall_alarm_ms = {})",
                 silent.as_secs(),
                 c.leased,
                 c.sent,
+                c.pending,
                 limit.as_millis()
             ));
         }
