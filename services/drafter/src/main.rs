@@ -316,6 +316,116 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
     Ok(Trainer::new(drafter, embed, lm_head, settings))
 }
 
+/// The data plane: landing buffers for received payloads (pinned on a GPU),
+/// the hidden-state service that checks each batch against `expected` and
+/// queues it on `queue`, its health service, and the gRPC server on
+/// `listener`, spawned as stages.
+#[allow(clippy::too_many_arguments)]
+async fn serve_targets(
+    session: &Arc<Session>,
+    stages: &Stages,
+    device: tch::Device,
+    expected: Expected,
+    max_payload: usize,
+    queue: flume::Sender<dflash_drafter::pipeline::Arrival>,
+    listener: tokio::net::TcpListener,
+    health_listen: Option<SocketAddr>,
+) -> anyhow::Result<()> {
+    let c = &session.config;
+    let stop = session.stop.clone();
+    // Payloads live in: the HS queue, prefetch, the train step, and the
+    // batches being received; the extra room keeps receiving while the
+    // queue is full.
+    let n = c.pipeline.hs_queue_depth as usize + 4;
+    let landing = match device {
+        tch::Device::Cuda(i) => {
+            let ctx = dflash_models::gpu::context(i).kind(ErrorKind::Device)?;
+            Landing::Pinned(dflash_models::gpu::pinned_pool(&ctx, n, max_payload).kind(ErrorKind::Device)?)
+        }
+        _ => Landing::host(n),
+    };
+    tracing::info!("{n} {landing} for received payloads of up to {} MiB", max_payload >> 20);
+    let service = DrafterService {
+        landing,
+        run_id: session.run_id.clone(),
+        instance_id: session.instance_id.clone(),
+        credits: c.pipeline.max_inflight_batches,
+        expected,
+        max_payload_bytes: max_payload,
+        queue,
+        stop: stop.clone(),
+        hello_timeout: session.rpc_timeout(),
+        stall_timeout: Duration::from_millis(c.faults.stream_stall_timeout_ms),
+        streams: Arc::new(tokio::sync::Semaphore::new(c.pipeline.max_target_streams as usize)),
+        max_streams: c.pipeline.max_target_streams as usize,
+        stages: stages.clone(),
+    };
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_service_status("", ServingStatus::Serving).await;
+    health.set_serving::<HiddenStateService<DrafterService>>().await;
+    if let Some(addr) = health_listen {
+        stages.spawn_task("health", dflash_role::serve_health(addr, health_service.clone(), stop.clone()));
+    }
+    let server_stop = stop.clone();
+    let server = session
+        .security
+        .server(transport::data_server())?
+        .add_service(health_service)
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            HiddenStateService::new(service),
+            session.security.server_auth(),
+        ))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
+            server_stop.stopped().await
+        });
+    stages.spawn_task("grpc", async move { server.await.context("drafter gRPC server") });
+    Ok(())
+}
+
+/// What a member of a group of several ranks trains: its stores of the
+/// rendezvous (one per replica), the batches the coordinator dealt to its
+/// ranks in the plan's order, and the lane (replica) of each.
+struct Dealt {
+    stores: Vec<dflash_models::gloo::GroupStore>,
+    order: Vec<u64>,
+    lanes: std::collections::HashMap<u64, usize>,
+}
+
+/// The rendezvous of this member's ranks and the batches dealt to them.
+async fn dealt_batches(
+    session: &Arc<Session>,
+    membership: &group::Membership,
+    own_host: &str,
+) -> anyhow::Result<Dealt> {
+    // A member of several leaves its generation on a lost peer; a drafter
+    // alone has no peer to lose and fails as it is.
+    let leave = |e: anyhow::Error| if membership.members > 1 { reform(session, e) } else { e };
+    let stores = group::rendezvous(session, membership, own_host).await.map_err(leave)?;
+    let assigned = fetch_assignment(session, membership.generation)
+        .await
+        .map_err(|e| if dflash_role::kind_of(&e) == ErrorKind::PeerLost { leave(e) } else { e })?;
+    let first = membership.rank;
+    let mut lanes = std::collections::HashMap::with_capacity(assigned.len());
+    for &(id, rank) in &assigned {
+        if !membership.ranks().contains(&rank) {
+            return Err(anyhow::anyhow!(
+                "the coordinator dealt batch {id} to rank {rank}, not one of this member's ({:?})",
+                membership.ranks()
+            ))
+            .kind(ErrorKind::Protocol);
+        }
+        lanes.insert(id, rank - first);
+    }
+    let order: Vec<u64> = assigned.iter().map(|&(id, _)| id).collect();
+    tracing::info!(
+        "ranks {:?} train {} batch(es) of the plan (first: {:?})",
+        membership.ranks(),
+        order.len(),
+        order.first()
+    );
+    Ok(Dealt { stores, order, lanes })
+}
+
 async fn start(
     session: &Arc<Session>,
     stages: &Stages,
@@ -371,100 +481,30 @@ async fn start(
     // Ranks of a larger group: the rendezvous, and the batches the
     // coordinator dealt out to each of this member's replicas.
     let own_host = group::own_host(&membership, endpoint);
-    let mut stores = Vec::new();
-    let mut order: Vec<u64> = plan.keys().copied().collect();
-    let mut lane_of = None;
-    if in_group {
-        // A member of several leaves its generation on a lost peer; a
-        // drafter alone has no peer to lose and fails as it is.
-        let leave = |e: anyhow::Error| if membership.members > 1 { reform(session, e) } else { e };
-        stores = group::rendezvous(session, &membership, &own_host).await.map_err(leave)?;
-        let assigned = fetch_assignment(session, membership.generation)
-            .await
-            .map_err(|e| if dflash_role::kind_of(&e) == ErrorKind::PeerLost { leave(e) } else { e })?;
-        let first = membership.rank;
-        let mut lanes = std::collections::HashMap::with_capacity(assigned.len());
-        for &(id, rank) in &assigned {
-            if !membership.ranks().contains(&rank) {
-                return Err(anyhow::anyhow!(
-                    "the coordinator dealt batch {id} to rank {rank}, not one of this member's ({:?})",
-                    membership.ranks()
-                ))
-                .kind(ErrorKind::Protocol);
-            }
-            lanes.insert(id, rank - first);
-        }
-        order = assigned.iter().map(|&(id, _)| id).collect();
-        tracing::info!(
-            "ranks {:?} train {} batch(es) of the plan (first: {:?})",
-            membership.ranks(),
-            order.len(),
-            order.first()
-        );
-        lane_of = Some(lanes);
-    }
+    let dealt = if in_group { Some(dealt_batches(session, &membership, &own_host).await?) } else { None };
+    let (stores, order, lane_of) = match dealt {
+        Some(d) => (d.stores, d.order, Some(d.lanes)),
+        None => (Vec::new(), plan.keys().copied().collect(), None),
+    };
     let spec = FeatureSpec::of(c);
     let max_payload = spec.payload_bytes(c.pipeline.token_budget as usize, hidden as usize) as u64;
-    // Payloads live in: the HS queue, prefetch, the train step, and the
-    // batches being received; the extra room keeps receiving while the
-    // queue is full.
-    let n = c.pipeline.hs_queue_depth as usize + 4;
-    let landing = match device {
-        tch::Device::Cuda(i) => {
-            let ctx = dflash_models::gpu::context(i).kind(ErrorKind::Device)?;
-            Landing::Pinned(dflash_models::gpu::pinned_pool(&ctx, n, max_payload as usize).kind(ErrorKind::Device)?)
-        }
-        _ => Landing::host(n),
+    let plan_here = if in_group {
+        // A member takes only its own batches (another member's would break
+        // the step order).
+        Arc::new(order.iter().filter_map(|id| plan.get(id).map(|p| (*id, p.clone()))).collect())
+    } else {
+        Arc::clone(&plan)
     };
-    tracing::info!("{n} {landing} for received payloads of up to {} MiB", max_payload >> 20);
-    let service = DrafterService {
-        landing,
+    let expected = Expected {
+        spec: spec.clone(),
+        hidden_size: hidden as u32,
+        vocab_size,
+        plan: plan_here,
         run_id: session.run_id.clone(),
-        instance_id: session.instance_id.clone(),
-        credits: c.pipeline.max_inflight_batches,
-        expected: Expected {
-            spec: spec.clone(),
-            hidden_size: hidden as u32,
-            vocab_size,
-            // A member takes only its own batches (another member's would
-            // break the step order).
-            plan: if in_group {
-                Arc::new(order.iter().filter_map(|id| plan.get(id).map(|p| (*id, p.clone()))).collect())
-            } else {
-                Arc::clone(&plan)
-            },
-            run_id: session.run_id.clone(),
-            lease_key: session.lease_key.clone().into(),
-        },
-        max_payload_bytes: max_payload as usize,
-        queue: hs_tx,
-        stop: stop.clone(),
-        hello_timeout: session.rpc_timeout(),
-        stall_timeout: Duration::from_millis(c.faults.stream_stall_timeout_ms),
-        streams: Arc::new(tokio::sync::Semaphore::new(c.pipeline.max_target_streams as usize)),
-        max_streams: c.pipeline.max_target_streams as usize,
-        stages: stages.clone(),
+        lease_key: session.lease_key.clone().into(),
     };
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_service_status("", ServingStatus::Serving).await;
-    health.set_serving::<HiddenStateService<DrafterService>>().await;
-    if let Some(addr) = health_listen {
-        stages.spawn_task("health", dflash_role::serve_health(addr, health_service.clone(), stop.clone()));
-    }
-    let server_stop = stop.clone();
-    let server = session
-        .security
-        .server(transport::data_server())?
-        .add_service(health_service)
-        .add_service(tonic::service::interceptor::InterceptedService::new(
-            HiddenStateService::new(service),
-            session.security.server_auth(),
-        ))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
-            server_stop.stopped().await
-        });
+    serve_targets(session, stages, device, expected, max_payload as usize, hs_tx, listener, health_listen).await?;
     tracing::info!("drafter listening for targets at {endpoint}");
-    stages.spawn_task("grpc", async move { server.await.context("drafter gRPC server") });
     session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
 
     // Per replica: a lane of the plan's order, a prefetch stage onto its
