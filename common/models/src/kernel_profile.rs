@@ -46,10 +46,7 @@ impl Event {
 
     /// Whether any input of this op has a dimension of `size`.
     pub fn has_dim(&self, size: i64) -> bool {
-        self.shapes
-            .split(['[', ']', ','])
-            .filter(|s| !s.is_empty())
-            .any(|d| d.parse::<i64>() == Ok(size))
+        self.shapes.split(['[', ']', ',']).filter(|s| !s.is_empty()).any(|d| d.parse::<i64>() == Ok(size))
     }
 }
 
