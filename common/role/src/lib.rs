@@ -2,6 +2,7 @@
 //! the run config, heartbeat, watch run events, report errors, serve
 //! grpc.health.v1, and stop for one recorded cause.
 
+mod backoff;
 mod errors;
 mod health;
 pub mod lock;
@@ -11,6 +12,7 @@ mod session;
 mod stages;
 mod stop;
 
+pub use backoff::Backoff;
 pub use errors::{DeviceError, DeviceExt, KindExt, RoleError, device_of, format_chain, kind_of};
 pub use health::{HealthArgs, check_health, serve_health, serve_health_only};
 pub use lock::{ExclusiveLock, LockError};

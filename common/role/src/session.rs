@@ -130,7 +130,7 @@ impl Session {
         let security = args.security.load()?;
         let mut client = coordinator_client(&args.coordinator, &security)?;
         let deadline = Instant::now() + Duration::from_secs(args.connect_timeout_s);
-        let mut delays = dflash_telemetry::retry_delays();
+        let mut backoff = crate::Backoff::new();
         let resp = loop {
             let attempt = with_timeout(Duration::from_secs(10), client.register(request.clone())).await;
             let s = match attempt {
@@ -160,7 +160,7 @@ impl Session {
                 }
                 _ => {
                     tracing::debug!("coordinator not ready ({}); retrying", s.message());
-                    let delay = delays.next().unwrap_or(Duration::from_secs(5));
+                    let delay = backoff.next_delay();
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
                         _ = stop.stopped() => anyhow::bail!("stopped while registering"),
@@ -338,7 +338,7 @@ impl Session {
         let this = Arc::clone(self);
         stages.spawn_task("event-watch", async move {
             let mut client = this.client();
-            let mut delays = dflash_telemetry::retry_delays();
+            let mut backoff = crate::Backoff::new();
             loop {
                 let req = pb::WatchEventsRequest { run_id: this.run_id.clone(), instance_id: this.instance_id.clone() };
                 let stream = tokio::select! {
@@ -346,7 +346,7 @@ impl Session {
                     _ = this.stop.stopped() => return Ok(()),
                 };
                 if let Ok(mut stream) = stream {
-                    delays = dflash_telemetry::retry_delays();
+                    backoff.reset();
                     loop {
                         let msg = tokio::select! {
                             m = stream.message() => m,
@@ -361,7 +361,7 @@ impl Session {
                 // Reconnect with backoff; the heartbeat decides when the
                 // coordinator is lost.
                 tokio::select! {
-                    _ = tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(5))) => {}
+                    _ = tokio::time::sleep(backoff.next_delay()) => {}
                     _ = this.stop.stopped() => return Ok(()),
                 }
             }

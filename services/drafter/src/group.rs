@@ -112,7 +112,7 @@ where
 {
     use dflash_telemetry::Reaction;
     let stop = session.stop.clone();
-    let mut delays = dflash_telemetry::retry_delays();
+    let mut backoff = dflash_role::Backoff::new();
     let far = tokio::time::Instant::now() + Duration::from_secs(365 * 24 * 3600);
     let until = deadline.unwrap_or(far);
     loop {
@@ -123,7 +123,7 @@ where
         let wait = match r {
             Ok(Some(answer)) => return Ok(answer),
             Ok(None) => {
-                delays = dflash_telemetry::retry_delays();
+                backoff.reset();
                 Duration::ZERO
             }
             Err(s) => {
@@ -143,7 +143,7 @@ where
                         return Err(anyhow::anyhow!("{what}: {}", s.message())).kind(ErrorKind::PeerLost);
                     }
                     // (Registering again is the session's heartbeat's job.)
-                    Reaction::Retry | Reaction::Register => delays.next().unwrap_or(Duration::from_secs(5)),
+                    Reaction::Retry | Reaction::Register => backoff.next_delay(),
                 }
             }
         };

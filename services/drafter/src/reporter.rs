@@ -9,7 +9,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use dflash_models::StepMetrics;
 use dflash_models::checkpoint::Checkpoint;
@@ -129,18 +128,18 @@ struct Delivery {
 
 impl Delivery {
     async fn run(mut self) -> anyhow::Result<()> {
-        let mut delays = dflash_telemetry::retry_delays();
+        let mut backoff = dflash_role::Backoff::new();
         let mut retry_at: Option<tokio::time::Instant> = None;
         loop {
             let due = retry_at.is_none_or(|t| tokio::time::Instant::now() >= t);
             if !self.owed.is_empty() && due {
                 match self.deliver().await? {
                     Delivered::All => {
-                        delays = dflash_telemetry::retry_delays();
+                        backoff.reset();
                         retry_at = None;
                     }
                     Delivered::NotYet => {
-                        let d = delays.next().unwrap_or(Duration::from_secs(5));
+                        let d = backoff.next_delay();
                         tracing::debug!("the coordinator did not take the reports; again in {d:?}");
                         retry_at = Some(tokio::time::Instant::now() + d);
                     }
@@ -172,12 +171,12 @@ impl Delivery {
     /// say, after SIGTERM) gets attempts for one RPC timeout.
     async fn last_delivery(mut self) -> anyhow::Result<()> {
         let deadline = tokio::time::Instant::now() + self.session.rpc_timeout();
-        let mut delays = dflash_telemetry::retry_delays();
+        let mut backoff = dflash_role::Backoff::new();
         while !self.owed.is_empty() {
             if let Delivered::All = self.deliver().await? {
                 return Ok(());
             }
-            let d = delays.next().unwrap_or(Duration::from_secs(1));
+            let d = backoff.next_delay();
             if tokio::time::Instant::now() + d >= deadline {
                 tracing::warn!(
                     "the coordinator did not take the last reports ({} batch(es){}); a later drafter resumes from \

@@ -110,7 +110,7 @@ impl Sender {
     /// Runs until the role stops.
     pub async fn run(mut self) -> anyhow::Result<()> {
         let stop = self.session.stop.clone();
-        let mut delays = dflash_telemetry::retry_delays();
+        let mut backoff = dflash_role::Backoff::new();
         loop {
             // The route closed: the member left the group.
             if self.drafter_endpoint.has_changed().is_err() {
@@ -131,7 +131,7 @@ impl Sender {
                 StreamEnd::Reconnect(why) => {
                     if std::mem::take(&mut self.welcomed) {
                         // The stream worked: the next wait starts short.
-                        delays = dflash_telemetry::retry_delays();
+                        backoff.reset();
                     }
                     let bytes: usize = self.unacked.iter().map(|o| o.batch.payload.len()).sum();
                     dflash_telemetry::metrics().errors.with_label_values(&[ErrorKind::Transport.as_str()]).inc();
@@ -141,7 +141,7 @@ impl Sender {
                         bytes as f64 / (1 << 20) as f64
                     );
                     tokio::select! {
-                        _ = tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(5))) => {}
+                        _ = tokio::time::sleep(backoff.next_delay()) => {}
                         r = self.drafter_endpoint.changed() => if r.is_err() { return Ok(()) },
                         _ = stop.stopped() => return Ok(()),
                     }

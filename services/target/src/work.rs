@@ -95,7 +95,7 @@ pub async fn lease_loop(
 ) -> anyhow::Result<()> {
     let mut client = session.client();
     let stop = session.stop.clone();
-    let mut delays = dflash_telemetry::retry_delays();
+    let mut backoff = dflash_role::Backoff::new();
     loop {
         if stop.is_stopped() {
             return Ok(());
@@ -128,7 +128,7 @@ pub async fn lease_loop(
             }
             Ok(r) if r.exhausted => Duration::from_millis(1000),
             Ok(r) => {
-                delays = dflash_telemetry::retry_delays();
+                backoff.reset();
                 Duration::from_millis(r.retry_after_ms.max(10) as u64)
             }
             Err(s) => match dflash_telemetry::on_coordinator_error(CoordinatorError::from_status(&s).as_ref()) {
@@ -136,7 +136,7 @@ pub async fn lease_loop(
                 // run is over or the coordinator gone; leasing waits.
                 Reaction::Retry | Reaction::Register | Reaction::RunOver(_) | Reaction::Rejoin => {
                     tracing::debug!("lease request failed: {}", s.message());
-                    delays.next().unwrap_or(Duration::from_secs(5))
+                    backoff.next_delay()
                 }
                 Reaction::Fail => {
                     return Err(anyhow::anyhow!("leasing work: {}", s.message())).kind(ErrorKind::Protocol);

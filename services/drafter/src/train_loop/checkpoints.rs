@@ -5,7 +5,6 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use backon::BackoffBuilder;
 use dflash_models::ModelError;
 use dflash_models::checkpoint::{Checkpoint, CheckpointSnapshot, SnapshotBuffers, TrainerState};
 use dflash_telemetry::ErrorKind;
@@ -31,24 +30,16 @@ pub(super) struct Writing {
 /// How often a wait for a checkpoint write says it is still waiting.
 const WRITE_WAIT_NOTICE: Duration = Duration::from_secs(30);
 
-/// The next attempt of something that failed, with exponential backoff.
+/// The next attempt of something that failed, with exponential backoff
+/// (the slow delays: a full disk takes a while to clear).
 pub(super) struct Retry {
     at: Instant,
-    delays: backon::ExponentialBackoff,
+    backoff: dflash_role::Backoff,
 }
 
 impl Retry {
     pub(super) fn new() -> Self {
-        Self { at: Instant::now(), delays: Self::delays() }
-    }
-
-    fn delays() -> backon::ExponentialBackoff {
-        backon::ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(500))
-            .with_max_delay(Duration::from_secs(30))
-            .with_jitter()
-            .without_max_times()
-            .build()
+        Self { at: Instant::now(), backoff: dflash_role::Backoff::slow() }
     }
 
     pub(super) fn due(&self) -> bool {
@@ -57,7 +48,7 @@ impl Retry {
 
     /// Schedules the next attempt; returns its delay.
     fn failed(&mut self) -> Duration {
-        let d = self.delays.next().unwrap_or(Duration::from_secs(30));
+        let d = self.backoff.next_delay();
         self.at = Instant::now() + d;
         d
     }
