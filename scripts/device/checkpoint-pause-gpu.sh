@@ -2,9 +2,10 @@
 # One GPU, one call (issue 40, checkpoints that do not stall): the disk's
 # sequential rate (dd, one fdatasync), then bench-checkpoint's pause and
 # write for the Qwen3-8B-shape drafter (15 GB: bf16 weights, f32 masters
-# and moments) with the build before (.device/bin/dflash-before: pageable
-# snapshot, serialized copies, files read back to hash) and after (pinned
-# buffers reused, writes straight from them, hashed on the way); then the
+# and moments) with this build (pinned buffers reused, writes straight
+# from them, hashed on the way) and with BEFORE=1 also the build before
+# (.device/bin/dflash-before: pageable snapshot, serialized copies, files
+# read back to hash); then the
 # CUDA tests of the checkpoint snapshot and the delta rule.
 #   scripts/device/checkpoint-pause-gpu.sh   (binaries in .device/bin: dflash, dflash-before,
 #                                              deps/checkpoints, deps/families)
@@ -21,7 +22,9 @@ dd if=/dev/zero of="$DIR/dd.bin" bs=64M count=128 conv=fdatasync 2>&1 | tail -1
 rm -f "$DIR/dd.bin"
 echo "== CUDA tests: the snapshot into pinned buffers"
 timeout 120 $B/deps/checkpoints --ignored --test-threads 1 cuda 2>&1 | grep -E "^test |test result|panicked" | head
-for run in "dflash 2" "dflash-before 1"; do
+RUNS=("dflash 2")
+[ "${BEFORE:-0}" = 1 ] && RUNS+=("dflash-before 1")
+for run in "${RUNS[@]}"; do
   set -- $run
   echo "== bench-checkpoint, $1, $2 round(s)"
   timeout 280 $B/$1 bench-checkpoint --shape qwen3-8b --device 0 --rounds $2 --dir "$DIR" \

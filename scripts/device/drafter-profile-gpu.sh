@@ -9,7 +9,7 @@ set -u
 cd "$(dirname "$0")/../.."
 . scripts/device/env.sh
 B=.device/bin
-for anchors in 512 256; do
+for anchors in ${ANCHORS:-512 256}; do
   timeout 200 $B/dflash bench-step --shape qwen3-8b --device 0 --layers 5 --block 16 --anchors $anchors \
     --chunks 100000 --attention split --batches 2 --steps 4 --warmup 2 --profile \
     --json "$OUT/step-profile-$anchors.json" > "$OUT/step-profile-$anchors.log" 2>&1
