@@ -157,11 +157,107 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         dflash_models::cuda::set_cudnn_attention(!a.no_cudnn_attention);
     }
     let peak = matmul_peak(device, kind);
+    let config = drafter_config(a, &shape)?;
+    let (batches, all_lens) = random_batches(a, &config, &shape, kind, device);
+    let seqs: usize = all_lens.iter().map(Vec::len).sum();
+    let tokens: usize = all_lens.iter().flatten().sum();
+    println!(
+        "bench-step: {}-layer drafter for {} (hidden {}, vocab {}), block {}{}, {kind:?} on {device:?}; {} batch(es), {:.1} sequences and {:.0} tokens per batch; cuDNN attention {}; measured matmul peak {:.1} GFLOP/s",
+        a.layers,
+        a.shape,
+        shape.hidden_size,
+        shape.vocab_size,
+        a.block,
+        if a.sliding_window > 0 {
+            format!(", {} sliding layer(s) of window {}", a.sliding_layers, a.sliding_window)
+        } else {
+            String::new()
+        },
+        batches.len(),
+        seqs as f64 / batches.len() as f64,
+        tokens as f64 / batches.len() as f64,
+        if a.no_cudnn_attention { "off" } else { "on" },
+        peak / 1e9
+    );
+    let embed = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
+    let head = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
+    let modes = attention_modes(a, device)?;
+    let objective = objective(a)?;
+    let mut rows = Vec::new();
+    let mut profiles = Vec::new();
+    for collective in collectives(a)? {
+        let group = match collective {
+            "group-of-one" => Some(group_of_one(device)?),
+            _ => None,
+        };
+        for (split, anchors, chunk) in attention_grid(&modes, &a.anchors, &a.chunks)? {
+            tch::manual_seed(0);
+            let mut drafter = Drafter::new(config.clone(), device, kind);
+            drafter.set_split_attention(split);
+            drafter.set_f32_residual(a.f32_residual);
+            let settings = train_settings(a, anchors, chunk, objective);
+            let mut trainer = Trainer::new(drafter, embed.shallow_clone(), head.shallow_clone(), settings);
+            let run = Timed { trainer: &mut trainer, group: group.as_deref(), batches: &batches, lens: &all_lens };
+            let (secs, flops, step_seqs, step_tokens) = run.time(a, &config, anchors, device)?;
+            let mem = if device.is_cuda() { device_memory_used_gib() } else { 0.0 };
+            if a.profile {
+                let label = format!("{} attention, {anchors} anchors", if split { "split" } else { "masked" });
+                let p = step_profile::profile_step(
+                    device.is_cuda(),
+                    &config,
+                    step_flops(&config, &all_lens[0], anchors),
+                    peak,
+                    || trainer.train_batch(&batches[0]),
+                    || sync_device(device),
+                )?;
+                step_profile::print(&p, &label);
+                profiles.push(serde_json::json!({ "config": label, "profile": p }));
+            }
+            rows.push(Row {
+                collective: collective.into(),
+                attention: if split { "split" } else { "masked" }.into(),
+                anchors,
+                chunk_blocks: chunk,
+                step_ms: secs * 1e3 / a.steps as f64,
+                samples_per_s: step_seqs as f64 / secs,
+                tokens_per_s: step_tokens as f64 / secs,
+                mfu: flops / secs / peak,
+                peak_mem_gib: mem,
+            });
+        }
+    }
+    print_rows(&rows);
+    if let Some(p) = &a.json {
+        let v = serde_json::json!({
+            "bench": "drafter_step",
+            "objective": a.objective,
+            "variant": a.variant,
+            "sliding_window": a.sliding_window,
+            "sliding_layers": if a.sliding_window > 0 { a.sliding_layers } else { 0 },
+            "shape": a.shape,
+            "layers": a.layers,
+            "block": a.block,
+            "device": a.device,
+            "batches": all_lens,
+            "cudnn_attention": !a.no_cudnn_attention,
+            "f32_residual": a.f32_residual,
+            "matmul_peak_flops": peak,
+            "rows": rows,
+            "profiles": profiles,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
+    }
+    Ok(())
+}
+
+/// The drafter of `--shape` with `--layers`, `--block`, `--variant` and
+/// the sliding-window flags.
+fn drafter_config(a: &BenchStepArgs, shape: &dflash_models::TargetConfig) -> anyhow::Result<DrafterConfig> {
     let layer_ids: Vec<i64> = dflash_config::default_target_layer_ids(shape.num_layers as u32, a.layers as u32)
         .into_iter()
         .map(i64::from)
         .collect();
-    let mut config = DrafterConfig::for_target(&shape, a.layers, a.block, 3, layer_ids);
+    let mut config = DrafterConfig::for_target(shape, a.layers, a.block, 3, layer_ids);
     config.dflash2 = match a.variant.as_str() {
         "dflash" => None,
         "dflash2" => Some(dflash_models::dflash2::Dflash2Config {
@@ -184,8 +280,19 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             .collect();
         config.sliding_window = Some(a.sliding_window);
     }
-    // Random batches (features and tokens) with the length distribution of
-    // training; the step depends on their shapes, not their values.
+    Ok(config)
+}
+
+/// Random batches (features and tokens) with the length distribution of
+/// training; the step depends on their shapes, not their values. Returns
+/// them and each one's sequence lengths.
+fn random_batches(
+    a: &BenchStepArgs,
+    config: &DrafterConfig,
+    shape: &dflash_models::TargetConfig,
+    kind: Kind,
+    device: Device,
+) -> (Vec<DeviceBatch>, Vec<Vec<usize>>) {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
     let mut batches = Vec::new();
     let mut all_lens: Vec<Vec<usize>> = Vec::new();
@@ -216,30 +323,12 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
         });
         all_lens.push(lens);
     }
-    let seqs: usize = all_lens.iter().map(Vec::len).sum();
-    let tokens: usize = all_lens.iter().flatten().sum();
-    println!(
-        "bench-step: {}-layer drafter for {} (hidden {}, vocab {}), block {}{}, {kind:?} on {device:?}; {} batch(es), {:.1} sequences and {:.0} tokens per batch; cuDNN attention {}; measured matmul peak {:.1} GFLOP/s",
-        a.layers,
-        a.shape,
-        shape.hidden_size,
-        shape.vocab_size,
-        a.block,
-        if a.sliding_window > 0 {
-            format!(", {} sliding layer(s) of window {}", a.sliding_layers, a.sliding_window)
-        } else {
-            String::new()
-        },
-        batches.len(),
-        seqs as f64 / batches.len() as f64,
-        tokens as f64 / batches.len() as f64,
-        if a.no_cudnn_attention { "off" } else { "on" },
-        peak / 1e9
-    );
-    let embed = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
-    let head = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
-    let mut rows = Vec::new();
-    let mut profiles = Vec::new();
+    (batches, all_lens)
+}
+
+/// The attention paths of `--attention` this device runs (split: CUDA, no
+/// sliding window).
+fn attention_modes(a: &BenchStepArgs, device: Device) -> anyhow::Result<Vec<bool>> {
     let mut modes = Vec::new();
     for m in a.attention.split(',').map(str::trim) {
         match m {
@@ -250,12 +339,19 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             other => anyhow::bail!("--attention: {other:?} is neither split nor masked"),
         }
     }
-    let objective = match a.objective.as_str() {
+    Ok(modes)
+}
+
+fn objective(a: &BenchStepArgs) -> anyhow::Result<dflash_models::Objective> {
+    Ok(match a.objective.as_str() {
         "ce" => dflash_models::Objective::CrossEntropy,
         "dpace" => dflash_models::Objective::Dpace { alpha: dflash_config::DEFAULT_DPACE_ALPHA },
         "kd" => dflash_models::Objective::Distill,
         other => anyhow::bail!("--objective: {other:?} is none of ce, dpace and kd"),
-    };
+    })
+}
+
+fn collectives(a: &BenchStepArgs) -> anyhow::Result<Vec<&str>> {
     let mut collectives = Vec::new();
     for c in a.collective.split(',').map(str::trim) {
         match c {
@@ -263,90 +359,87 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             other => anyhow::bail!("--collective: {other:?} is neither none nor group-of-one"),
         }
     }
-    for collective in collectives {
-        let group = match collective {
-            "group-of-one" => Some(group_of_one(device)?),
-            _ => None,
-        };
-        for (split, anchors, chunk) in attention_grid(&modes, &a.anchors, &a.chunks)? {
-            let settings = TrainSettings {
-                blocks: BlockSettings {
-                    block_size: a.block as usize,
-                    mask_token_id: 3,
-                    gamma: 7.0,
-                    anchors_per_sequence: anchors,
-                },
-                schedule: LrSchedule::new(6e-4, 1000, 0.04, 0.0),
-                adamw: AdamWSettings { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
-                grad_clip: 1.0,
-                max_blocks_per_micro_batch: a.max_blocks.max(anchors),
-                loss_chunk_blocks: 256,
-                attention_chunk_blocks: chunk,
-                context_pad_multiple: a.context_multiple,
-                seed: 0,
-                objective,
-                selector_loss_weight: 1.0,
-            };
-            tch::manual_seed(0);
-            let mut drafter = Drafter::new(config.clone(), device, kind);
-            drafter.set_split_attention(split);
-            drafter.set_f32_residual(a.f32_residual);
-            let mut trainer = Trainer::new(drafter, embed.shallow_clone(), head.shallow_clone(), settings);
-            let mut t0 = Instant::now();
-            let (mut flops, mut step_seqs, mut step_tokens) = (0.0, 0usize, 0usize);
-            for i in 0..a.warmup + a.steps {
-                if i == a.warmup {
-                    sync_device(device);
-                    t0 = Instant::now();
-                }
-                let b = i % batches.len();
-                let outcome = match &group {
-                    None => trainer.train_batch(&batches[b]),
-                    Some(g) => group_step(&mut trainer, g.as_ref(), &batches[b], device)?,
-                };
-                if let StepOutcome::Skipped(r) = outcome {
-                    anyhow::bail!("benchmark step skipped: {r}");
-                }
-                if i >= a.warmup {
-                    flops += step_flops(&config, &all_lens[b], anchors).total();
-                    step_seqs += all_lens[b].len();
-                    step_tokens += all_lens[b].iter().sum::<usize>();
-                }
-            }
-            sync_device(device);
-            let secs = t0.elapsed().as_secs_f64();
-            let mem = if device.is_cuda() { device_memory_used_gib() } else { 0.0 };
-            if a.profile {
-                let label = format!("{} attention, {anchors} anchors", if split { "split" } else { "masked" });
-                let p = step_profile::profile_step(
-                    device.is_cuda(),
-                    &config,
-                    step_flops(&config, &all_lens[0], anchors),
-                    peak,
-                    || trainer.train_batch(&batches[0]),
-                    || sync_device(device),
-                )?;
-                step_profile::print(&p, &label);
-                profiles.push(serde_json::json!({ "config": label, "profile": p }));
-            }
-            rows.push(Row {
-                collective: collective.into(),
-                attention: if split { "split" } else { "masked" }.into(),
-                anchors,
-                chunk_blocks: chunk,
-                step_ms: secs * 1e3 / a.steps as f64,
-                samples_per_s: step_seqs as f64 / secs,
-                tokens_per_s: step_tokens as f64 / secs,
-                mfu: flops / secs / peak,
-                peak_mem_gib: mem,
-            });
-        }
+    Ok(collectives)
+}
+
+fn train_settings(
+    a: &BenchStepArgs,
+    anchors: usize,
+    chunk: usize,
+    objective: dflash_models::Objective,
+) -> TrainSettings {
+    TrainSettings {
+        blocks: BlockSettings {
+            block_size: a.block as usize,
+            mask_token_id: 3,
+            gamma: 7.0,
+            anchors_per_sequence: anchors,
+        },
+        schedule: LrSchedule::new(6e-4, 1000, 0.04, 0.0),
+        adamw: AdamWSettings { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
+        grad_clip: 1.0,
+        max_blocks_per_micro_batch: a.max_blocks.max(anchors),
+        loss_chunk_blocks: 256,
+        attention_chunk_blocks: chunk,
+        context_pad_multiple: a.context_multiple,
+        seed: 0,
+        objective,
+        selector_loss_weight: 1.0,
     }
+}
+
+/// One configuration's trainer and the batches it steps through.
+struct Timed<'a> {
+    trainer: &'a mut Trainer,
+    group: Option<&'a dyn Collective>,
+    batches: &'a [DeviceBatch],
+    lens: &'a [Vec<usize>],
+}
+
+impl Timed<'_> {
+    /// `--warmup` steps, then `--steps` timed ones: seconds, useful FLOPs,
+    /// sequences and tokens of the timed steps.
+    fn time(
+        self,
+        a: &BenchStepArgs,
+        config: &DrafterConfig,
+        anchors: usize,
+        device: Device,
+    ) -> anyhow::Result<(f64, f64, usize, usize)> {
+        let (trainer, batches, all_lens) = (self.trainer, self.batches, self.lens);
+        let mut t0 = Instant::now();
+        let (mut flops, mut step_seqs, mut step_tokens) = (0.0, 0usize, 0usize);
+        for i in 0..a.warmup + a.steps {
+            if i == a.warmup {
+                sync_device(device);
+                t0 = Instant::now();
+            }
+            let b = i % batches.len();
+            let outcome = match self.group {
+                None => trainer.train_batch(&batches[b]),
+                Some(g) => group_step(trainer, g, &batches[b], device)?,
+            };
+            if let StepOutcome::Skipped(r) = outcome {
+                anyhow::bail!("benchmark step skipped: {r}");
+            }
+            if i >= a.warmup {
+                flops += step_flops(config, &all_lens[b], anchors).total();
+                step_seqs += all_lens[b].len();
+                step_tokens += all_lens[b].iter().sum::<usize>();
+            }
+        }
+        sync_device(device);
+        let secs = t0.elapsed().as_secs_f64();
+        Ok((secs, flops, step_seqs, step_tokens))
+    }
+}
+
+fn print_rows(rows: &[Row]) {
     println!(
         "{:>12} {:>9} {:>8} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}",
         "collective", "attention", "anchors", "chunk", "step ms", "samples/s", "tokens/s", "MFU", "mem GiB"
     );
-    for r in &rows {
+    for r in rows {
         let chunk = if r.chunk_blocks >= r.anchors { "dense".to_string() } else { r.chunk_blocks.to_string() };
         println!(
             "{:>12} {:>9} {:>8} {:>7} {:>10.1} {:>10.2} {:>10.0} {:>6.1}% {:>9.1}",
@@ -361,27 +454,6 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             r.peak_mem_gib
         );
     }
-    if let Some(p) = &a.json {
-        let v = serde_json::json!({
-            "bench": "drafter_step",
-            "objective": a.objective,
-            "variant": a.variant,
-            "sliding_window": a.sliding_window,
-            "sliding_layers": if a.sliding_window > 0 { a.sliding_layers } else { 0 },
-            "shape": a.shape,
-            "layers": a.layers,
-            "block": a.block,
-            "device": a.device,
-            "batches": all_lens,
-            "cudnn_attention": !a.no_cudnn_attention,
-            "f32_residual": a.f32_residual,
-            "matmul_peak_flops": peak,
-            "rows": rows,
-            "profiles": profiles,
-        });
-        std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
-    }
-    Ok(())
 }
 
 /// A one-member drafter group formed as the service forms one: a store
