@@ -1,7 +1,8 @@
 //! Files written at the disk's speed with their sha256 computed on the way:
 //! safetensors straight from host tensors' memory (no serialized copy of
 //! the data), large sequential writes, the hash on a thread of its own over
-//! the same bytes while they are written, one fsync at the end.
+//! the same bytes while they are written, the disk's writeback kept going
+//! from the first piece, one fsync at the end.
 //!
 //! A checkpoint's manifest takes its digests from here, so its files are
 //! not read back to be hashed.
@@ -78,11 +79,13 @@ fn write_pieces(path: &Path, parts: &[&[u8]]) -> Result<FileDigest, ModelError> 
             })
             .map_err(|e| ModelError::io(path, e))?;
         let written = (|| {
+            let mut writeback = Writeback::default();
             for part in parts {
                 for piece in part.chunks(PIECE) {
                     // The hasher ends early only by panicking, which join reports.
                     let _ = tx.send(piece);
                     file.write_all(piece)?;
+                    writeback.written(&file, piece.len())?;
                 }
             }
             file.sync_all()
@@ -92,6 +95,49 @@ fn write_pieces(path: &Path, parts: &[&[u8]]) -> Result<FileDigest, ModelError> 
         written.map_err(|e| ModelError::write(path, e))?;
         Ok(digest)
     })
+}
+
+/// Keeps the disk writing while the file is written, instead of filling
+/// the page cache first and flushing it all at the final fsync (which left
+/// the disk idle for the first part of a checkpoint: 62% of its sequential
+/// rate for a 15 GB one). Each piece's writeback starts once it is written,
+/// and the writer waits for the writeback of the piece two before, so at
+/// most three pieces are dirty at a time.
+#[derive(Default)]
+struct Writeback {
+    /// Start and length of the pieces whose writeback was started.
+    started: std::collections::VecDeque<(u64, usize)>,
+    end: u64,
+}
+
+impl Writeback {
+    const IN_FLIGHT: usize = 2;
+
+    #[cfg(target_os = "linux")]
+    fn written(&mut self, file: &std::fs::File, len: usize) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let range = |offset: u64, len: usize, flags| {
+            // SAFETY: a plain syscall on an open file descriptor.
+            let r = unsafe { libc::sync_file_range(file.as_raw_fd(), offset as i64, len as i64, flags) };
+            if r == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+        };
+        range(self.end, len, libc::SYNC_FILE_RANGE_WRITE)?;
+        self.started.push_back((self.end, len));
+        self.end += len as u64;
+        if self.started.len() > Self::IN_FLIGHT {
+            let (offset, len) = self.started.pop_front().expect("a started piece");
+            let wait =
+                libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+            range(offset, len, wait)?;
+        }
+        Ok(())
+    }
+
+    /// Elsewhere the final fsync does it all.
+    #[cfg(not(target_os = "linux"))]
+    fn written(&mut self, _: &std::fs::File, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// The safetensors name of a tensor kind.
