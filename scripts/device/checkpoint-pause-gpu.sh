@@ -22,7 +22,7 @@ dd if=/dev/zero of="$DIR/dd.bin" bs=64M count=${DD_BLOCKS:-128} conv=fdatasync 2
 rm -f "$DIR/dd.bin"
 echo "== CUDA tests: the snapshot into pinned buffers"
 timeout 120 $B/deps/checkpoints --ignored --test-threads 1 cuda 2>&1 | grep -E "^test |test result|panicked" | head
-RUNS=("dflash 2")
+RUNS=("dflash ${ROUNDS:-2}")
 [ "${BEFORE:-0}" = 1 ] && RUNS+=("dflash-before 1")
 for run in "${RUNS[@]}"; do
   set -- $run
