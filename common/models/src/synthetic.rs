@@ -105,6 +105,16 @@ fn gpt_oss(base: TargetConfig, experts: i64, top_k: i64, width: i64) -> TargetCo
 /// Model shapes for benchmarks and synthetic targets, by name.
 pub fn shape_preset(name: &str) -> Option<TargetConfig> {
     let tiny = synthetic_target_config(2);
+    fixture_preset(name, &tiny)
+        .or_else(|| dense_preset(name, &tiny))
+        .or_else(|| moe_preset(name, &tiny))
+        .or_else(|| hybrid_preset(name, &tiny))
+}
+
+/// Tiny fixtures of each family on the synthetic tokenizer (the CPU runs and
+/// tests; reference logits from Hugging Face transformers are pinned in the tests).
+fn fixture_preset(name: &str, tiny: &TargetConfig) -> Option<TargetConfig> {
+    let tiny = tiny.clone();
     match name {
         "tiny" => Some(synthetic_target_config(6)),
         // Small fixtures of the other families (reference logits from
@@ -135,6 +145,48 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
             moe: Some(MoeConfig { dense_layers: vec![1], ..MoeConfig::qwen(8, 2, 32, true) }),
             ..tiny
         }),
+        // A tiny Qwen3.5 MoE (hybrid layers, shared expert) on the synthetic
+        // tokenizer: the CPU runs and tests of hybrid targets.
+        "tiny-hybrid" => Some(hybrid(
+            TargetConfig {
+                num_layers: 6,
+                hidden_size: 64,
+                head_dim: 16,
+                rms_norm_eps: 1e-6,
+                rope: RopeConfig { partial_rotary_factor: 0.5, ..RopeConfig::plain(10_000_000.0) },
+                // Tied, as the small Qwen3.5 models are (and so that greedy
+                // outputs repeat: a few training steps then teach a drafter).
+                tie_word_embeddings: true,
+                ..tiny.clone()
+            },
+            Family::Qwen35Moe,
+            DeltaNetShape {
+                num_key_heads: 2,
+                num_value_heads: 4,
+                key_head_dim: 16,
+                value_head_dim: 16,
+                conv_kernel: 4,
+            },
+            Some(MoeConfig {
+                shared_expert_intermediate_size: Some(32),
+                shared_expert_gate: true,
+                ..MoeConfig::qwen(8, 2, 32, true)
+            }),
+        )),
+        // The synthetic target as gpt-oss: sliding (window 8) and full
+        // layers, sinks, 8 clamped-SwiGLU experts of which 2 per token, tied
+        // (so that greedy outputs repeat and a few steps teach a drafter).
+        "tiny-gpt-oss" => {
+            Some(gpt_oss(TargetConfig { num_layers: 6, sliding_window: Some(8), ..tiny.clone() }, 8, 2, 32))
+        }
+        _ => None,
+    }
+}
+
+/// Published dense shapes.
+fn dense_preset(name: &str, tiny: &TargetConfig) -> Option<TargetConfig> {
+    let tiny = tiny.clone();
+    match name {
         "qwen3-8b" => Some(qwen3(TargetConfig {
             hidden_size: 4096,
             intermediate_size: 12288,
@@ -173,6 +225,28 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
             max_position_embeddings: 131_072,
             ..tiny
         }),
+        "smollm2-135m" => Some(TargetConfig {
+            hidden_size: 576,
+            intermediate_size: 1536,
+            num_layers: 30,
+            num_heads: 9,
+            num_kv_heads: 3,
+            head_dim: 64,
+            rms_norm_eps: 1e-5,
+            rope: RopeConfig::plain(100_000.0),
+            vocab_size: 49_152,
+            tie_word_embeddings: true,
+            max_position_embeddings: 8192,
+            ..tiny
+        }),
+        _ => None,
+    }
+}
+
+/// Published mixture-of-experts shapes.
+fn moe_preset(name: &str, tiny: &TargetConfig) -> Option<TargetConfig> {
+    let tiny = tiny.clone();
+    match name {
         // Qwen3-30B-A3B's (and Qwen3-Coder-30B-A3B's) config.json.
         "qwen3-30b-a3b" => Some(TargetConfig {
             family: Family::Qwen3Moe,
@@ -191,34 +265,72 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
             moe: Some(MoeConfig::qwen(128, 8, 768, true)),
             ..tiny
         }),
-        // A tiny Qwen3.5 MoE (hybrid layers, shared expert) on the synthetic
-        // tokenizer: the CPU runs and tests of hybrid targets.
-        "tiny-hybrid" => Some(hybrid(
+        // gpt-oss-20b's config.json.
+        "gpt-oss-20b" => Some(gpt_oss(
             TargetConfig {
-                num_layers: 6,
-                hidden_size: 64,
-                head_dim: 16,
-                rms_norm_eps: 1e-6,
-                rope: RopeConfig { partial_rotary_factor: 0.5, ..RopeConfig::plain(10_000_000.0) },
-                // Tied, as the small Qwen3.5 models are (and so that greedy
-                // outputs repeat: a few training steps then teach a drafter).
-                tie_word_embeddings: true,
+                hidden_size: 2880,
+                num_layers: 24,
+                num_heads: 64,
+                num_kv_heads: 8,
+                head_dim: 64,
+                rope: RopeConfig { scaling: RopeScaling::gpt_oss_default(), ..RopeConfig::plain(150_000.0) },
+                vocab_size: 201_088,
+                tie_word_embeddings: false,
+                max_position_embeddings: 131_072,
+                sliding_window: Some(128),
                 ..tiny.clone()
             },
-            Family::Qwen35Moe,
-            DeltaNetShape {
-                num_key_heads: 2,
-                num_value_heads: 4,
-                key_head_dim: 16,
-                value_head_dim: 16,
-                conv_kernel: 4,
-            },
-            Some(MoeConfig {
-                shared_expert_intermediate_size: Some(32),
-                shared_expert_gate: true,
-                ..MoeConfig::qwen(8, 2, 32, true)
-            }),
+            32,
+            4,
+            2880,
         )),
+        // Moonlight-16B-A3B's config.json: the DeepSeek-V3 architecture
+        // (latent attention without the query bottleneck, 64 experts of
+        // which 6, 2 shared, one dense layer) at a size one GPU holds in bf16.
+        "moonlight-16b-a3b" => Some(TargetConfig {
+            family: Family::DeepseekV3,
+            hidden_size: 2048,
+            intermediate_size: 11_264,
+            num_layers: 27,
+            layer_types: TargetConfig::all_attention(27),
+            num_heads: 16,
+            num_kv_heads: 16,
+            head_dim: 64,
+            rms_norm_eps: 1e-5,
+            rope: RopeConfig::plain(50_000.0),
+            vocab_size: 163_840,
+            tie_word_embeddings: false,
+            max_position_embeddings: 8192,
+            latent_attention: Some(LatentAttentionConfig {
+                q_lora_rank: None,
+                kv_lora_rank: 512,
+                qk_nope_head_dim: 128,
+                qk_rope_head_dim: 64,
+                v_head_dim: 128,
+                rope_interleave: true,
+                softmax_scale: 192f64.powf(-0.5),
+            }),
+            moe: Some(MoeConfig {
+                dense_layers: vec![0],
+                shared_expert_intermediate_size: Some(2 * 1408),
+                routing: Routing::SigmoidGrouped {
+                    n_group: 1,
+                    topk_group: 1,
+                    norm_topk_prob: true,
+                    routed_scaling_factor: 2.446,
+                },
+                ..MoeConfig::qwen(64, 6, 1408, true)
+            }),
+            ..tiny.clone()
+        }),
+        _ => None,
+    }
+}
+
+/// Published hybrid shapes (Gated DeltaNet and gated attention layers).
+fn hybrid_preset(name: &str, tiny: &TargetConfig) -> Option<TargetConfig> {
+    let tiny = tiny.clone();
+    match name {
         // Qwen3.5-27B's and Qwen3.6-27B's text_config.
         "qwen3.5-27b" => Some(hybrid(
             TargetConfig {
@@ -286,84 +398,6 @@ pub fn shape_preset(name: &str) -> Option<TargetConfig> {
                 ..MoeConfig::qwen(512, 10, 512, true)
             }),
         )),
-        // The synthetic target as gpt-oss: sliding (window 8) and full
-        // layers, sinks, 8 clamped-SwiGLU experts of which 2 per token, tied
-        // (so that greedy outputs repeat and a few steps teach a drafter).
-        "tiny-gpt-oss" => {
-            Some(gpt_oss(TargetConfig { num_layers: 6, sliding_window: Some(8), ..tiny.clone() }, 8, 2, 32))
-        }
-        // gpt-oss-20b's config.json.
-        "gpt-oss-20b" => Some(gpt_oss(
-            TargetConfig {
-                hidden_size: 2880,
-                num_layers: 24,
-                num_heads: 64,
-                num_kv_heads: 8,
-                head_dim: 64,
-                rope: RopeConfig { scaling: RopeScaling::gpt_oss_default(), ..RopeConfig::plain(150_000.0) },
-                vocab_size: 201_088,
-                tie_word_embeddings: false,
-                max_position_embeddings: 131_072,
-                sliding_window: Some(128),
-                ..tiny.clone()
-            },
-            32,
-            4,
-            2880,
-        )),
-        // Moonlight-16B-A3B's config.json: the DeepSeek-V3 architecture
-        // (latent attention without the query bottleneck, 64 experts of
-        // which 6, 2 shared, one dense layer) at a size one GPU holds in bf16.
-        "moonlight-16b-a3b" => Some(TargetConfig {
-            family: Family::DeepseekV3,
-            hidden_size: 2048,
-            intermediate_size: 11_264,
-            num_layers: 27,
-            layer_types: TargetConfig::all_attention(27),
-            num_heads: 16,
-            num_kv_heads: 16,
-            head_dim: 64,
-            rms_norm_eps: 1e-5,
-            rope: RopeConfig::plain(50_000.0),
-            vocab_size: 163_840,
-            tie_word_embeddings: false,
-            max_position_embeddings: 8192,
-            latent_attention: Some(LatentAttentionConfig {
-                q_lora_rank: None,
-                kv_lora_rank: 512,
-                qk_nope_head_dim: 128,
-                qk_rope_head_dim: 64,
-                v_head_dim: 128,
-                rope_interleave: true,
-                softmax_scale: 192f64.powf(-0.5),
-            }),
-            moe: Some(MoeConfig {
-                dense_layers: vec![0],
-                shared_expert_intermediate_size: Some(2 * 1408),
-                routing: Routing::SigmoidGrouped {
-                    n_group: 1,
-                    topk_group: 1,
-                    norm_topk_prob: true,
-                    routed_scaling_factor: 2.446,
-                },
-                ..MoeConfig::qwen(64, 6, 1408, true)
-            }),
-            ..tiny.clone()
-        }),
-        "smollm2-135m" => Some(TargetConfig {
-            hidden_size: 576,
-            intermediate_size: 1536,
-            num_layers: 30,
-            num_heads: 9,
-            num_kv_heads: 3,
-            head_dim: 64,
-            rms_norm_eps: 1e-5,
-            rope: RopeConfig::plain(100_000.0),
-            vocab_size: 49_152,
-            tie_word_embeddings: true,
-            max_position_embeddings: 8192,
-            ..tiny
-        }),
         _ => None,
     }
 }
