@@ -85,7 +85,7 @@ fn write_pieces(path: &Path, parts: &[&[u8]]) -> Result<FileDigest, ModelError> 
                     // The hasher ends early only by panicking, which join reports.
                     let _ = tx.send(piece);
                     file.write_all(piece)?;
-                    writeback.written(&file, piece.len())?;
+                    writeback.written(&file, piece.len());
                 }
             }
             file.sync_all()
@@ -102,19 +102,29 @@ fn write_pieces(path: &Path, parts: &[&[u8]]) -> Result<FileDigest, ModelError> 
 /// the disk idle for the first part of a checkpoint: 62% of its sequential
 /// rate for a 15 GB one). Each piece's writeback starts once it is written,
 /// and the writer waits for the writeback of the piece two before, so at
-/// most three pieces are dirty at a time.
+/// most three pieces are dirty at a time. It only speeds the write up: on a
+/// filesystem that refuses it, it stops, and the final fsync (which reports
+/// any real write error) does it all.
 #[derive(Default)]
 struct Writeback {
     /// Start and length of the pieces whose writeback was started.
     started: std::collections::VecDeque<(u64, usize)>,
     end: u64,
+    refused: bool,
 }
 
 impl Writeback {
     const IN_FLIGHT: usize = 2;
 
     #[cfg(target_os = "linux")]
-    fn written(&mut self, file: &std::fs::File, len: usize) -> std::io::Result<()> {
+    fn written(&mut self, file: &std::fs::File, len: usize) {
+        if !self.refused && self.start(file, len).is_err() {
+            self.refused = true;
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    fn start(&mut self, file: &std::fs::File, len: usize) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
         let range = |offset: u64, len: usize, flags| {
             // SAFETY: a plain syscall on an open file descriptor.
@@ -135,9 +145,7 @@ impl Writeback {
 
     /// Elsewhere the final fsync does it all.
     #[cfg(not(target_os = "linux"))]
-    fn written(&mut self, _: &std::fs::File, _: usize) -> std::io::Result<()> {
-        Ok(())
-    }
+    fn written(&mut self, _: &std::fs::File, _: usize) {}
 }
 
 /// The safetensors name of a tensor kind.
