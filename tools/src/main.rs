@@ -201,12 +201,7 @@ async fn status(coordinator: &str, security: &SecurityArgs) -> anyhow::Result<()
         );
     }
     for e in &s.errors {
-        println!(
-            "  error [{}] {}: {}",
-            dflash_telemetry::ErrorKind::from_proto(e.kind()),
-            e.instance_id,
-            e.causes.join(": ")
-        );
+        println!("  error [{}] {}: {}", e.kind().or_internal(), e.instance_id, e.causes.join(": "));
     }
     Ok(())
 }

@@ -4,16 +4,20 @@
 //! enum back ([`CoordinatorError::from_status`]) instead of reading the
 //! message text, and the written policy (dflash-telemetry) decides what to
 //! do from it.
-
-use std::collections::HashMap;
+//!
+//! The detail is typed by serde: the variant's name in `kind` and its
+//! fields as JSON, so adding a variant is one edit of the enum (and of its
+//! code, which the compiler asks for), not an encoder and a decoder.
 
 use prost::Message;
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use tonic::{Code, Status};
 
 use crate::{ErrorDetail, RunState};
 
 /// Why the coordinator refused a request.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "fields", rename_all = "snake_case")]
 pub enum CoordinatorError {
     #[error("protocol version {got} is not supported (this coordinator speaks {speaks})")]
     ProtocolVersion { got: u32, speaks: u32 },
@@ -21,7 +25,12 @@ pub enum CoordinatorError {
     WrongRun { got: String, runs: String },
     /// The run is over: no more work, no new members.
     #[error("run {run_id} is over ({}): {message}", state.as_str_name())]
-    RunOver { run_id: String, state: RunState, message: String },
+    RunOver {
+        run_id: String,
+        #[serde(with = "run_state_name")]
+        state: RunState,
+        message: String,
+    },
     /// The instance must register (again: the coordinator restarted).
     #[error("instance {0} is not registered")]
     NotRegistered(String),
@@ -57,59 +66,15 @@ impl CoordinatorError {
         }
     }
 
-    fn detail(&self) -> (&'static str, Vec<(&'static str, String)>) {
-        match self {
-            CoordinatorError::ProtocolVersion { got, speaks } => {
-                ("protocol_version", vec![("got", got.to_string()), ("speaks", speaks.to_string())])
-            }
-            CoordinatorError::WrongRun { got, runs } => {
-                ("wrong_run", vec![("got", got.clone()), ("runs", runs.clone())])
-            }
-            CoordinatorError::RunOver { run_id, state, message } => (
-                "run_over",
-                vec![("run_id", run_id.clone()), ("state", state.as_str_name().into()), ("message", message.clone())],
-            ),
-            CoordinatorError::NotRegistered(id) => ("not_registered", vec![("instance_id", id.clone())]),
-            CoordinatorError::NotCurrentDrafter(id) => ("not_current_drafter", vec![("instance_id", id.clone())]),
-            CoordinatorError::InvalidRequest { field, why } => {
-                ("invalid_request", vec![("field", field.clone()), ("why", why.clone())])
-            }
-            CoordinatorError::Refused(why) => ("refused", vec![("why", why.clone())]),
-            CoordinatorError::Ledger(why) => ("ledger", vec![("why", why.clone())]),
-            CoordinatorError::TooManyWatchers { max } => ("too_many_watchers", vec![("max", max.to_string())]),
-        }
-    }
-
     /// The error as a status, its structured form in the details.
     pub fn into_status(self) -> Status {
-        let (kind, fields) = self.detail();
-        encode("coordinator", kind, &self.to_string(), self.code(), fields)
+        encode("coordinator", &self, self.code())
     }
 
     /// The coordinator's error in a status, if the status carries one
     /// (not a transport failure, a timeout or another server's answer).
     pub fn from_status(status: &Status) -> Option<Self> {
-        let (kind, f) = decode(status, "coordinator")?;
-        let num = |k: &str| f.get(k).and_then(|v| v.parse::<u64>().ok());
-        Some(match kind.as_str() {
-            "protocol_version" => CoordinatorError::ProtocolVersion {
-                got: u32::try_from(num("got")?).ok()?,
-                speaks: u32::try_from(num("speaks")?).ok()?,
-            },
-            "wrong_run" => CoordinatorError::WrongRun { got: field(&f, "got"), runs: field(&f, "runs") },
-            "run_over" => CoordinatorError::RunOver {
-                run_id: field(&f, "run_id"),
-                state: RunState::from_str_name(&field(&f, "state"))?,
-                message: field(&f, "message"),
-            },
-            "not_registered" => CoordinatorError::NotRegistered(field(&f, "instance_id")),
-            "not_current_drafter" => CoordinatorError::NotCurrentDrafter(field(&f, "instance_id")),
-            "invalid_request" => CoordinatorError::InvalidRequest { field: field(&f, "field"), why: field(&f, "why") },
-            "refused" => CoordinatorError::Refused(field(&f, "why")),
-            "ledger" => CoordinatorError::Ledger(field(&f, "why")),
-            "too_many_watchers" => CoordinatorError::TooManyWatchers { max: num("max")? },
-            _ => return None,
-        })
+        decode(status, "coordinator")
     }
 }
 
@@ -120,7 +85,8 @@ impl From<CoordinatorError> for Status {
 }
 
 /// Why the drafter's data plane refused or ended a hidden-state stream.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "fields", rename_all = "snake_case")]
 pub enum DrafterError {
     #[error("protocol version {got} is not supported (this drafter speaks {speaks})")]
     ProtocolVersion { got: u32, speaks: u32 },
@@ -174,59 +140,14 @@ impl DrafterError {
         }
     }
 
-    fn detail(&self) -> (&'static str, Vec<(&'static str, String)>) {
-        match self {
-            DrafterError::ProtocolVersion { got, speaks } => {
-                ("protocol_version", vec![("got", got.to_string()), ("speaks", speaks.to_string())])
-            }
-            DrafterError::WrongRun { got, trains } => {
-                ("wrong_run", vec![("got", got.clone()), ("trains", trains.clone())])
-            }
-            DrafterError::NoHello => ("no_hello", vec![]),
-            DrafterError::HelloTimeout { ms } => ("hello_timeout", vec![("ms", ms.to_string())]),
-            DrafterError::BadInstanceId(why) => ("bad_instance_id", vec![("why", why.clone())]),
-            DrafterError::TooManyStreams { max } => ("too_many_streams", vec![("max", max.to_string())]),
-            DrafterError::Stalled { ms } => ("stalled", vec![("ms", ms.to_string())]),
-            DrafterError::MessageTooLarge { len, limit } => {
-                ("message_too_large", vec![("len", len.to_string()), ("limit", limit.to_string())])
-            }
-            DrafterError::Malformed(why) => ("malformed", vec![("why", why.clone())]),
-            DrafterError::Compressed => ("compressed", vec![]),
-            DrafterError::UnknownMethod(path) => ("unknown_method", vec![("path", path.clone())]),
-            DrafterError::Stopping => ("stopping", vec![]),
-            DrafterError::Overloaded(why) => ("overloaded", vec![("why", why.clone())]),
-        }
-    }
-
     /// The error as a status, its structured form in the details.
     pub fn into_status(self) -> Status {
-        let (kind, fields) = self.detail();
-        encode("drafter", kind, &self.to_string(), self.code(), fields)
+        encode("drafter", &self, self.code())
     }
 
     /// The drafter's error in a status, if the status carries one.
     pub fn from_status(status: &Status) -> Option<Self> {
-        let (kind, f) = decode(status, "drafter")?;
-        let num = |k: &str| f.get(k).and_then(|v| v.parse::<u64>().ok());
-        Some(match kind.as_str() {
-            "protocol_version" => DrafterError::ProtocolVersion {
-                got: u32::try_from(num("got")?).ok()?,
-                speaks: u32::try_from(num("speaks")?).ok()?,
-            },
-            "wrong_run" => DrafterError::WrongRun { got: field(&f, "got"), trains: field(&f, "trains") },
-            "no_hello" => DrafterError::NoHello,
-            "hello_timeout" => DrafterError::HelloTimeout { ms: num("ms")? },
-            "bad_instance_id" => DrafterError::BadInstanceId(field(&f, "why")),
-            "too_many_streams" => DrafterError::TooManyStreams { max: num("max")? },
-            "stalled" => DrafterError::Stalled { ms: num("ms")? },
-            "message_too_large" => DrafterError::MessageTooLarge { len: num("len")?, limit: num("limit")? },
-            "malformed" => DrafterError::Malformed(field(&f, "why")),
-            "compressed" => DrafterError::Compressed,
-            "unknown_method" => DrafterError::UnknownMethod(field(&f, "path")),
-            "stopping" => DrafterError::Stopping,
-            "overloaded" => DrafterError::Overloaded(field(&f, "why")),
-            _ => return None,
-        })
+        decode(status, "drafter")
     }
 }
 
@@ -236,23 +157,50 @@ impl From<DrafterError> for Status {
     }
 }
 
-fn field(fields: &HashMap<String, String>, key: &str) -> String {
-    fields.get(key).cloned().unwrap_or_default()
-}
-
-fn encode(service: &str, kind: &str, message: &str, code: Code, fields: Vec<(&'static str, String)>) -> Status {
+/// The error's variant and fields in a status's details.
+fn encode<E: Serialize + std::fmt::Display>(service: &str, e: &E, code: Code) -> Status {
+    let message = e.to_string();
+    // An enum of plain fields always serializes; were it not to, the
+    // status still carries the code and the message.
+    let tagged = serde_json::to_value(e).unwrap_or_default();
     let detail = ErrorDetail {
         service: service.into(),
-        kind: kind.into(),
-        message: message.into(),
-        fields: fields.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        kind: tagged.get("kind").and_then(|k| k.as_str()).unwrap_or_default().into(),
+        message: message.clone(),
+        fields_json: tagged.get("fields").map(|f| f.to_string()).unwrap_or_default(),
     };
     Status::with_details(code, message, detail.encode_to_vec().into())
 }
 
-fn decode(status: &Status, service: &str) -> Option<(String, HashMap<String, String>)> {
+/// `service`'s error in a status, if its details carry one this build
+/// knows (None: a transport failure, a timeout, another service's error).
+fn decode<E: DeserializeOwned>(status: &Status, service: &str) -> Option<E> {
     let d = ErrorDetail::decode(status.details()).ok()?;
-    (d.service == service).then_some((d.kind, d.fields))
+    if d.service != service {
+        return None;
+    }
+    let mut tagged = serde_json::Map::new();
+    tagged.insert("kind".into(), d.kind.into());
+    if !d.fields_json.is_empty() {
+        tagged.insert("fields".into(), serde_json::from_str(&d.fields_json).ok()?);
+    }
+    serde_json::from_value(tagged.into()).ok()
+}
+
+/// A run state in an error's fields by its protocol name (`RUN_STATE_COMPLETED`).
+mod run_state_name {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use crate::RunState;
+
+    pub fn serialize<S: Serializer>(state: &RunState, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(state.as_str_name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<RunState, D::Error> {
+        let name = String::deserialize(d)?;
+        RunState::from_str_name(&name).ok_or_else(|| serde::de::Error::custom(format!("unknown run state {name:?}")))
+    }
 }
 
 #[cfg(test)]
@@ -335,5 +283,34 @@ mod tests {
         }
         // A plain status (a transport failure, a timeout) carries none.
         assert_eq!(CoordinatorError::from_status(&Status::unavailable("connection refused")), None);
+    }
+
+    #[test]
+    fn the_detail_names_the_variant_and_carries_its_fields_as_json() {
+        let s = CoordinatorError::RunOver { run_id: "r".into(), state: RunState::Failed, message: "nan".into() }
+            .into_status();
+        let d = ErrorDetail::decode(s.details()).unwrap();
+        assert_eq!((d.service.as_str(), d.kind.as_str()), ("coordinator", "run_over"));
+        let fields: serde_json::Value = serde_json::from_str(&d.fields_json).unwrap();
+        assert_eq!(fields, serde_json::json!({"run_id": "r", "state": "RUN_STATE_FAILED", "message": "nan"}));
+        let d = ErrorDetail::decode(DrafterError::Stopping.into_status().details()).unwrap();
+        assert_eq!((d.kind.as_str(), d.fields_json.as_str()), ("stopping", ""));
+    }
+
+    #[test]
+    fn a_detail_this_build_does_not_know_decodes_to_none() {
+        let status = |kind: &str, fields: &str| {
+            let d = ErrorDetail {
+                service: "drafter".into(),
+                kind: kind.into(),
+                message: "m".into(),
+                fields_json: fields.into(),
+            };
+            Status::with_details(Code::Internal, "m", d.encode_to_vec().into())
+        };
+        assert_eq!(DrafterError::from_status(&status("stalled", r#"{"ms":5}"#)), Some(DrafterError::Stalled { ms: 5 }));
+        assert_eq!(DrafterError::from_status(&status("a_newer_variant", "")), None);
+        assert_eq!(DrafterError::from_status(&status("stalled", r#"{"ms":"five"}"#)), None, "a field of another type");
+        assert_eq!(DrafterError::from_status(&status("stalled", "{")), None, "not JSON");
     }
 }

@@ -2,8 +2,9 @@
 
 /// Protocol version spoken by this build. A peer speaking another version is
 /// refused with a clear error at registration or stream start. 5: batch
-/// headers carry the lease token of their batch.
-pub const PROTOCOL_VERSION: u32 = 5;
+/// headers carry the lease token of their batch. 6: error details carry
+/// their variant's fields as JSON (typed by serde).
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The hidden-state RPC's HTTP path (package, service, method of `drafter.proto`),
 /// for the data plane that serves and calls it below tonic's codec.
@@ -30,6 +31,26 @@ impl Role {
             Role::Target => "target",
             Role::Drafter => "drafter",
         }
+    }
+}
+
+impl ErrorKind {
+    /// The kind's name in logs and metric labels: the protocol name
+    /// without its prefix, lower case (`non_finite`).
+    pub fn label(self) -> String {
+        self.as_str_name().trim_start_matches("ERROR_KIND_").to_ascii_lowercase()
+    }
+
+    /// A reported kind, an unspecified one (a peer that set none) read
+    /// as internal.
+    pub fn or_internal(self) -> Self {
+        if self == ErrorKind::Unspecified { ErrorKind::Internal } else { self }
+    }
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.label())
     }
 }
 

@@ -10,7 +10,7 @@ use dflash_config::RunConfig;
 use dflash_proto as pb;
 use dflash_proto::CoordinatorError;
 use dflash_proto::coordinator_client::CoordinatorClient;
-use dflash_telemetry::{ErrorKind, Reaction};
+use dflash_telemetry::{ErrorKind, KindPolicy, Reaction};
 use tokio::sync::watch;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
@@ -416,7 +416,7 @@ impl Session {
             role: self.role as i32,
             instance_id: self.instance_id.clone(),
             device: device_of(err),
-            kind: dflash_proto::ErrorKind::from(kind) as i32,
+            kind: kind as i32,
             message: causes.first().cloned().unwrap_or_default(),
             causes,
             fatal,

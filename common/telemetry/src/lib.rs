@@ -14,7 +14,7 @@ mod trace;
 
 pub use metrics::{Metrics, metrics, serve_metrics};
 pub use policy::{
-    ErrorKind, RETRY_DELAY_CAP, Reaction, cause_chain, on_coordinator_error, on_drafter_error, retry_delays,
+    ErrorKind, KindPolicy, RETRY_DELAY_CAP, Reaction, cause_chain, on_coordinator_error, on_drafter_error, retry_delays,
 };
 pub use trace::{
     TraceContext, batch_span, context_of, enable_otlp, otlp_endpoint_from_env, rpc_span, shutdown_tracing,

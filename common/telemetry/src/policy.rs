@@ -18,32 +18,19 @@
 //! | `corrupt_batch` | CRC mismatch, truncated chunk                        | retried: the target resends the batch |
 //! | `peer_lost`     | coordinator or drafter gone past its timeout         | fatal    |
 
-use std::fmt;
-
+pub use dflash_proto::ErrorKind;
 use dflash_proto::{CoordinatorError, DrafterError, RunState};
 
-/// The class of an error, which fixes how it is handled.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ErrorKind {
-    Config,
-    Data,
-    Model,
-    Device,
-    Protocol,
-    NonFinite,
-    Checkpoint,
-    CheckpointUnavailable,
-    CheckpointWrite,
-    BadBatch,
-    Internal,
-    Transport,
-    CorruptBatch,
-    PeerLost,
+/// The written policy's decision for a kind (the table above). The kind
+/// itself is the protocol's one enum, so that the kind a role reports is
+/// the kind the coordinator reads, with no second list to keep in step.
+pub trait KindPolicy {
+    /// Whether the role retries (true) or the run fails (false).
+    fn is_retryable(&self) -> bool;
 }
 
-impl ErrorKind {
-    /// Whether the role retries (true) or the run fails (false).
-    pub fn is_retryable(self) -> bool {
+impl KindPolicy for ErrorKind {
+    fn is_retryable(&self) -> bool {
         matches!(
             self,
             ErrorKind::Transport
@@ -52,70 +39,6 @@ impl ErrorKind {
                 | ErrorKind::CheckpointWrite
                 | ErrorKind::BadBatch
         )
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorKind::Config => "config",
-            ErrorKind::Data => "data",
-            ErrorKind::Model => "model",
-            ErrorKind::Device => "device",
-            ErrorKind::Protocol => "protocol",
-            ErrorKind::NonFinite => "non_finite",
-            ErrorKind::Checkpoint => "checkpoint",
-            ErrorKind::CheckpointUnavailable => "checkpoint_unavailable",
-            ErrorKind::CheckpointWrite => "checkpoint_write",
-            ErrorKind::BadBatch => "bad_batch",
-            ErrorKind::Internal => "internal",
-            ErrorKind::Transport => "transport",
-            ErrorKind::CorruptBatch => "corrupt_batch",
-            ErrorKind::PeerLost => "peer_lost",
-        }
-    }
-}
-
-impl From<ErrorKind> for dflash_proto::ErrorKind {
-    fn from(k: ErrorKind) -> Self {
-        use dflash_proto::ErrorKind as P;
-        match k {
-            ErrorKind::Config => P::Config,
-            ErrorKind::Data => P::Data,
-            ErrorKind::Model => P::Model,
-            ErrorKind::Device => P::Device,
-            ErrorKind::Protocol => P::Protocol,
-            ErrorKind::NonFinite => P::NonFinite,
-            ErrorKind::Checkpoint => P::Checkpoint,
-            ErrorKind::CheckpointUnavailable => P::CheckpointUnavailable,
-            ErrorKind::CheckpointWrite => P::CheckpointWrite,
-            ErrorKind::BadBatch => P::BadBatch,
-            ErrorKind::Internal => P::Internal,
-            ErrorKind::Transport => P::Transport,
-            ErrorKind::CorruptBatch => P::CorruptBatch,
-            ErrorKind::PeerLost => P::PeerLost,
-        }
-    }
-}
-
-impl ErrorKind {
-    /// The kind of an error report (unspecified: internal).
-    pub fn from_proto(k: dflash_proto::ErrorKind) -> Self {
-        use dflash_proto::ErrorKind as P;
-        match k {
-            P::Config => ErrorKind::Config,
-            P::Data => ErrorKind::Data,
-            P::Model => ErrorKind::Model,
-            P::Device => ErrorKind::Device,
-            P::Protocol => ErrorKind::Protocol,
-            P::NonFinite => ErrorKind::NonFinite,
-            P::Checkpoint => ErrorKind::Checkpoint,
-            P::CheckpointUnavailable => ErrorKind::CheckpointUnavailable,
-            P::CheckpointWrite => ErrorKind::CheckpointWrite,
-            P::BadBatch => ErrorKind::BadBatch,
-            P::Transport => ErrorKind::Transport,
-            P::CorruptBatch => ErrorKind::CorruptBatch,
-            P::PeerLost => ErrorKind::PeerLost,
-            P::Internal | P::Unspecified => ErrorKind::Internal,
-        }
     }
 }
 
@@ -201,12 +124,6 @@ pub fn retry_delays() -> impl Iterator<Item = std::time::Duration> {
         .with_jitter()
         .without_max_times()
         .build()
-}
-
-impl fmt::Display for ErrorKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// The error and its sources, outermost first, deduplicated where a wrapper
@@ -330,28 +247,12 @@ mod tests {
     }
 
     #[test]
-    fn kinds_round_trip_through_the_protocol() {
-        use ErrorKind::*;
-        let all = [
-            Config,
-            Data,
-            Model,
-            Device,
-            Protocol,
-            NonFinite,
-            Checkpoint,
-            CheckpointUnavailable,
-            CheckpointWrite,
-            BadBatch,
-            Internal,
-            Transport,
-            CorruptBatch,
-            PeerLost,
-        ];
-        for k in all {
-            assert_eq!(ErrorKind::from_proto(k.into()), k);
-        }
-        assert_eq!(ErrorKind::from_proto(dflash_proto::ErrorKind::Unspecified), Internal);
+    fn kinds_are_labelled_by_their_protocol_name_and_unspecified_reads_as_internal() {
+        assert_eq!(ErrorKind::NonFinite.label(), "non_finite");
+        assert_eq!(ErrorKind::CheckpointUnavailable.to_string(), "checkpoint_unavailable");
+        assert_eq!(ErrorKind::Unspecified.or_internal(), ErrorKind::Internal);
+        assert_eq!(ErrorKind::Device.or_internal(), ErrorKind::Device);
+        assert!(!ErrorKind::Unspecified.is_retryable());
     }
 
     #[test]

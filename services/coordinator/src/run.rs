@@ -596,7 +596,7 @@ impl Run {
         let role = pb::Role::try_from(report.role).unwrap_or(pb::Role::Unspecified).name();
         let device = if report.device.is_empty() { String::new() } else { format!(" on {}", report.device) };
         let chain = report.causes.join(": ");
-        let kind = dflash_telemetry::ErrorKind::from_proto(report.kind());
+        let kind = report.kind().or_internal();
         let line = format!("{role} {}{device} [{kind}]: {chain}", report.instance_id);
         if report.fatal {
             tracing::error!("fatal error from {line}");
@@ -604,7 +604,7 @@ impl Run {
             tracing::warn!("error from {line}");
         }
         let fatal = report.fatal;
-        dflash_telemetry::metrics().errors.with_label_values(&[kind.as_str()]).inc();
+        dflash_telemetry::metrics().errors.with_label_values(&[kind.label()]).inc();
         {
             let mut errs = self.errors.lock().expect("errors lock");
             if errs.len() == MAX_ERRORS {

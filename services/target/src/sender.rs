@@ -134,7 +134,7 @@ impl Sender {
                         backoff.reset();
                     }
                     let bytes: usize = self.unacked.iter().map(|o| o.batch.payload.len()).sum();
-                    dflash_telemetry::metrics().errors.with_label_values(&[ErrorKind::Transport.as_str()]).inc();
+                    dflash_telemetry::metrics().errors.with_label_values(&[ErrorKind::Transport.label()]).inc();
                     tracing::warn!(
                         "stream to drafter {endpoint} ended ({why}); {} unacknowledged batch(es), {:.1} MiB, kept for replay",
                         self.unacked.len(),

@@ -202,7 +202,7 @@ impl Lander {
             Err(e) if e.is_retryable() => {
                 let id = e.batch_id().or(self.assembler.partial_batch_id()).unwrap_or(0);
                 tracing::warn!("from target {}: {e}; asking for a resend", self.target);
-                let kind = dflash_telemetry::ErrorKind::CorruptBatch.as_str();
+                let kind = dflash_telemetry::ErrorKind::CorruptBatch.label();
                 dflash_telemetry::metrics().errors.with_label_values(&[kind]).inc();
                 self.assembler.reset();
                 // Damage found at the end marker: the batch is over; ask now.
@@ -264,7 +264,7 @@ impl Lander {
             tracing::error!("batch {id} from target {} rejected: {}", self.target, r.reason);
             let m = dflash_telemetry::metrics();
             m.batches.with_label_values(&["rejected"]).inc();
-            m.errors.with_label_values(&[dflash_telemetry::ErrorKind::BadBatch.as_str()]).inc();
+            m.errors.with_label_values(&[dflash_telemetry::ErrorKind::BadBatch.label()]).inc();
             if r.skip {
                 let skip = pb::TrainedBatch {
                     batch_id: id,

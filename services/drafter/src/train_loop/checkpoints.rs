@@ -179,7 +179,7 @@ impl TrainLoop {
                     delay.as_secs_f64()
                 );
                 tracing::error!("{err}");
-                dflash_telemetry::metrics().errors.with_label_values(&[ErrorKind::CheckpointWrite.as_str()]).inc();
+                dflash_telemetry::metrics().errors.with_label_values(&[ErrorKind::CheckpointWrite.label()]).inc();
                 self.reporter.send(Report::Error { kind: ErrorKind::CheckpointWrite, error: err });
             }
         }
