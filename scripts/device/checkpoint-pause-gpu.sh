@@ -21,7 +21,7 @@ echo "== the disk: dd 8 GiB, 64 MiB blocks, fdatasync"
 dd if=/dev/zero of="$DIR/dd.bin" bs=64M count=${DD_BLOCKS:-128} conv=fdatasync 2>&1 | tail -1
 rm -f "$DIR/dd.bin"
 echo "== CUDA tests: the snapshot into pinned buffers"
-timeout 120 $B/deps/checkpoints --ignored --test-threads 1 cuda 2>&1 | grep -E "^test |test result|panicked" | head
+[ -x $B/deps/checkpoints ] && timeout 120 $B/deps/checkpoints --ignored --test-threads 1 cuda 2>&1 | grep -E "^test |test result|panicked" | head
 RUNS=("dflash ${ROUNDS:-2}")
 [ "${BEFORE:-0}" = 1 ] && RUNS+=("dflash-before 1")
 for run in "${RUNS[@]}"; do
