@@ -120,6 +120,33 @@ fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
 }
 
+/// Every role's log lines (each log of the run's folder, restarts
+/// included) stamped from `from` to `to`, in time order, each named by its
+/// log; at most 600 lines, the first ones.
+fn log_window(dir: &Path, from: f64, to: f64) -> String {
+    let mut lines: Vec<(f64, String)> = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "log") {
+            continue;
+        }
+        let name = path.file_stem().unwrap_or_default().to_string_lossy().into_owned();
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        for l in text.lines() {
+            if let Some(t) = log_time(l).filter(|t| (from..=to).contains(t)) {
+                lines.push((t, format!("  {name:<16} {l}")));
+            }
+        }
+    }
+    lines.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let more = lines.len().saturating_sub(600);
+    let mut out: Vec<String> = lines.into_iter().take(600).map(|(_, l)| l).collect();
+    if more > 0 {
+        out.push(format!("  ... {more} more lines"));
+    }
+    out.join("\n")
+}
+
 /// The first time after `after` at which one of `logs` shows `needle`.
 fn first_after(logs: &[PathBuf], needle: &str, after: f64) -> Option<f64> {
     logs.iter()
@@ -515,6 +542,10 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
     }
     let mut report = Vec::new();
     let mut recoveries: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    // A recovery slower than this has every role's log lines from the
+    // fault to the recovery printed (or written to DFLASH_CHAOS_SLOW_LOG).
+    let slow_s = setting("DFLASH_CHAOS_SLOW_S", 10) as f64;
+    let mut slow: Vec<String> = Vec::new();
     let mut memory: std::collections::BTreeMap<&'static str, Vec<(f64, f64)>> = Default::default();
     for (i, &fault) in faults.iter().enumerate() {
         if !run.supervise() {
@@ -544,7 +575,16 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
         let line = match recovered {
             Some(t) => {
                 recoveries.entry(fault.kind()).or_default().push(t - over);
-                format!("{:>2}. {fault} at +{:.1} s: recovered {:.2} s after it ended", i + 1, at - start, t - over)
+                let line = format!(
+                    "{:>2}. {fault} at +{:.1} s: recovered {:.2} s after it ended",
+                    i + 1,
+                    at - start,
+                    t - over
+                );
+                if t - over > slow_s {
+                    slow.push(format!("{line}\n{}", log_window(&cluster.logs, at - 1.0, t)));
+                }
+                line
             }
             None if run.done.is_some() => format!("{:>2}. {fault}: the run completed before another step", i + 1),
             None => panic!("no recovery from {fault} within 90 s; drafter log:\n{}", run.drafter.log_text()),
@@ -586,6 +626,13 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
         dflash_tests::disk_used(&disk).unwrap_or(0) as f64 / 1e6,
         step_dirs(&ckpt_root)
     );
+    if !slow.is_empty() {
+        let text = slow.join("\n\n");
+        match std::env::var("DFLASH_CHAOS_SLOW_LOG") {
+            Ok(path) => std::fs::write(&path, text).unwrap_or_else(|e| panic!("writing {path}: {e}")),
+            Err(_) => println!("slow recoveries, with the roles' logs from the fault to the recovery:\n{text}"),
+        }
+    }
     assert!(run.done.is_some_and(|s| s.success()), "the run did not complete:\n{}", run.coordinator.log_text());
     let wanted = faults.len() * 10 / 12;
     assert!(injected >= wanted, "only {injected} faults were injected:\n{}", report.join("\n"));

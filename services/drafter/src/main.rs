@@ -14,19 +14,15 @@ use dflash_models::collective::Collective;
 use dflash_models::optim::{AdamWSettings, LrSchedule};
 use dflash_models::{Drafter, DrafterConfig, LayerType, TrainSettings, Trainer};
 use dflash_proto as pb;
-use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop, StopCause, registration_failed};
+use dflash_role::{Announce, KindExt, RoleArgs, Session, Stages, Stop, StopCause, registration_failed};
 use dflash_telemetry::ErrorKind;
 use tonic_health::ServingStatus;
 
-use dflash_drafter::prefetch::{self, Prefetcher};
 use dflash_drafter::receiver::{self, DrafterService, Expected, Landing};
-use dflash_drafter::reporter::Reporter;
-use dflash_drafter::sequencer::{Lanes, Sequencer};
-use dflash_drafter::train_loop::{GroupMember, PeriodicEval, ReplicaStep, TrainLoop, follow_member};
 use dflash_drafter::{device_health, group};
 use dflash_models::features::kind_of;
+use dflash_wire::DType;
 use dflash_wire::rpc::{HiddenStateService, transport};
-use dflash_wire::{DType, FeatureSpec};
 
 #[derive(Parser, Debug)]
 #[command(name = "dflash-drafter", version, about = "The dflash drafter service")]
@@ -62,6 +58,8 @@ struct ServeArgs {
     #[arg(long, env = "DFLASH_THREADS", default_value_t = 0)]
     threads: i32,
 }
+
+mod start;
 
 fn main() {
     // SAFETY: first thing in main, before any other thread exists.
@@ -114,7 +112,7 @@ async fn serve(args: ServeArgs) -> i32 {
     };
     session.log_config();
     let result = match session.serve_metrics(&args.role, &stages).await {
-        Ok(()) => start(&session, &stages, listener, &endpoint, args.health_listen).await,
+        Ok(()) => start::start(&session, &stages, listener, &endpoint, args.health_listen).await,
         Err(e) => Err(e),
     };
     if result.is_ok() {
@@ -424,202 +422,4 @@ async fn dealt_batches(
         order.first()
     );
     Ok(Dealt { stores, order, lanes })
-}
-
-async fn start(
-    session: &Arc<Session>,
-    stages: &Stages,
-    listener: tokio::net::TcpListener,
-    endpoint: &str,
-    health_listen: Option<SocketAddr>,
-) -> anyhow::Result<()> {
-    let c = &session.config;
-    let stop = session.stop.clone();
-    session.spawn_heartbeat(stages, Vec::new, || (0, 0.0));
-    let events = session.spawn_event_watch(stages);
-    let devices = c.devices.drafter.devices().to_vec();
-    let gpus = c.devices.drafter.cuda_indices();
-    if !gpus.is_empty() {
-        dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
-        if c.training.deterministic_kernels {
-            dflash_models::cuda::set_deterministic_algorithms(true);
-            tracing::info!("deterministic kernels only (training.deterministic_kernels)");
-        }
-    }
-    let tdevs: Vec<tch::Device> = devices.iter().map(dflash_models::cuda::torch_device).collect();
-    // A device that fails its probe keeps this member out of the group.
-    device_health::check_at_start(session, &tdevs).kind(ErrorKind::Device)?;
-    // One trainer per replica; replica 0 leads (resumes, logs, checkpoints).
-    let mut trainers = tdevs
-        .iter()
-        .map(|&d| tokio::task::block_in_place(|| build_trainer(session, d)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let device = tdevs[0];
-    let kind = trainers[0].drafter().kind();
-    let hidden = trainers[0].drafter().config.hidden_size;
-    let (hs_tx, hs_rx) = flume::bounded(c.pipeline.hs_queue_depth as usize);
-    let plan = Arc::new(fetch_plan(session).await?);
-    let vocab_size = trainers[0].drafter().config.vocab_size as u32;
-
-    // A place in the drafter group first, one rank per replica: rank 0
-    // resumes and leads.
-    let membership = group::join(session, tdevs.len()).await?;
-    group::spawn_leave_watch(session, stages, events, &membership);
-    let in_group = membership.world > 1;
-    // Resume before accepting batches, so the coordinator resets the work
-    // this drafter will not have before any target sends it more.
-    let rt = tokio::runtime::Handle::current();
-    let mut leader = None;
-    if membership.leads() {
-        let eval = tokio::task::block_in_place(|| PeriodicEval::load(c, device, kind)).kind(ErrorKind::Config)?;
-        let (reporter, delivery) = Reporter::start(Arc::clone(session));
-        stages.spawn_task("report-progress", delivery);
-        let mut train = TrainLoop::new(trainers.remove(0), Arc::clone(session), rt, hs_tx.clone(), eval, reporter);
-        tokio::task::block_in_place(|| train.resume())?;
-        leader = Some(train);
-    }
-    // Ranks of a larger group: the rendezvous, and the batches the
-    // coordinator dealt out to each of this member's replicas.
-    let own_host = group::own_host(&membership, endpoint);
-    let dealt = if in_group { Some(dealt_batches(session, &membership, &own_host).await?) } else { None };
-    let (stores, order, lane_of) = match dealt {
-        Some(d) => (d.stores, d.order, Some(d.lanes)),
-        None => (Vec::new(), plan.keys().copied().collect(), None),
-    };
-    let spec = FeatureSpec::of(c);
-    let max_payload = spec.payload_bytes(c.pipeline.token_budget as usize, hidden as usize) as u64;
-    let plan_here = if in_group {
-        // A member takes only its own batches (another member's would break
-        // the step order).
-        Arc::new(order.iter().filter_map(|id| plan.get(id).map(|p| (*id, p.clone()))).collect())
-    } else {
-        Arc::clone(&plan)
-    };
-    let expected = Expected {
-        spec: spec.clone(),
-        hidden_size: hidden as u32,
-        vocab_size,
-        plan: plan_here,
-        run_id: session.run_id.clone(),
-        lease_key: session.lease_key.clone().into(),
-    };
-    serve_targets(session, stages, device, expected, max_payload as usize, hs_tx, listener, health_listen).await?;
-    tracing::info!("drafter listening for targets at {endpoint}");
-    session.announce_devices(devices.iter().map(ToString::to_string).collect()).await?;
-
-    // Per replica: a lane of the plan's order, a prefetch stage onto its
-    // device and a train thread, in lockstep with every other rank of the
-    // group (this member's and the others') when there are several.
-    let trained = leader.as_ref().map_or_else(Default::default, TrainLoop::trained_set);
-    let mut sequencer = Sequencer::new(order, trained.clone(), c.pipeline.reorder_window as usize);
-    if in_group {
-        sequencer = sequencer.in_lockstep();
-    }
-    let (lane_txs, lane_rxs): (Vec<_>, Vec<_>) = tdevs.iter().map(|_| flume::bounded(1)).unzip();
-    let lanes = match lane_of {
-        Some(by_batch) => Lanes::dealt(lane_txs, by_batch),
-        None => Lanes::single(lane_txs.into_iter().next().expect("one device at least")),
-    };
-    let s = stop.clone();
-    stages.spawn_thread("sequencer", move || {
-        sequencer.run(hs_rx, lanes, s);
-        Ok(())
-    });
-    let mut followers = trainers.into_iter();
-    let mut stores = stores.into_iter();
-    for ((lane, &dev), lane_rx) in tdevs.iter().enumerate().zip(lane_rxs) {
-        let rank = membership.rank + lane;
-        let gpu_landing = match dev {
-            tch::Device::Cuda(i) => {
-                let ctx = dflash_models::gpu::context(i).kind(ErrorKind::Device)?;
-                let bufs = (0..c.pipeline.prefetch_depth as usize + 2)
-                    .map(|_| dflash_models::gpu::DeviceBuf::new(&ctx, max_payload as usize))
-                    .collect::<Result<Vec<_>, _>>()
-                    .kind(ErrorKind::Device)?;
-                let stream = dflash_models::gpu::side_stream(&ctx).kind(ErrorKind::Device)?;
-                Some(prefetch::GpuLanding { ordinal: i, stream, buffers: dflash_models::gpu::Pool::new(bufs) })
-            }
-            _ => None,
-        };
-        let (pf_tx, pf_rx) = flume::bounded(c.pipeline.prefetch_depth as usize);
-        let pf = Prefetcher {
-            device: dev,
-            kind,
-            spec: spec.clone(),
-            seed: c.run.seed,
-            gpu: gpu_landing,
-            stop: stop.clone(),
-        };
-        let s = stop.clone();
-        stages.spawn_thread(&format!("prefetch-{rank}"), move || pf.run(lane_rx, pf_tx, s).on_device(device_name(dev)));
-        let mut replica = ReplicaStep {
-            input: pf_rx,
-            group: None,
-            trained: trained.clone(),
-            device: dev,
-            check_every: c.checkpoint.interval_steps,
-            member: session.instance_id.clone(),
-            group_member: None,
-        };
-        let role = match leader.take() {
-            Some(train) => Rank::Leader(train),
-            None => Rank::Follower(followers.next().expect("a trainer per replica")),
-        };
-        let store = stores.next();
-        let (m, host, s, sess) = (membership.clone(), own_host.clone(), stop.clone(), Arc::clone(session));
-        stages.spawn_thread(&format!("train-{rank}"), move || {
-            let trained = (|| {
-                let mut role = role;
-                if let Some(store) = store {
-                    let g = group::collective(store, &m, rank, &host, dev, &s)?;
-                    role.join_group(g.as_ref(), dev)?;
-                    if rank == 0 {
-                        tracing::info!(
-                            "data-parallel training on {} rank(s) of {} member(s) (rank 0 leads)",
-                            m.world,
-                            m.members
-                        );
-                    }
-                    replica.group = Some(g);
-                    replica.group_member = Some(GroupMember::new(m.names.clone()));
-                }
-                match role {
-                    Rank::Leader(train) => train.run(replica),
-                    Rank::Follower(trainer) => follow_member(trainer, replica, s),
-                }
-            })();
-            // In a group of several members, a lost peer or a failed
-            // collective ends this generation, not the run. A drafter alone
-            // (however many devices) fails as any process does: its replicas
-            // live and die together.
-            if m.members > 1 { member_ends(&sess, trained, dev) } else { trained }.on_device(device_name(dev))
-        });
-    }
-    Ok(())
-}
-
-/// What one replica's train thread is: rank 0 leads (resumes, reports,
-/// checkpoints); every other rank follows in lockstep.
-#[allow(clippy::large_enum_variant, reason = "made once per replica and moved into its thread")]
-enum Rank {
-    Leader(TrainLoop),
-    Follower(Trainer),
-}
-
-impl Rank {
-    /// Takes rank 0's weights, optimizer state and step: every rank then
-    /// steps from the same state.
-    fn join_group(&mut self, g: &dyn Collective, device: tch::Device) -> anyhow::Result<()> {
-        let trainer = match self {
-            Rank::Leader(train) => train.trainer(),
-            Rank::Follower(t) => &*t,
-        };
-        sync_replica(g, trainer)?;
-        let own = if g.rank() == 0 { trainer.step() as f64 } else { 0.0 };
-        let step = g.agree(&[own], device).kind(ErrorKind::PeerLost)?[0] as u64;
-        if let Rank::Follower(t) = self {
-            t.set_step(step);
-        }
-        Ok(())
-    }
 }
