@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Parser;
 use dflash_config::ConfigFlags;
 use dflash_coordinator::ledger::Ledger;
-use dflash_coordinator::plan::plan_run;
+use dflash_coordinator::plan::{RunPlan, plan_run};
 use dflash_coordinator::run::Run;
 use dflash_coordinator::service::CoordinatorService;
 use dflash_proto::coordinator_server::CoordinatorServer;
@@ -86,15 +86,56 @@ async fn run(args: Args) -> anyhow::Result<i32> {
     let plan = plan_run(config)?;
     let ledger_path =
         args.ledger.clone().unwrap_or_else(|| PathBuf::from(format!("runs/{}.ledger.sqlite", plan.config.run.name)));
-    // One coordinator per ledger: a second run on it would lease the live
-    // run's batches to roles of its own.
+    let _lock = lock_ledger(&ledger_path)?;
+    let (ledger, run_id) = open_ledger(&ledger_path, &plan)?;
+    tracing::info!(
+        "coordinator effective run config (run {run_id}, from {}):\n{}",
+        loader.describe_sources(),
+        plan.config.to_string().lines().map(|l| format!("  {l}\n")).collect::<String>()
+    );
+    let counts = ledger.counts()?;
+    let lease_key = ledger.lease_key()?;
+    let run = Arc::new(Run::new(run_id.clone(), plan.config, ledger, lease_key));
+    if counts.total() > 0 && counts.committed == counts.total() {
+        run.end(dflash_proto::RunState::Completed, "every batch was already committed".into());
+    }
+
+    let stop = Stop::new();
+    // Every task of the coordinator is one of its stages, joined on stop.
+    let stages = Stages::new(stop.clone());
+    stages.spawn_task("signals", stop.on_signals());
+    serve(&args, &security, &run, &stages).await?;
+    // Liveness checks until the run ends or the process is told to stop.
+    stages.spawn_task("monitor", monitor(Arc::clone(&run), stop.clone()));
+    wait_for_end(&run, &stop).await;
+    stop.stop(dflash_role::StopCause::Signal("end of run"));
+    stages.join(Duration::from_secs(5)).await;
+    let (state, message) = run.state();
+    Ok(match state {
+        dflash_proto::RunState::Completed | dflash_proto::RunState::Running => 0,
+        _ => {
+            tracing::error!("run {run_id} ended {}: {message}", state.as_str_name());
+            1
+        }
+    })
+}
+
+/// One coordinator per ledger: a second run on it would lease the live
+/// run's batches to roles of its own. Held until the coordinator exits.
+fn lock_ledger(ledger_path: &Path) -> anyhow::Result<dflash_role::ExclusiveLock> {
     if let Some(dir) = ledger_path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let mut lock_name = ledger_path.clone().into_os_string();
+    let mut lock_name = ledger_path.to_path_buf().into_os_string();
     lock_name.push(".lock");
-    let _lock = dflash_role::ExclusiveLock::acquire(Path::new(&lock_name), "the coordinator of this ledger")?;
-    let mut ledger = Ledger::open(&ledger_path)?;
+    Ok(dflash_role::ExclusiveLock::acquire(Path::new(&lock_name), "the coordinator of this ledger")?)
+}
+
+/// The ledger with the plan installed, and the run's id (made on a new
+/// ledger, read back on a resumed one). A resumed run's old leases end
+/// unless their targets come back in time.
+fn open_ledger(ledger_path: &Path, plan: &RunPlan) -> anyhow::Result<(Ledger, String)> {
+    let mut ledger = Ledger::open(ledger_path)?;
     let resumed = ledger.install_plan(&plan.fingerprint, &plan.batches)?;
     let run_id = match ledger.meta("run_id")? {
         Some(id) => id,
@@ -104,7 +145,6 @@ async fn run(args: Args) -> anyhow::Result<i32> {
             id
         }
     };
-    let counts = ledger.counts()?;
     if resumed {
         // Leases of targets that do not come back end after an instance
         // timeout, as a target that falls silent loses its leases; a live
@@ -119,6 +159,7 @@ async fn run(args: Args) -> anyhow::Result<i32> {
                  faults.instance_timeout_ms (and the longest retry delay)"
             );
         }
+        let counts = ledger.counts()?;
         tracing::info!(
             "resuming run {run_id} from ledger {}: {} of {} batches committed",
             ledger_path.display(),
@@ -126,21 +167,13 @@ async fn run(args: Args) -> anyhow::Result<i32> {
             counts.total()
         );
     }
-    tracing::info!(
-        "coordinator effective run config (run {run_id}, from {}):\n{}",
-        loader.describe_sources(),
-        plan.config.to_string().lines().map(|l| format!("  {l}\n")).collect::<String>()
-    );
-    let lease_key = ledger.lease_key()?;
-    let run = Arc::new(Run::new(run_id.clone(), plan.config, ledger, lease_key));
-    if counts.total() > 0 && counts.committed == counts.total() {
-        run.end(dflash_proto::RunState::Completed, "every batch was already committed".into());
-    }
+    Ok((ledger, run_id))
+}
 
-    let stop = Stop::new();
-    // Every task of the coordinator is one of its stages, joined on stop.
-    let stages = Stages::new(stop.clone());
-    stages.spawn_task("signals", stop.on_signals());
+/// The Coordinator API and grpc.health.v1 (and plain health and metrics
+/// where asked), each a stage that ends on stop.
+async fn serve(args: &Args, security: &dflash_role::Security, run: &Arc<Run>, stages: &Stages) -> anyhow::Result<()> {
+    let stop = stages.stop().clone();
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::Serving).await;
     health.set_serving::<CoordinatorServer<CoordinatorService>>().await;
@@ -155,9 +188,8 @@ async fn run(args: Args) -> anyhow::Result<i32> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     tracing::info!("coordinator listening on {} ({})", listener.local_addr()?, security.summary());
-    let service = CoordinatorService::new(Arc::clone(&run), stages.clone());
+    let service = CoordinatorService::new(Arc::clone(run), stages.clone());
     let service = InterceptedService::new(CoordinatorServer::new(service), security.server_auth());
-    let server_stop = stop.clone();
     let server = security
         // A request that is not complete within the RPC timeout (a
         // half-sent body) is answered CANCELLED; streams the server
@@ -173,53 +205,57 @@ async fn run(args: Args) -> anyhow::Result<i32> {
         .add_service(health_service)
         .add_service(service)
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
-            server_stop.stopped().await
+            stop.stopped().await
         });
     stages.spawn_task("grpc", async move { server.await.context("coordinator gRPC server") });
+    Ok(())
+}
 
-    // Liveness checks until the run ends or the process is told to stop.
-    let monitor_run = Arc::clone(&run);
-    let monitor_stop = stop.clone();
-    stages.spawn_task("monitor", async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(200));
-        let mut last_log = std::time::Instant::now();
-        let mut raised: Vec<String> = Vec::new();
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = monitor_stop.stopped() => return Ok(()),
-            }
-            let flow = monitor_run.sample_flow();
-            // Each alarm is logged when it is raised and when it clears.
-            let alarms = monitor_run.export_metrics();
-            let name = |a: &String| a.split(':').next().unwrap_or_default().to_string();
-            for a in alarms.iter().filter(|a| !raised.iter().any(|r| name(r) == name(a))) {
-                tracing::error!("ALARM {a}");
-            }
-            for r in raised.iter().filter(|r| !alarms.iter().any(|a| name(a) == name(r))) {
-                tracing::info!("alarm {} cleared", name(r));
-            }
-            raised = alarms;
-            if let Err(e) = monitor_run.check_liveness() {
-                monitor_run.end(dflash_proto::RunState::Failed, format!("ledger failure: {e}"));
-            }
-            if last_log.elapsed() > Duration::from_secs(30) && monitor_run.is_running() {
-                let c = monitor_run.counts();
-                tracing::info!(
-                    "ledger: {} pending, {} leased, {} sent, {} trained, {} committed of {}",
-                    c.pending,
-                    c.leased,
-                    c.sent,
-                    c.trained,
-                    c.committed,
-                    c.total()
-                );
-                tracing::info!("{flow}");
-                last_log = std::time::Instant::now();
-            }
+/// Every 200 ms: the flow sampled, alarms exported (each logged when
+/// raised and when cleared), liveness checked; every 30 s the ledger's
+/// counts and the flow logged. Until stop.
+async fn monitor(run: Arc<Run>, stop: Stop) -> anyhow::Result<()> {
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    let mut last_log = std::time::Instant::now();
+    let mut raised: Vec<String> = Vec::new();
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.stopped() => return Ok(()),
         }
-    });
+        let flow = run.sample_flow();
+        let alarms = run.export_metrics();
+        let name = |a: &String| a.split(':').next().unwrap_or_default().to_string();
+        for a in alarms.iter().filter(|a| !raised.iter().any(|r| name(r) == name(a))) {
+            tracing::error!("ALARM {a}");
+        }
+        for r in raised.iter().filter(|r| !alarms.iter().any(|a| name(a) == name(r))) {
+            tracing::info!("alarm {} cleared", name(r));
+        }
+        raised = alarms;
+        if let Err(e) = run.check_liveness() {
+            run.end(dflash_proto::RunState::Failed, format!("ledger failure: {e}"));
+        }
+        if last_log.elapsed() > Duration::from_secs(30) && run.is_running() {
+            let c = run.counts();
+            tracing::info!(
+                "ledger: {} pending, {} leased, {} sent, {} trained, {} committed of {}",
+                c.pending,
+                c.leased,
+                c.sent,
+                c.trained,
+                c.committed,
+                c.total()
+            );
+            tracing::info!("{flow}");
+            last_log = std::time::Instant::now();
+        }
+    }
+}
 
+/// Until the run ends (then every live instance hears of it first) or the
+/// process is told to stop.
+async fn wait_for_end(run: &Run, stop: &Stop) {
     tokio::select! {
         _ = run.ended.cancelled() => {
             // Every live instance hears of the end (its event stream, or
@@ -236,14 +272,4 @@ async fn run(args: Args) -> anyhow::Result<i32> {
             tracing::info!("coordinator stopping; the ledger keeps the run resumable");
         }
     }
-    stop.stop(dflash_role::StopCause::Signal("end of run"));
-    stages.join(Duration::from_secs(5)).await;
-    let (state, message) = run.state();
-    Ok(match state {
-        dflash_proto::RunState::Completed | dflash_proto::RunState::Running => 0,
-        _ => {
-            tracing::error!("run {run_id} ended {}: {message}", state.as_str_name());
-            1
-        }
-    })
 }
