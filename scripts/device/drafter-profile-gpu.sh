@@ -15,5 +15,5 @@ for anchors in ${ANCHORS:-512 256}; do
     --chunks ${CHUNKS:-64} --attention split --batches 2 --steps 4 --warmup 2 --profile \
     --json "$OUT/step-profile-$anchors.json" > "$OUT/step-profile-$anchors.log" 2>&1
   echo "== $anchors anchors (exit $?)"
-  grep -v "^ERROR\|^WARNING\|^STAGE" "$OUT/step-profile-$anchors.log" | tail -16
+  grep -v "^ERROR\|^WARNING\|^STAGE\|^\[W" "$OUT/step-profile-$anchors.log" | tail -60
 done

@@ -83,12 +83,28 @@ pub struct ClassRow {
     pub mfu: Option<f64>,
 }
 
+/// The device time of one host op (name and input shapes) outside the
+/// matmuls and attention: what fusing would save.
+#[derive(Serialize)]
+pub struct OpRow {
+    pub op: String,
+    pub kernels: usize,
+    pub ms: f64,
+}
+
 #[derive(Serialize)]
 pub struct StepProfile {
     pub wall_ms: f64,
     pub device_busy_ms: f64,
     pub classes: Vec<ClassRow>,
+    /// The largest host ops of the elementwise, norm and loss classes.
+    pub top_ops: Vec<OpRow>,
+    /// The host ops the device waited on most (its gaps over 20 us).
+    pub idle_ops: Vec<OpRow>,
 }
+
+/// How many host ops `top_ops` lists.
+const TOP_OPS: usize = 15;
 
 /// Runs `step` once under the profiler (`sync` ends it with the device's
 /// work done) and sorts its device time by class.
@@ -132,6 +148,21 @@ pub fn profile_step(
         })
         .collect();
     rows.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    let small = |k: &Event, op: Option<&Event>| {
+        let class = classify(k, op, config.vocab_size);
+        [ELEMENTWISE, NORMS, LOSS, OTHER].contains(&class).then(|| match op {
+            Some(o) => format!("{} {}", o.name, o.shapes),
+            None => format!("(no op) {}", k.name),
+        })
+    };
+    let top_ops = kernel_profile::device_time_by_key(&events, small, TOP_OPS)
+        .into_iter()
+        .map(|(op, kernels, ns)| OpRow { op, kernels, ms: ns as f64 / 1e6 })
+        .collect();
+    let idle_ops = kernel_profile::idle_by_host_op(&events, 20_000, TOP_OPS)
+        .into_iter()
+        .map(|(op, gaps, ns)| OpRow { op, kernels: gaps, ms: ns as f64 / 1e6 })
+        .collect();
     let gaps = (wall - busy as f64 / 1e9).max(0.0);
     rows.push(ClassRow {
         class: "device idle (host gaps)".into(),
@@ -140,7 +171,7 @@ pub fn profile_step(
         share: gaps / wall,
         mfu: None,
     });
-    Ok(StepProfile { wall_ms: wall * 1e3, device_busy_ms: busy as f64 / 1e6, classes: rows })
+    Ok(StepProfile { wall_ms: wall * 1e3, device_busy_ms: busy as f64 / 1e6, classes: rows, top_ops, idle_ops })
 }
 
 pub fn print(p: &StepProfile, label: &str) {
@@ -152,6 +183,15 @@ pub fn print(p: &StepProfile, label: &str) {
     for r in &p.classes {
         let mfu = r.mfu.map_or_else(String::new, |m| format!("{:.1}%", 100.0 * m));
         println!("  {:<28} {:>8} {:>10.1} {:>6.1}% {:>12}", r.class, r.kernels, r.ms, 100.0 * r.share, mfu);
+    }
+    println!("  the largest host ops outside the matmuls and attention (op [input shapes]):");
+    for o in &p.top_ops {
+        let op: String = o.op.chars().take(110).collect();
+        println!("  {:>8.1} ms {:>6} kernels  {op}", o.ms, o.kernels);
+    }
+    println!("  the host ops the device waited on (gaps over 20 us):");
+    for o in &p.idle_ops {
+        println!("  {:>8.1} ms {:>6} gaps     {}", o.ms, o.kernels, o.op);
     }
 }
 

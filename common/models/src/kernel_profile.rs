@@ -149,6 +149,63 @@ pub fn device_time_by_class(
     out
 }
 
+/// Device time by a key of each device event (and its launching op), for
+/// the events `key` names: the `n` largest, largest first.
+pub fn device_time_by_key(
+    events: &[Event],
+    key: impl Fn(&Event, Option<&Event>) -> Option<String>,
+    n: usize,
+) -> Vec<(String, usize, u64)> {
+    let ops: HashMap<u64, &Event> =
+        events.iter().filter(|e| e.activity == activity::CPU_OP).map(|e| (e.correlation, e)).collect();
+    let mut by_key: HashMap<String, (usize, u64)> = HashMap::new();
+    for e in events.iter().filter(|e| e.is_device_work()) {
+        if let Some(k) = key(e, ops.get(&e.linked_correlation).copied()) {
+            let entry = by_key.entry(k).or_default();
+            entry.0 += 1;
+            entry.1 += e.duration_ns;
+        }
+    }
+    let mut out: Vec<(String, usize, u64)> = by_key.into_iter().map(|(k, (c, ns))| (k, c, ns)).collect();
+    out.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+    out.truncate(n);
+    out
+}
+
+/// Where the device waited on the host: each gap between device work
+/// (longer than `min_gap_ns`) is put on the host op that ran through it --
+/// the innermost op covering at least half of the gap, else the op that
+/// overlaps it most, else "(between ops)" (host code outside libtorch).
+/// The `n` largest by idle time, largest first: (op, gaps, idle ns).
+pub fn idle_by_host_op(events: &[Event], min_gap_ns: u64, n: usize) -> Vec<(String, usize, u64)> {
+    let mut spans: Vec<(u64, u64)> =
+        events.iter().filter(|e| e.is_device_work()).map(|e| (e.start_ns, e.start_ns + e.duration_ns)).collect();
+    spans.sort_unstable();
+    let mut gaps = Vec::new();
+    let mut end = spans.first().map_or(0, |s| s.1);
+    for &(s, e) in &spans {
+        if s > end + min_gap_ns {
+            gaps.push((end, s));
+        }
+        end = end.max(e);
+    }
+    let ops: Vec<&Event> = events.iter().filter(|e| e.activity == activity::CPU_OP).collect();
+    let mut by_op: HashMap<String, (usize, u64)> = HashMap::new();
+    for (a, b) in gaps {
+        let overlap = |o: &Event| (o.start_ns + o.duration_ns).min(b).saturating_sub(o.start_ns.max(a));
+        let covering = ops.iter().filter(|o| 2 * overlap(o) >= b - a).min_by_key(|o| o.duration_ns);
+        let op = covering.or_else(|| ops.iter().filter(|o| overlap(o) > 0).max_by_key(|o| overlap(o)));
+        let name = op.map_or_else(|| "(between ops)".to_string(), |o| o.name.clone());
+        let entry = by_op.entry(name).or_default();
+        entry.0 += 1;
+        entry.1 += b - a;
+    }
+    let mut out: Vec<(String, usize, u64)> = by_op.into_iter().map(|(k, (c, ns))| (k, c, ns)).collect();
+    out.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+    out.truncate(n);
+    out
+}
+
 /// The device's busy time: the union of its events' intervals (overlapping
 /// kernels counted once), and the span from the first start to the last end.
 pub fn device_busy_ns(events: &[Event]) -> (u64, u64) {
@@ -204,6 +261,35 @@ mod tests {
                 ClassTime { class: "unlinked", events: 1, device_ns: 10 }
             ]
         );
+        let by_op = device_time_by_key(&events, |_, op| op.map(|o| format!("{} {}", o.name, o.shapes)), 5);
+        assert_eq!(by_op, vec![("aten::mm [4,151936][151936,8]".to_string(), 2, 15)], "unlinked kernels have no key");
+    }
+
+    #[test]
+    fn device_gaps_go_to_the_host_op_that_ran_through_them() {
+        let op = |name: &str, start: u64, dur: u64| {
+            let mut e = kernel(start, dur, 0);
+            (e.activity, e.on_device, e.name) = (activity::CPU_OP, false, name.into());
+            e
+        };
+        let events = vec![
+            kernel(0, 10, 0),
+            // Gap 10..40: item() inside a loss op covers it.
+            op("loss", 5, 100),
+            op("aten::item", 12, 30),
+            kernel(40, 10, 0),
+            // Gap 50..60: no op ran through it.
+            kernel(60, 10, 0),
+            // Gap 70..71: shorter than the threshold.
+            kernel(71, 10, 0),
+        ];
+        assert_eq!(
+            idle_by_host_op(&events, 2, 5),
+            vec![("aten::item".to_string(), 1, 30), ("loss".to_string(), 1, 10)],
+            "the loss op overlaps the second gap (50..60) most"
+        );
+        let no_ops: Vec<Event> = events.iter().filter(|e| e.is_device_work()).cloned().collect();
+        assert_eq!(idle_by_host_op(&no_ops, 2, 5), vec![("(between ops)".to_string(), 2, 40)]);
     }
 
     #[test]
