@@ -9,7 +9,11 @@
 # and checks the exactly-once audit and the final weights' identity. The
 # faulted run's checkpoints live on a tmpfs of the test's own mount namespace
 # (`unshare`, no root; the full-disk fault cuts its size), so the newest 64
-# are kept, not all (a checkpoint is about 0.6 MB).
+# are kept, not all (a checkpoint is about 0.6 MB). The drafter is a group
+# of DFLASH_CHAOS_MEMBERS members (default 2; each SIGKILLed member is
+# replaced by a new process), and a recovery slower than 10 s has every
+# role's log lines around it written to DFLASH_CHAOS_SLOW_LOG (default
+# chaos-slow-SEED.log in the current folder).
 #   scripts/chaos-soak.sh SECONDS SEED        e.g. scripts/chaos-soak.sh 3600 11
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +24,9 @@ faults=$(( seconds / 20 > 12 ? seconds / 20 : 12 ))
 # (21 s without); scale the data with the time asked for.
 samples=$(( seconds * 200 > 6000 ? seconds * 200 : 6000 ))
 make build >/dev/null
-echo "chaos soak: ~${seconds} s, seed ${seed}, ${faults} faults, ${samples} samples"
-DFLASH_CHAOS_SEED=$seed DFLASH_CHAOS_FAULTS=$faults DFLASH_CHAOS_SAMPLES=$samples \
+members=${DFLASH_CHAOS_MEMBERS:-2}
+slow_log=${DFLASH_CHAOS_SLOW_LOG:-$PWD/chaos-slow-$seed.log}
+echo "chaos soak: ~${seconds} s, seed ${seed}, ${faults} faults, ${samples} samples, ${members} drafter member(s)"
+DFLASH_CHAOS_MEMBERS=$members DFLASH_CHAOS_SLOW_LOG=$slow_log DFLASH_CHAOS_SEED=$seed DFLASH_CHAOS_FAULTS=$faults DFLASH_CHAOS_SAMPLES=$samples \
   DFLASH_CHAOS_SPACING_MS=$(( seconds * 1000 / faults * 3 / 4 )) DFLASH_CHAOS_KEEP_LAST=64 \
   cargo nextest run --release --profile soak -p dflash-tests --test chaos --no-capture

@@ -423,7 +423,13 @@ impl Cluster {
     /// A drafter that tells targets to reach it at `advertise` (a proxy in
     /// front of its port).
     pub fn drafter_advertising(&self, name: &str, advertise: &str) -> Proc {
-        let mut cmd = self.local.drafter(&self.coordinator_url, &format!("127.0.0.1:{}", self.drafter_port));
+        self.drafter_at_advertising(name, self.drafter_port, advertise)
+    }
+
+    /// A drafter listening on `port` that tells targets to reach it at
+    /// `advertise` (a member of a group, behind its own proxy).
+    pub fn drafter_at_advertising(&self, name: &str, port: u16, advertise: &str) -> Proc {
+        let mut cmd = self.local.drafter(&self.coordinator_url, &format!("127.0.0.1:{port}"));
         let i = cmd.args.iter().position(|a| a == "--advertise").expect("the drafter advertises") + 1;
         cmd.args[i] = advertise.to_string();
         Proc::start_command(name, &cmd, &[], &self.logs)

@@ -18,12 +18,18 @@
 //! the count and the recovery median / max, and each role's resident memory
 //! over the run (peak, and the slope of a line fitted through its samples).
 //!
-//! The suite runs 12 faults over 6,000 samples. `scripts/chaos-soak.sh
-//! SECONDS SEED` runs the same test as a soak: `DFLASH_CHAOS_SEED`,
-//! `DFLASH_CHAOS_FAULTS`, `DFLASH_CHAOS_SPACING_MS` and `DFLASH_CHAOS_SAMPLES`
-//! size it, and `DFLASH_CHAOS_KEEP_LAST` bounds the checkpoints its disk
-//! holds. The test runs itself again in a user and mount namespace of its
-//! own (`unshare`, no root) for the checkpoint disk.
+//! The suite runs 12 faults (13 with the second member's replacement) over
+//! 6,000 samples with a drafter group of two members, each behind its own
+//! proxy; a member killed is replaced by a new process (a new instance).
+//! `scripts/chaos-soak.sh SECONDS SEED` runs the same test as a soak:
+//! `DFLASH_CHAOS_SEED`, `DFLASH_CHAOS_FAULTS`, `DFLASH_CHAOS_SPACING_MS` and
+//! `DFLASH_CHAOS_SAMPLES` size it, `DFLASH_CHAOS_MEMBERS` sets the group's
+//! size (1: a drafter alone), `DFLASH_CHAOS_KEEP_LAST` bounds the
+//! checkpoints its disk holds, and a recovery slower than
+//! `DFLASH_CHAOS_SLOW_S` (10 s) has every role's log lines around it
+//! printed (or written to `DFLASH_CHAOS_SLOW_LOG`). The test runs itself
+//! again in a user and mount namespace of its own (`unshare`, no root) for
+//! the checkpoint disk.
 
 #![allow(clippy::unwrap_used)] // tests panic on failure by design
 
@@ -160,13 +166,33 @@ fn first_after(logs: &[PathBuf], needle: &str, after: f64) -> Option<f64> {
 /// A trained step in a drafter log.
 const STEP: &str = " INFO step ";
 
+/// One drafter member: the port it listens on, behind the proxy the
+/// targets reach it through.
+struct Member {
+    port: u16,
+    proxy: Proxy,
+}
+
+impl Member {
+    fn new(port: u16) -> Self {
+        Self { port, proxy: Proxy::start(format!("127.0.0.1:{port}").parse().unwrap()) }
+    }
+
+    fn start(&self, cluster: &Cluster, name: &str) -> Proc {
+        cluster.drafter_at_advertising(name, self.port, &format!("http://127.0.0.1:{}", self.proxy.port))
+    }
+}
+
 /// The run's processes, started again when they exit (as a supervisor would).
 struct Run<'a> {
     cluster: &'a Cluster,
-    drafter_proxy: &'a Proxy,
+    members: &'a [Member],
     coordinator_proxy: &'a Proxy,
     coordinator: Proc,
-    drafter: Proc,
+    /// One process per drafter member (a group when several): one that
+    /// exits -- killed, or leaving its group's ended generation -- is
+    /// replaced by a new process (a new instance) in its slot.
+    drafters: Vec<Proc>,
     targets: Vec<Proc>,
     started: usize,
     drafter_logs: Vec<PathBuf>,
@@ -174,21 +200,21 @@ struct Run<'a> {
 }
 
 impl<'a> Run<'a> {
-    fn start(cluster: &'a Cluster, drafter_proxy: &'a Proxy, coordinator_proxy: &'a Proxy) -> Self {
+    fn start(cluster: &'a Cluster, members: &'a [Member], coordinator_proxy: &'a Proxy) -> Self {
         let coordinator = cluster.coordinator(&[]);
-        let advertise = format!("http://127.0.0.1:{}", drafter_proxy.port);
-        let drafter = cluster.drafter_advertising("drafter-0", &advertise);
+        let drafters: Vec<Proc> =
+            members.iter().enumerate().map(|(m, member)| member.start(cluster, &format!("drafter-m{m}-0"))).collect();
         let targets = vec![
             cluster.target("target-0"),
             cluster.target_via("target-1", &format!("http://127.0.0.1:{}", coordinator_proxy.port)),
         ];
-        let drafter_logs = vec![drafter.log.clone()];
+        let drafter_logs = drafters.iter().map(|d| d.log.clone()).collect();
         Self {
             cluster,
-            drafter_proxy,
+            members,
             coordinator_proxy,
             coordinator,
-            drafter,
+            drafters,
             targets,
             started: 0,
             drafter_logs,
@@ -214,11 +240,12 @@ impl<'a> Run<'a> {
                 &self.cluster.logs,
             );
         }
-        if self.drafter.child.try_wait().unwrap().is_some() {
-            self.started += 1;
-            let advertise = format!("http://127.0.0.1:{}", self.drafter_proxy.port);
-            self.drafter = self.cluster.drafter_advertising(&format!("drafter-{}", self.started), &advertise);
-            self.drafter_logs.push(self.drafter.log.clone());
+        for m in 0..self.drafters.len() {
+            if self.drafters[m].child.try_wait().unwrap().is_some() {
+                self.started += 1;
+                self.drafters[m] = self.members[m].start(self.cluster, &format!("drafter-m{m}-{}", self.started));
+                self.drafter_logs.push(self.drafters[m].log.clone());
+            }
         }
         for i in 0..self.targets.len() {
             if self.targets[i].child.try_wait().unwrap().is_some() {
@@ -251,8 +278,9 @@ impl<'a> Run<'a> {
     /// Resident memory of each role now: (role, MB).
     fn memory(&self) -> Vec<(&'static str, f64)> {
         let mut out = Vec::new();
-        let roles = [("coordinator", &self.coordinator), ("drafter", &self.drafter)];
-        for (name, p) in roles.into_iter().chain(self.targets.iter().map(|t| ("target", t))) {
+        let drafters = self.drafters.iter().zip(["drafter", "drafter m1"]);
+        let roles = std::iter::once(("coordinator", &self.coordinator)).chain(drafters.map(|(p, name)| (name, p)));
+        for (name, p) in roles.chain(self.targets.iter().map(|t| ("target", t))) {
             if let Some(mb) = rss_mb(p.pid()) {
                 out.push((name, mb));
             }
@@ -260,14 +288,31 @@ impl<'a> Run<'a> {
         out
     }
 
-    /// The last trained step in the current drafter's log.
+    /// The last trained step in the current drafters' logs (the group's
+    /// rank 0 logs its steps).
     fn last_step(&self) -> u64 {
-        self.drafter
-            .log_text()
-            .lines()
-            .rev()
-            .find_map(|l| l.split_once(STEP)?.1.split('/').next()?.parse().ok())
+        self.drafters
+            .iter()
+            .filter_map(|d| {
+                d.log_text().lines().rev().find_map(|l| l.split_once(STEP)?.1.split('/').next()?.parse().ok())
+            })
+            .max()
             .unwrap_or(0)
+    }
+
+    /// Every drafter member's process id.
+    fn drafter_pids(&self) -> Vec<i32> {
+        self.drafters.iter().map(Proc::pid).collect()
+    }
+
+    /// The current drafters' logs, for a failure's message.
+    fn drafter_log_text(&self) -> String {
+        self.drafters.iter().map(Proc::log_text).collect::<Vec<_>>().join("\n---\n")
+    }
+
+    /// Sets every drafter proxy's cut.
+    fn cut_drafters(&self, cut: bool) {
+        self.members.iter().for_each(|m| m.proxy.set_cut(cut));
     }
 }
 
@@ -286,7 +331,8 @@ enum Fault {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Role {
     Coordinator,
-    Drafter,
+    /// A drafter member (0 when the drafter is alone).
+    Drafter(usize),
     Target(usize),
 }
 
@@ -322,14 +368,18 @@ impl std::fmt::Display for Fault {
 }
 
 /// At least one fault of every kind, then a seeded mix, in a seeded order.
-fn schedule(seed: u64, n: usize) -> Vec<Fault> {
+/// With several drafter members, a drafter's fault falls on member `i mod
+/// members` of the i-th fault drawn, and every member is killed (replaced)
+/// at least once; with one, the schedule of a seed is what it was before
+/// groups.
+fn schedule(seed: u64, n: usize, members: usize) -> Vec<Fault> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut pause = |r| Fault::Pause(r, Duration::from_millis(rng.random_range(800..3500)));
     let mut all = vec![
-        Fault::Kill(Role::Drafter),
+        Fault::Kill(Role::Drafter(0)),
         Fault::Kill(Role::Target(0)),
         Fault::Kill(Role::Coordinator),
-        pause(Role::Drafter),
+        pause(Role::Drafter(0)),
         pause(Role::Target(1)),
         pause(Role::Coordinator),
         Fault::NetworkCut(Duration::from_millis(3000)),
@@ -339,9 +389,11 @@ fn schedule(seed: u64, n: usize) -> Vec<Fault> {
         Fault::CorruptNewestCheckpoint,
         Fault::SlowDrafter(Duration::from_millis(4000)),
     ];
+    all.extend((1..members).map(|m| Fault::Kill(Role::Drafter(m))));
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed + 1);
     while all.len() < n {
-        let r = [Role::Coordinator, Role::Drafter, Role::Target(0), Role::Target(1)][rng.random_range(0..4)];
+        let member = all.len() % members;
+        let r = [Role::Coordinator, Role::Drafter(member), Role::Target(0), Role::Target(1)][rng.random_range(0..4)];
         all.push(match rng.random_range(0..7) {
             0 => Fault::Kill(r),
             3 => Fault::CorruptNewestCheckpoint,
@@ -362,7 +414,7 @@ fn schedule(seed: u64, n: usize) -> Vec<Fault> {
 fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> {
     let proc_of = |run: &Run, r: Role| match r {
         Role::Coordinator => run.coordinator.pid(),
-        Role::Drafter => run.drafter.pid(),
+        Role::Drafter(m) => run.drafters[m].pid(),
         Role::Target(i) => run.targets[i].pid(),
     };
     match fault {
@@ -380,17 +432,17 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
             Ok(now())
         }
         Fault::NetworkCut(d) => {
-            run.drafter_proxy.set_cut(true);
+            run.cut_drafters(true);
             run.coordinator_proxy.set_cut(true);
             run.hold(d);
-            run.drafter_proxy.set_cut(false);
+            run.cut_drafters(false);
             run.coordinator_proxy.set_cut(false);
             Ok(now())
         }
         Fault::StalledReplies(d) => {
-            run.drafter_proxy.stall_replies();
+            run.members.iter().for_each(|m| m.proxy.stall_replies());
             run.hold(d);
-            run.drafter_proxy.release_replies();
+            run.members.iter().for_each(|m| m.proxy.release_replies());
             Ok(now())
         }
         Fault::SlowDrafter(d) => {
@@ -399,7 +451,8 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
             // wait on its credits, batches keep their order.
             let until = Instant::now() + d;
             while Instant::now() < until {
-                let pid = nix::unistd::Pid::from_raw(run.drafter.pid());
+                // Member 0: in a group, every rank waits for the slowest.
+                let pid = nix::unistd::Pid::from_raw(run.drafters[0].pid());
                 let _ = nix::sys::signal::kill(pid, Signal::SIGSTOP);
                 std::thread::sleep(Duration::from_millis(150));
                 let _ = nix::sys::signal::kill(pid, Signal::SIGCONT);
@@ -427,7 +480,9 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
             }
             std::fs::write(&weights, &bytes).map_err(|e| format!("{}: {e}", weights.display()))?;
             let since = now();
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(run.drafter.pid()), Signal::SIGKILL);
+            for pid in run.drafter_pids() {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+            }
             // The drafter started again resumes only after passing over it.
             let deadline = Instant::now() + Duration::from_secs(60);
             while first_after(&run.drafter_logs, "after passing over", since).is_none() && Instant::now() < deadline {
@@ -437,7 +492,7 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
                 first_after(&run.drafter_logs, "after passing over", since).is_some(),
                 "the drafter did not pass over the corrupted {}:\n{}",
                 weights.display(),
-                run.drafter.log_text()
+                run.drafter_log_text()
             );
             Ok(since)
         }
@@ -474,8 +529,12 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
             // The checkpoint two intervals ahead cannot be written: its
             // temporary folder's name is taken by a file.
             let step = (run.last_step() / CHECKPOINT_INTERVAL + 2) * CHECKPOINT_INTERVAL;
-            let blocker = ckpt_root.join(format!(".tmp-step-{step:08}-{}", run.drafter.pid()));
-            std::fs::write(&blocker, b"in the way").unwrap();
+            // Whichever member is rank 0 writes it.
+            let blockers: Vec<PathBuf> =
+                run.drafter_pids().iter().map(|pid| ckpt_root.join(format!(".tmp-step-{step:08}-{pid}"))).collect();
+            for b in &blockers {
+                std::fs::write(b, b"in the way").unwrap();
+            }
             let since = now();
             let needle = format!("checkpoint of step {step} failed");
             let deadline = Instant::now() + Duration::from_secs(60);
@@ -487,7 +546,9 @@ fn inject(run: &mut Run, fault: Fault, ckpt_root: &Path) -> Result<f64, String> 
             }
             let failed = first_after(&run.drafter_logs, &needle, since).is_some();
             run.hold(Duration::from_secs(1));
-            let _ = std::fs::remove_file(&blocker);
+            for b in &blockers {
+                let _ = std::fs::remove_file(b);
+            }
             if failed { Ok(now()) } else { Err(format!("the drafter did not reach step {step}")) }
         }
     }
@@ -506,11 +567,18 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
     let samples = setting("DFLASH_CHAOS_SAMPLES", SAMPLES as u64) as usize;
     let calm = Workspace::synthetic(samples, 3);
     // A soak keeps fewer checkpoints than all (its disk is memory).
-    let config = CONFIG.replace("keep_last = 0", &format!("keep_last = {}", setting("DFLASH_CHAOS_KEEP_LAST", 0)));
+    let mut config = CONFIG.replace("keep_last = 0", &format!("keep_last = {}", setting("DFLASH_CHAOS_KEEP_LAST", 0)));
+    // A drafter group of this many members (2 unless set), of a fixed
+    // size, so that the deal -- and the weights -- are the uninterrupted run's.
+    let members = setting("DFLASH_CHAOS_MEMBERS", 2).max(1) as usize;
+    if members > 1 {
+        config.push_str(&format!("\n[group]\nsize = {members}\ncollective_timeout_ms = 20000\n"));
+    }
     let cluster = Cluster::new(&calm, calm.config("calm", &config));
     let t0 = Instant::now();
     let mut coord = cluster.coordinator(&[]);
     let mut procs = vec![cluster.drafter("drafter"), cluster.target("target-0"), cluster.target("target-1")];
+    procs.extend((1..members).map(|m| cluster.drafter_at(&format!("drafter-m{m}"), dflash_tests::free_port())));
     let limit = Duration::from_secs(300).max(Duration::from_secs(samples as u64 / 20));
     assert!(coord.expect_exit(limit).success(), "{}", coord.log_text());
     for p in &mut procs {
@@ -522,22 +590,25 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
 
     // The same run under faults.
     let seed = setting("DFLASH_CHAOS_SEED", 11);
-    let faults = schedule(seed, setting("DFLASH_CHAOS_FAULTS", 12) as usize);
+    let faults = schedule(seed, setting("DFLASH_CHAOS_FAULTS", 12) as usize, members);
     // A soak spreads its faults over the run (the suite's come back to back).
     let spacing_ms = setting("DFLASH_CHAOS_SPACING_MS", 0);
     let ws = Workspace::synthetic(samples, 3);
     let ckpt_root = disk.join("checkpoints");
     let config = config.replace("[checkpoint]\n", &format!("[checkpoint]\ndir = \"{}\"\n", ckpt_root.display()));
     let cluster = Cluster::new(&ws, ws.config("chaos", &config));
-    let drafter_proxy = Proxy::start(format!("127.0.0.1:{}", cluster.drafter_port).parse().unwrap());
+    let group: Vec<Member> = std::iter::once(cluster.drafter_port)
+        .chain((1..members).map(|_| dflash_tests::free_port()))
+        .map(Member::new)
+        .collect();
     let coordinator_proxy = Proxy::start(format!("127.0.0.1:{}", cluster.coordinator_port).parse().unwrap());
     let t0 = Instant::now();
     let start = now();
-    let mut run = Run::start(&cluster, &drafter_proxy, &coordinator_proxy);
+    let mut run = Run::start(&cluster, &group, &coordinator_proxy);
     // Training first.
     let until = Instant::now() + Duration::from_secs(90);
     while first_after(&run.drafter_logs, STEP, 0.0).is_none() {
-        assert!(Instant::now() < until, "no step: {}", run.drafter.log_text());
+        assert!(Instant::now() < until, "no step: {}", run.drafter_log_text());
         run.hold(Duration::from_millis(100));
     }
     let mut report = Vec::new();
@@ -587,7 +658,7 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
                 line
             }
             None if run.done.is_some() => format!("{:>2}. {fault}: the run completed before another step", i + 1),
-            None => panic!("no recovery from {fault} within 90 s; drafter log:\n{}", run.drafter.log_text()),
+            None => panic!("no recovery from {fault} within 90 s; drafter log:\n{}", run.drafter_log_text()),
         };
         report.push(line);
     }
@@ -616,7 +687,7 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
         })
         .collect();
     println!(
-        "chaos schedule (seed {seed}), uninterrupted run {calm_secs:.1} s, this run {:.1} s:\n{}\n\
+        "chaos schedule (seed {seed}, {members} drafter member(s)), uninterrupted run {calm_secs:.1} s, this run {:.1} s:\n{}\n\
          recovery per fault kind (count, median, max):\n{}\nresident memory per role (sampled before each fault):\n{}\n\
          checkpoint disk (tmpfs): {:.1} MB in {} checkpoints",
         t0.elapsed().as_secs_f64(),
