@@ -16,8 +16,8 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
-use dflash_target::forward::{CudaFeed, ForwardLoop};
-use dflash_target::postprocess::{self, GpuCopy, PostprocessSink, Postprocessor};
+use dflash_target::forward::CudaFeed;
+use dflash_target::pipeline::{CapturePipeline, PipelineSettings};
 use dflash_target::work::WorkItem;
 
 #[derive(clap::Args, Debug)]
@@ -238,11 +238,10 @@ fn time_off(
     Ok(Timing { elapsed: t0.elapsed(), gpu_window_ms, timeline_ms, ..Timing::default() })
 }
 
-/// The target pipeline as the capture modes build it.
+/// What the capture modes' pipelines capture.
 struct Pipeline<'a> {
     dtype: DType,
     layout: Layout,
-    hidden: usize,
     layer_ids: &'a [i64],
 }
 
@@ -259,7 +258,7 @@ fn time_pipeline(
     setup: Pipeline,
     stop: &Stop,
 ) -> anyhow::Result<Timing> {
-    let Pipeline { dtype, layout, hidden, layer_ids } = setup;
+    let Pipeline { dtype, layout, layer_ids } = setup;
     let (mut forward_gpu_ms, mut idle, mut timeline_ms, mut received_ms) = (None, None, Vec::new(), Vec::new());
     let spec = FeatureSpec {
         dtype,
@@ -268,37 +267,32 @@ fn time_pipeline(
         noise_std: 0.0,
         target_top_k: 0,
     };
-    let bytes = spec.payload_bytes(a.batch_tokens, hidden);
-    let mut post = Postprocessor { spec, seed: 0, target_instance: "bench".into(), gpu: None, stop: stop.clone() };
-    if let Some(ctx) = cuda {
-        post.gpu = Some(GpuCopy {
-            ctx: ctx.clone(),
-            stream: dflash_models::gpu::side_stream(ctx)?,
-            pool: dflash_models::gpu::pinned_pool(ctx, 4, bytes)?,
-        });
-    }
+    // The service's pipeline (`dflash_target::pipeline`): postprocessing
+    // inline or behind a queue of one, four pinned buffers, no cache.
+    let settings = PipelineSettings {
+        spec,
+        seed: 0,
+        target_instance: "bench".into(),
+        label: "bench".into(),
+        postprocess_depth: if inline { 0 } else { 1 },
+        token_budget: a.batch_tokens,
+        pinned_buffers: 4,
+        feature_cache_bytes: 0,
+    };
+    let home = match (cuda, device) {
+        (Some(ctx), Device::Cuda(i)) => Some((ctx.clone(), i)),
+        _ => None,
+    };
     let (work_tx, work_rx) = flume::bounded(2);
     let (host_tx, host_rx) = flume::bounded(1);
-    let mut workers = Vec::new();
-    let sink = if inline {
-        PostprocessSink::Inline(post, host_tx)
-    } else {
-        let (cap_tx, cap_rx) = flume::bounded(1);
-        let s = stop.clone();
-        workers.push(std::thread::spawn(move || postprocess::worker(post, cap_rx, host_tx, s)));
-        PostprocessSink::Queue(cap_tx)
-    };
     let stats = std::sync::Arc::new(dflash_target::forward::ForwardStats::new(1));
-    let fl = ForwardLoop {
-        stats: stats.clone(),
-        model,
-        layer_ids: layer_ids.to_vec(),
-        top_k: 0,
-        label: "bench".into(),
-        cuda: cuda_feed(cuda, device, a.batch_tokens, 4)?,
-        cache: dflash_target::feature_cache::FeatureCache::new(0),
-        sink,
-    };
+    let pipeline = CapturePipeline::build(model, home, settings, stats.clone(), host_tx, stop.clone())?;
+    let mut workers = Vec::new();
+    if let Some(worker) = pipeline.postprocess {
+        let s = stop.clone();
+        workers.push(std::thread::spawn(move || worker.run(s)));
+    }
+    let fl = pipeline.forward;
     let s = stop.clone();
     let fwd = std::thread::spawn(move || fl.run(work_rx, s));
     let feeder = std::thread::spawn(move || {
@@ -544,7 +538,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         let t = match mode {
             "off" => time_off(a, &cuda, device, &model, &batches, &layer_ids, &stop)?,
             "async" | "sync" => {
-                let setup = Pipeline { dtype, layout, hidden: config.hidden_size as usize, layer_ids: &layer_ids };
+                let setup = Pipeline { dtype, layout, layer_ids: &layer_ids };
                 time_pipeline(a, mode == "sync", &cuda, device, model, batches, setup, &stop)?
             }
             other => anyhow::bail!("unknown mode {other} (off, async, sync)"),

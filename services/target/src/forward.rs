@@ -80,18 +80,18 @@ impl ForwardStats {
 /// One device's forward loop: takes a work item, computes (or takes from
 /// the cache) its captured layers, hands them to postprocessing.
 pub struct ForwardLoop {
-    pub stats: std::sync::Arc<ForwardStats>,
-    pub model: TargetModel,
-    pub layer_ids: Vec<i64>,
+    pub(crate) stats: std::sync::Arc<ForwardStats>,
+    pub(crate) model: TargetModel,
+    pub(crate) layer_ids: Vec<i64>,
     /// Distillation: how many next tokens per position to ship (0: none).
-    pub top_k: i64,
-    pub label: String,
+    pub(crate) top_k: i64,
+    pub(crate) label: String,
     /// The device's CUDA context and the ids uploader (None on CPU).
-    pub cuda: Option<CudaFeed>,
+    pub(crate) cuda: Option<CudaFeed>,
     /// Features of sequences already computed, reused in later epochs.
-    pub cache: FeatureCache,
+    pub(crate) cache: FeatureCache,
     /// Where captured batches go.
-    pub sink: PostprocessSink,
+    pub(crate) sink: PostprocessSink,
 }
 
 /// How a CUDA forward loop gets its inputs onto the device.

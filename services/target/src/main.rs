@@ -18,10 +18,10 @@ use dflash_role::{Announce, DeviceExt, KindExt, RoleArgs, Session, Stages, Stop,
 use dflash_telemetry::ErrorKind;
 use dflash_wire::FeatureSpec;
 
-use dflash_target::feature_cache::FeatureCache;
 use dflash_target::forward::{self, ForwardLoop};
 use dflash_target::leases::Leases;
-use dflash_target::postprocess::{self, PostprocessSink, Postprocessor};
+use dflash_target::pipeline::{CapturePipeline, PipelineSettings};
+use dflash_target::postprocess;
 use dflash_target::router::Router;
 use dflash_target::{inspect, sender, work};
 
@@ -121,19 +121,12 @@ async fn start(session: &Arc<Session>, stages: &Stages, args: &ServeArgs) -> any
         dflash_models::cuda::ensure_cuda(&gpus).kind(ErrorKind::Device)?;
         dflash_models::cuda::set_cudnn_attention(false);
     }
-    let post = Postprocessor {
-        spec,
-        seed: c.run.seed,
-        target_instance: session.instance_id.clone(),
-        gpu: None,
-        stop: stop.clone(),
-    };
     let (work_tx, work_rx) = flume::bounded(instances.len());
     let (host_tx, host_rx) = flume::bounded(1);
     for group in &instances {
         let name = group_name(group);
         let instance = Instance { devices: group, model_dir: &model_dir, inspection: &inspection };
-        let fl = instance_pipeline(session, stages, &instance, &stats, post.clone(), &host_tx).on_device(&name)?;
+        let fl = instance_pipeline(session, stages, &instance, &spec, &stats, &host_tx).on_device(&name)?;
         let (rx, s) = (work_rx.clone(), stop.clone());
         stages.spawn_thread(&format!("forward-{name}"), move || fl.run(rx, s).on_device(name));
     }
@@ -210,82 +203,59 @@ fn load_scope(spec: &FeatureSpec, last_layer: i64) -> LoadScope {
     if spec.target_top_k > 0 { LoadScope::Full } else { LoadScope::CaptureUpTo { last_layer } }
 }
 
-/// One instance's model (on its devices), its postprocess stage (a worker,
-/// or inline at depth 0) feeding `host_tx`, and the forward loop that
-/// drives them. Ids come in, and captured layers leave, on the instance's
-/// first device.
+/// One instance's model (on its devices) and its capture pipeline (the
+/// postprocess stage -- a worker, or inline at depth 0 -- feeding
+/// `host_tx`, started here; the forward loop that drives it, returned).
+/// Ids come in, and captured layers leave, on the instance's first device.
 fn instance_pipeline(
     session: &Session,
     stages: &Stages,
     instance: &Instance,
+    spec: &FeatureSpec,
     stats: &Arc<forward::ForwardStats>,
-    mut post: Postprocessor,
     host_tx: &flume::Sender<postprocess::OutboundBatch>,
 ) -> anyhow::Result<ForwardLoop> {
     let c = &session.config;
     let name = group_name(instance.devices);
-    let layer_ids: Vec<i64> = post.spec.layer_ids.iter().map(|&i| i as i64).collect();
+    let layer_ids: Vec<i64> = spec.layer_ids.iter().map(|&i| i as i64).collect();
     let last_layer = *layer_ids.iter().max().expect("resolved by the coordinator");
-    let kind = kind_of(post.spec.dtype);
+    let kind = kind_of(spec.dtype);
     let devices: Vec<tch::Device> = instance.devices.devices().iter().map(dflash_models::cuda::torch_device).collect();
-    let home = instance.devices.devices()[0];
-    let cuda = match home {
+    let cuda = match instance.devices.devices()[0] {
         Device::Cpu => None,
-        Device::Cuda(i) => Some(dflash_models::gpu::context(i as usize).kind(ErrorKind::Device)?),
+        Device::Cuda(i) => Some((dflash_models::gpu::context(i as usize).kind(ErrorKind::Device)?, i as usize)),
     };
-    let plan = plan_instance(c, instance, &devices, &post.spec)?;
-    if let Some(ctx) = &cuda {
-        // Buffers live in: postprocess, the sender's queue, and the
-        // unacknowledged window; one more so the pipeline never starves.
-        let p = &c.pipeline;
-        let count = (p.target_postprocess_depth.max(1) + p.max_inflight_batches + 2) as usize;
-        let hidden = instance.inspection.config.hidden_size as usize;
-        let bytes = post.spec.payload_bytes(p.token_budget as usize, hidden);
-        let pool = dflash_models::gpu::pinned_pool(ctx, count, bytes).kind(ErrorKind::Device)?;
-        let stream = dflash_models::gpu::side_stream(ctx).kind(ErrorKind::Device)?;
-        tracing::info!("{home}: {count} pinned buffers of {} MiB for device-to-host copies", bytes >> 20);
-        post.gpu = Some(postprocess::GpuCopy { ctx: ctx.clone(), stream, pool });
-    }
+    let plan = plan_instance(c, instance, &devices, spec)?;
     let dir = instance.model_dir.to_path_buf();
-    let scope = load_scope(&post.spec, last_layer);
+    let scope = load_scope(spec, last_layer);
     let model =
         tokio::task::block_in_place(|| TargetModel::load_placed(&dir, &plan, kind, scope)).kind(ErrorKind::Model)?;
-    let top_k = post.spec.target_top_k as i64;
+    let top_k = spec.target_top_k;
     tracing::info!(
         "target {name}: loaded {} of {} layers of the {} target ({kind:?}), capturing {layer_ids:?}, {} layout{}",
         model.loaded_layers(),
         model.config.num_layers,
         dflash_models::zoo::architecture(model.config.family).hf_architecture(),
-        post.spec.layout,
+        spec.layout,
         if top_k > 0 { format!(", and its top-{top_k} next tokens for distillation") } else { String::new() },
     );
-    let depth = c.pipeline.target_postprocess_depth as usize;
-    let sink = if depth == 0 {
-        PostprocessSink::Inline(post, host_tx.clone())
-    } else {
-        let (cap_tx, cap_rx) = flume::bounded(depth);
-        let (out, s, dev) = (host_tx.clone(), session.stop.clone(), name.clone());
-        stages.spawn_thread(&format!("postprocess-{name}"), move || {
-            postprocess::worker(post, cap_rx, out, s).on_device(dev)
-        });
-        PostprocessSink::Queue(cap_tx)
-    };
-    let cuda = match (cuda, home) {
-        // Ids are held by: the loop, the postprocess queue, the worker.
-        (Some(ctx), Device::Cuda(i)) => Some(
-            forward::CudaFeed::new(&ctx, i as usize, c.pipeline.token_budget as usize, depth + 3)
-                .kind(ErrorKind::Device)?,
-        ),
-        _ => None,
-    };
-    Ok(ForwardLoop {
-        stats: Arc::clone(stats),
-        model,
-        layer_ids,
-        top_k,
+    let p = &c.pipeline;
+    let settings = PipelineSettings {
+        spec: spec.clone(),
+        seed: c.run.seed,
+        target_instance: session.instance_id.clone(),
         label: format!("target {name}"),
-        cuda,
-        cache: FeatureCache::new((c.pipeline.target_feature_cache_mib as usize) << 20),
-        sink,
-    })
+        postprocess_depth: p.target_postprocess_depth as usize,
+        token_budget: p.token_budget as usize,
+        // Payloads wait in: postprocess, the sender's queue, and the
+        // unacknowledged window; one more so the pipeline never starves.
+        pinned_buffers: (p.target_postprocess_depth.max(1) + p.max_inflight_batches + 2) as usize,
+        feature_cache_bytes: (p.target_feature_cache_mib as usize) << 20,
+    };
+    let stop = session.stop.clone();
+    let pipeline = CapturePipeline::build(model, cuda, settings, Arc::clone(stats), host_tx.clone(), stop.clone())?;
+    if let Some(worker) = pipeline.postprocess {
+        stages.spawn_thread(&format!("postprocess-{name}"), move || worker.run(stop).on_device(name));
+    }
+    Ok(pipeline.forward)
 }

@@ -15,13 +15,13 @@ use crate::leases::Lease;
 /// Turns captured batches into host batches.
 #[derive(Clone)]
 pub struct Postprocessor {
-    pub spec: FeatureSpec,
+    pub(crate) spec: FeatureSpec,
     /// The run's seed: noise is drawn from it and the batch id.
-    pub seed: u64,
-    pub target_instance: String,
+    pub(crate) seed: u64,
+    pub(crate) target_instance: String,
     /// On CUDA: where device-to-host copies go.
-    pub gpu: Option<GpuCopy>,
-    pub stop: Stop,
+    pub(crate) gpu: Option<GpuCopy>,
+    pub(crate) stop: Stop,
 }
 
 /// A batch ready for the wire, with the lease the sender holds until the
@@ -35,9 +35,9 @@ pub struct OutboundBatch {
 /// pinned buffers that the sender hands back by dropping the payload.
 #[derive(Clone)]
 pub struct GpuCopy {
-    pub ctx: std::sync::Arc<cudarc::driver::CudaContext>,
-    pub stream: std::sync::Arc<cudarc::driver::CudaStream>,
-    pub pool: gpu::Pool<gpu::PinnedMem>,
+    pub(crate) ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    pub(crate) stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    pub(crate) pool: gpu::Pool<gpu::PinnedMem>,
 }
 
 /// Contiguous host bytes of a tensor.
