@@ -148,3 +148,18 @@ pub fn probe_device(device: tch::Device) -> Result<(), String> {
         Err(_) => Err(format!("{name}: the probe panicked")),
     }
 }
+
+/// `host` (a CPU tensor) on `device`, without the host waiting for the
+/// device. On a GPU the bytes go through pinned memory by a non-blocking
+/// copy, ordered on the current stream before the kernels that read them
+/// (libtorch keeps the pinned block until the copy is done). A plain
+/// `to_device` from pageable memory synchronizes the stream: the GPU then
+/// idles from the end of the work queued before it until the host has
+/// launched the next kernels. The training step uploads its index plans
+/// this way at every micro-batch.
+pub fn upload(host: &tch::Tensor, device: tch::Device) -> tch::Tensor {
+    match device {
+        tch::Device::Cuda(_) => host.pin_memory(device).to_device_(device, host.kind(), true, false),
+        _ => host.to_device(device),
+    }
+}

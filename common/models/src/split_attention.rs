@@ -124,9 +124,9 @@ pub struct DevicePart {
 impl DevicePart {
     fn new(p: &PartPlan, device: Device) -> Self {
         DevicePart {
-            key_rows: Tensor::from_slice(&p.key_rows).to_device(device),
-            cu_q: Tensor::from_slice(&p.cu_q).to_device(device),
-            cu_k: Tensor::from_slice(&p.cu_k).to_device(device),
+            key_rows: crate::cuda::upload(&Tensor::from_slice(&p.key_rows), device),
+            cu_q: crate::cuda::upload(&Tensor::from_slice(&p.cu_q), device),
+            cu_k: crate::cuda::upload(&Tensor::from_slice(&p.cu_k), device),
             max_q: p.max_q,
             max_k: p.max_k,
         }

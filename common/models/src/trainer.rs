@@ -8,6 +8,7 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
 
 use crate::blocks::{BlockLayout, BlockSequence, BlockSettings, sample_anchors};
+use crate::cuda::upload;
 use crate::drafter::Drafter;
 use crate::objective::{ChunkObjective, ChunkRows, SelectorPick, probability_kind};
 pub use crate::objective::{Objective, dpace_weights};
@@ -108,6 +109,40 @@ struct Tally {
     blocks: f64,
     /// Supervised slots whose label is among the selector's candidates.
     recalled: f64,
+}
+
+/// One micro-batch's metrics as the device computes them: `[loss sum,
+/// accepted, recalled, correct per slot.., counted per slot..]` in f64,
+/// and its real blocks. They are read back once, after the step's last
+/// backward is queued: a read per micro-batch would make the host wait for
+/// that backward before launching the next micro-batch, idling the GPU.
+struct PendingMetrics {
+    values: Tensor,
+    blocks: f64,
+}
+
+impl Tally {
+    /// Adds every micro-batch's metrics, in order (the sums the host made
+    /// when it read each micro-batch's at once), in one read from the device.
+    fn settle(&mut self, pending: &[PendingMetrics]) {
+        if pending.is_empty() {
+            return;
+        }
+        let all = Tensor::stack(&pending.iter().map(|p| p.values.shallow_clone()).collect::<Vec<_>>(), 0);
+        let per = all.size()[1] as usize;
+        let values = Vec::<f64>::try_from(all.to_device(tch::Device::Cpu).view([-1])).expect("f64 metrics");
+        let slots = self.correct.len();
+        for (row, p) in values.chunks(per).zip(pending) {
+            self.loss_sum += row[0];
+            self.recalled += row[2];
+            for k in 0..slots {
+                self.correct[k] += row[3 + k];
+                self.counted[k] += row[3 + slots + k];
+            }
+            self.accept_sum += row[1] + p.blocks;
+            self.blocks += p.blocks;
+        }
+    }
 }
 
 impl Trainer {
@@ -254,10 +289,12 @@ impl Trainer {
 
         let b = s.blocks.block_size;
         let mut tally = Tally { correct: vec![0.0; b - 1], counted: vec![0.0; b - 1], ..Tally::default() };
+        let mut pending = Vec::with_capacity(groups.len());
         for (g, layout) in groups.iter().zip(&layouts) {
             let feats: Vec<(usize, usize)> = g.iter().map(|&i| (offsets[i], seqs[i].input_ids.len())).collect();
-            self.micro_batch(&batch.features, teacher, &feats, layout, total_weight, &mut tally);
+            pending.push(self.micro_batch(&batch.features, teacher, &feats, layout, total_weight));
         }
+        tally.settle(&pending);
         let loss = tally.loss_sum / total_weight;
         if !loss.is_finite() {
             self.opt.zero_grad();
@@ -304,8 +341,7 @@ impl Trainer {
         members: &[(usize, usize)],
         layout: &BlockLayout,
         total_weight: f64,
-        tally: &mut Tally,
-    ) {
+    ) -> PendingMetrics {
         let device = self.drafter.device();
         let kind = self.drafter.kind();
         let (n, s) = (layout.n as i64, layout.context_len as i64);
@@ -316,18 +352,18 @@ impl Trainer {
         }
         let hidden = self.drafter.forward_layout(&padded, &self.embed, layout);
         let h = hidden.size()[2];
-        let rows_idx = Tensor::from_slice(&layout.rows).to_device(device);
+        let rows_idx = upload(&Tensor::from_slice(&layout.rows), device);
         let rows = hidden.view([-1, h]).index_select(0, &rows_idx); // [M, H]
-        let labels = Tensor::from_slice(&layout.labels).to_device(device);
-        let weights = Tensor::from_slice(&layout.weights).to_device(device);
+        let labels = upload(&Tensor::from_slice(&layout.labels), device);
+        let weights = upload(&Tensor::from_slice(&layout.weights), device);
         let selector = self.drafter.selector();
-        let predecessors = selector.map(|_| Tensor::from_slice(&layout.predecessors()).to_device(device));
+        let predecessors = selector.map(|_| upload(&Tensor::from_slice(&layout.predecessors()), device));
         // Distillation: each row's target top-k, read where its label's
         // distribution is (the position before the label), renormalized.
         let teacher = teacher.map(|t| {
             let at: Vec<i64> =
                 layout.sources.iter().map(|&(i, p)| (members[i as usize].0 + p as usize) as i64).collect();
-            let r = t.rows(&Tensor::from_slice(&at).to_device(device));
+            let r = t.rows(&upload(&Tensor::from_slice(&at), device));
             (r.ids, r.log_probs.softmax(-1, if kind == Kind::Double { Kind::Double } else { Kind::Float }))
         });
         let mut picks = Vec::new(); // DFlash2: each chunk's candidates, for the selector's backward
@@ -374,31 +410,26 @@ impl Trainer {
         let _ = grad.g_mul_(&scale.unsqueeze(1).to_kind(kind));
         drop(no_grad);
         let mut loss = (&rows * &grad).sum(Kind::Float);
+        let mut recalled = Tensor::zeros([], (Kind::Double, device));
         if let (Some(sel), Some(pred)) = (selector, &predecessors) {
-            let (term, recalled) = objective.selector_term(sel, &rows, &picks, pred, &scale);
+            let (term, hits) = objective.selector_term(sel, &rows, &picks, pred, &scale);
             loss = loss.to_kind(objective.acc) + term;
-            tally.recalled += recalled.to_kind(Kind::Double).sum(Kind::Double).double_value(&[]);
+            recalled = hits.to_kind(Kind::Double).sum(Kind::Double);
         }
         loss.backward();
-        // Read back once per micro-batch: a read per chunk would stall the
-        // GPU queue.
-        tally.loss_sum += Tensor::stack(&loss_parts, 0).sum(Kind::Double).double_value(&[]);
+        let loss_sum = Tensor::stack(&loss_parts, 0).sum(Kind::Double);
 
         // Metrics over supervised slots (weight > 0), per block of B-1 rows.
         let valid = weights.gt(0.0).view([-1, bm1]);
         let correct = Tensor::cat(&correct_parts, 0).view([-1, bm1]).logical_and(&valid);
-        let per_slot_correct =
-            Vec::<f64>::try_from(correct.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double)).expect("1-D");
-        let per_slot_counted =
-            Vec::<f64>::try_from(valid.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double)).expect("1-D");
-        for k in 0..per_slot_correct.len() {
-            tally.correct[k] += per_slot_correct[k];
-            tally.counted[k] += per_slot_counted[k];
+        let per_slot_correct = correct.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double);
+        let per_slot_counted = valid.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double);
+        let accepted = correct.to_kind(Kind::Int64).cumprod(1, Kind::Int64).sum(Kind::Double);
+        let scalars = Tensor::stack(&[loss_sum, accepted, recalled], 0);
+        PendingMetrics {
+            values: Tensor::cat(&[scalars, per_slot_correct, per_slot_counted], 0),
+            blocks: layout.real_blocks as f64,
         }
-        let accepted = correct.to_kind(Kind::Int64).cumprod(1, Kind::Int64).sum(Kind::Double).double_value(&[]);
-        let blocks = layout.real_blocks as f64;
-        tally.accept_sum += accepted + blocks;
-        tally.blocks += blocks;
     }
 }
 
@@ -598,7 +629,8 @@ mod tests {
         for (_, p) in trainer.drafter.named_parameters() {
             let _ = p.grad().zero_();
         }
-        trainer.micro_batch(&features, teacher.as_ref(), &[(0, 19)], &layout, total, &mut tally);
+        let pending = trainer.micro_batch(&features, teacher.as_ref(), &[(0, 19)], &layout, total);
+        tally.settle(&[pending]);
         let (loss, got) = (tally.loss_sum / total, grads(&trainer));
 
         for (_, p) in trainer.drafter.named_parameters() {
