@@ -159,7 +159,33 @@ pub fn probe_device(device: tch::Device) -> Result<(), String> {
 /// this way at every micro-batch.
 pub fn upload(host: &tch::Tensor, device: tch::Device) -> tch::Tensor {
     match device {
-        tch::Device::Cuda(_) => host.pin_memory(device).to_device_(device, host.kind(), true, false),
+        tch::Device::Cuda(_) => match pinned(host) {
+            Ok(p) => p.to_device_(device, host.kind(), true, false),
+            // No pinned memory to be had: the blocking copy still works.
+            Err(_) => host.to_device(device),
+        },
         _ => host.to_device(device),
     }
+}
+
+unsafe extern "C" {
+    /// csrc/host_memory.cpp: a new `at::Tensor*` or null with `err` filled.
+    fn dflash_pin_memory(t: *mut std::ffi::c_void, err: *mut std::ffi::c_char, err_len: i32) -> *mut std::ffi::c_void;
+}
+
+/// A pinned (page-locked) copy of the CPU tensor `host`, for the CUDA
+/// backend loaded ([`ensure_cuda`]). Unlike tch's `pin_memory(device)` it
+/// passes no device, which libtorch has deprecated and warns about at every
+/// call.
+pub fn pinned(host: &tch::Tensor) -> Result<tch::Tensor, ModelError> {
+    let mut err = [0u8; 512];
+    // SAFETY: `host` is a live at::Tensor borrowed for the call; the shim
+    // returns a new heap tensor or null, and writes at most err.len() bytes.
+    let out = unsafe { dflash_pin_memory(host.as_ptr().cast_mut().cast(), err.as_mut_ptr().cast(), err.len() as i32) };
+    if out.is_null() {
+        let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
+        return Err(ModelError::Device(format!("pinning host memory: {}", String::from_utf8_lossy(&err[..end]))));
+    }
+    // SAFETY: a fresh at::Tensor* from the shim, owned from here on.
+    Ok(unsafe { tch::Tensor::from_ptr(out.cast()) })
 }

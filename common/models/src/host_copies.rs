@@ -52,7 +52,7 @@ impl HostCopies {
 fn allocate(src: &Tensor, kind: Kind) -> Result<Tensor, ModelError> {
     let host = Tensor::f_empty(src.size(), (kind, Device::Cpu))?;
     Ok(match src.device() {
-        Device::Cuda(_) => host.f_pin_memory(src.device())?,
+        Device::Cuda(_) => crate::cuda::pinned(&host)?,
         _ => host,
     })
 }
