@@ -617,6 +617,7 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
     // fault to the recovery printed (or written to DFLASH_CHAOS_SLOW_LOG).
     let slow_s = setting("DFLASH_CHAOS_SLOW_S", 10) as f64;
     let mut slow: Vec<String> = Vec::new();
+    let mut last_at = now();
     let mut memory: std::collections::BTreeMap<&'static str, Vec<(f64, f64)>> = Default::default();
     for (i, &fault) in faults.iter().enumerate() {
         if !run.supervise() {
@@ -627,6 +628,7 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
         }
         run.hold(Duration::from_millis((300 + 200 * (i as u64 % 3)).max(spacing_ms)));
         let at = now();
+        let previous_at = std::mem::replace(&mut last_at, at);
         let over = match inject(&mut run, fault, &ckpt_root) {
             Ok(t) => t,
             Err(why) => {
@@ -653,7 +655,10 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
                     t - over
                 );
                 if t - over > slow_s {
-                    slow.push(format!("{line}\n{}", log_window(&cluster.logs, at - 1.0, t)));
+                    // From the fault before it: a role's restart it caused
+                    // (its recovery measured by the steps of queued batches)
+                    // may be what this one waits for.
+                    slow.push(format!("{line}\n{}", log_window(&cluster.logs, previous_at - 1.0, t)));
                 }
                 line
             }
