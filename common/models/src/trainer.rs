@@ -111,6 +111,13 @@ struct Tally {
     recalled: f64,
 }
 
+/// A batch's micro-batches: each one's sequences (offset and length in
+/// the batch) and its block layout.
+struct MicroBatchPlan {
+    members: Vec<Vec<(usize, usize)>>,
+    layouts: Vec<BlockLayout>,
+}
+
 /// One micro-batch's metrics as the device computes them: `[loss sum,
 /// accepted, recalled, correct per slot.., counted per slot..]` in f64,
 /// and its real blocks. They are read back once, after the step's last
@@ -209,91 +216,27 @@ impl Trainer {
     /// gradients left at zero.
     pub fn compute_gradients(&mut self, batch: &DeviceBatch) -> StepOutcome {
         self.opt.zero_grad();
-        let s = &self.settings;
-        if !bool::try_from(batch.features.isfinite().all()).unwrap_or(false) {
-            return StepOutcome::Skipped(format!("batch {}: non-finite target features", batch.batch_id));
-        }
-        let teacher = match (s.objective, &batch.target_top_k) {
-            (Objective::Distill, None) => {
-                return StepOutcome::Skipped(format!(
-                    "batch {}: distillation needs the target's top-k next tokens; the batch has none",
-                    batch.batch_id
-                ));
-            }
-            (Objective::Distill, Some(t)) => {
-                // -inf is a probability that underflowed (weight 0); NaN or +inf is broken.
-                let lp = &t.log_probs;
-                if bool::try_from(lp.isnan().logical_or(&lp.isposinf()).any()).unwrap_or(true) {
-                    return StepOutcome::Skipped(format!(
-                        "batch {}: non-finite log-probabilities in the target's top-k",
-                        batch.batch_id
-                    ));
-                }
-                Some(t)
-            }
-            _ => None,
+        let teacher = match self.checked_teacher(batch) {
+            Ok(t) => t,
+            Err(skipped) => return skipped,
         };
-        // Anchors: deterministic in (seed, batch id), so a redone batch after
-        // a restart trains on the same blocks.
-        let mut rng = ChaCha8Rng::seed_from_u64(s.seed ^ batch.batch_id.wrapping_mul(0x2545_F491_4F6C_DD1D));
-        let mut seqs = Vec::with_capacity(batch.seq_lengths.len());
-        let mut offsets = Vec::with_capacity(batch.seq_lengths.len());
-        let mut start = 0usize;
-        for &len in &batch.seq_lengths {
-            let len = len as usize;
-            let ids = &batch.input_ids[start..start + len];
-            let mask = &batch.loss_mask[start..start + len];
-            let anchors = sample_anchors(mask, s.blocks.anchors_per_sequence, &mut rng);
-            offsets.push(start);
-            seqs.push(BlockSequence { input_ids: ids, loss_mask: mask, anchors });
-            start += len;
-        }
-        // Micro-batches: consecutive sequences while sequences x anchors fits.
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        let mut cur_blocks = 0usize;
-        for (i, q) in seqs.iter().enumerate() {
-            if q.anchors.is_empty() {
-                continue;
-            }
-            let n = groups.last().map_or(0, Vec::len);
-            let padded = (n + 1) * cur_blocks.max(q.anchors.len());
-            if groups.is_empty() || padded > s.max_blocks_per_micro_batch {
-                groups.push(Vec::new());
-                cur_blocks = 0;
-            }
-            cur_blocks = cur_blocks.max(q.anchors.len());
-            groups.last_mut().expect("pushed above").push(i);
-        }
-        let layouts: Vec<BlockLayout> = groups
-            .iter()
-            .map(|g| {
-                let members: Vec<BlockSequence> = g
-                    .iter()
-                    .map(|&i| BlockSequence {
-                        input_ids: seqs[i].input_ids,
-                        loss_mask: seqs[i].loss_mask,
-                        anchors: seqs[i].anchors.clone(),
-                    })
-                    .collect();
-                BlockLayout::new(&members, &s.blocks, s.attention_chunk_blocks)
-                    .with_context_multiple(s.context_pad_multiple)
-            })
-            .collect();
-        let total_weight: f64 = match s.objective {
-            Objective::CrossEntropy | Objective::Distill => layouts.iter().map(BlockLayout::total_weight).sum(),
-            Objective::Dpace { .. } => layouts.iter().map(|l| l.supervised_slots() as f64).sum(),
+        let plan = self.plan_micro_batches(batch);
+        let total_weight: f64 = match self.settings.objective {
+            Objective::CrossEntropy | Objective::Distill => plan.layouts.iter().map(BlockLayout::total_weight).sum(),
+            Objective::Dpace { .. } => plan.layouts.iter().map(|l| l.supervised_slots() as f64).sum(),
         };
         if total_weight <= 0.0 {
             return StepOutcome::Skipped(format!("batch {}: no trainable block positions", batch.batch_id));
         }
 
-        let b = s.blocks.block_size;
+        let b = self.settings.blocks.block_size;
         let mut tally = Tally { correct: vec![0.0; b - 1], counted: vec![0.0; b - 1], ..Tally::default() };
-        let mut pending = Vec::with_capacity(groups.len());
-        for (g, layout) in groups.iter().zip(&layouts) {
-            let feats: Vec<(usize, usize)> = g.iter().map(|&i| (offsets[i], seqs[i].input_ids.len())).collect();
-            pending.push(self.micro_batch(&batch.features, teacher, &feats, layout, total_weight));
-        }
+        let pending: Vec<PendingMetrics> = plan
+            .members
+            .iter()
+            .zip(&plan.layouts)
+            .map(|(feats, layout)| self.micro_batch(&batch.features, teacher, feats, layout, total_weight))
+            .collect();
         tally.settle(&pending);
         let loss = tally.loss_sum / total_weight;
         if !loss.is_finite() {
@@ -313,6 +256,86 @@ impl Trainer {
             grad_norm: 0.0,
             lr: 0.0,
         })
+    }
+
+    /// The batch's inputs checked before any work: finite features, and
+    /// for distillation the target's top-k present and without NaN or +inf
+    /// (-inf is a probability that underflowed: weight 0). Returns the
+    /// teacher (distillation) or why the batch is skipped.
+    fn checked_teacher<'b>(&self, batch: &'b DeviceBatch) -> Result<Option<&'b crate::TopK>, StepOutcome> {
+        if !bool::try_from(batch.features.isfinite().all()).unwrap_or(false) {
+            return Err(StepOutcome::Skipped(format!("batch {}: non-finite target features", batch.batch_id)));
+        }
+        match (self.settings.objective, &batch.target_top_k) {
+            (Objective::Distill, None) => Err(StepOutcome::Skipped(format!(
+                "batch {}: distillation needs the target's top-k next tokens; the batch has none",
+                batch.batch_id
+            ))),
+            (Objective::Distill, Some(t)) => {
+                let lp = &t.log_probs;
+                if bool::try_from(lp.isnan().logical_or(&lp.isposinf()).any()).unwrap_or(true) {
+                    return Err(StepOutcome::Skipped(format!(
+                        "batch {}: non-finite log-probabilities in the target's top-k",
+                        batch.batch_id
+                    )));
+                }
+                Ok(Some(t))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The batch's anchors (deterministic in (seed, batch id), so a redone
+    /// batch after a restart trains on the same blocks) and its
+    /// micro-batches: consecutive sequences while sequences x anchors fits.
+    fn plan_micro_batches(&self, batch: &DeviceBatch) -> MicroBatchPlan {
+        let s = &self.settings;
+        let mut rng = ChaCha8Rng::seed_from_u64(s.seed ^ batch.batch_id.wrapping_mul(0x2545_F491_4F6C_DD1D));
+        let mut seqs = Vec::with_capacity(batch.seq_lengths.len());
+        let mut offsets = Vec::with_capacity(batch.seq_lengths.len());
+        let mut start = 0usize;
+        for &len in &batch.seq_lengths {
+            let len = len as usize;
+            let ids = &batch.input_ids[start..start + len];
+            let mask = &batch.loss_mask[start..start + len];
+            let anchors = sample_anchors(mask, s.blocks.anchors_per_sequence, &mut rng);
+            offsets.push(start);
+            seqs.push(BlockSequence { input_ids: ids, loss_mask: mask, anchors });
+            start += len;
+        }
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        let mut cur_blocks = 0usize;
+        for (i, q) in seqs.iter().enumerate() {
+            if q.anchors.is_empty() {
+                continue;
+            }
+            let n = groups.last().map_or(0, Vec::len);
+            let padded = (n + 1) * cur_blocks.max(q.anchors.len());
+            if groups.is_empty() || padded > s.max_blocks_per_micro_batch {
+                groups.push(Vec::new());
+                cur_blocks = 0;
+            }
+            cur_blocks = cur_blocks.max(q.anchors.len());
+            groups.last_mut().expect("pushed above").push(i);
+        }
+        let layouts = groups
+            .iter()
+            .map(|g| {
+                let members: Vec<BlockSequence> = g
+                    .iter()
+                    .map(|&i| BlockSequence {
+                        input_ids: seqs[i].input_ids,
+                        loss_mask: seqs[i].loss_mask,
+                        anchors: seqs[i].anchors.clone(),
+                    })
+                    .collect();
+                BlockLayout::new(&members, &s.blocks, s.attention_chunk_blocks)
+                    .with_context_multiple(s.context_pad_multiple)
+            })
+            .collect();
+        let members =
+            groups.iter().map(|g| g.iter().map(|&i| (offsets[i], seqs[i].input_ids.len())).collect()).collect();
+        MicroBatchPlan { members, layouts }
     }
 
     /// Clips the accumulated gradients and takes the optimizer step;
