@@ -111,6 +111,29 @@ struct Tally {
     recalled: f64,
 }
 
+/// A micro-batch's metrics over its supervised slots (weight > 0), per
+/// block of `bm1` rows, left on the device: see [`PendingMetrics`].
+/// `sums` are the loss sum and the selector's recalled slots.
+fn pending_metrics(
+    weights: &Tensor,
+    correct_parts: &[Tensor],
+    bm1: i64,
+    sums: [Tensor; 2],
+    layout: &BlockLayout,
+) -> PendingMetrics {
+    let valid = weights.gt(0.0).view([-1, bm1]);
+    let correct = Tensor::cat(correct_parts, 0).view([-1, bm1]).logical_and(&valid);
+    let per_slot_correct = correct.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double);
+    let per_slot_counted = valid.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double);
+    let accepted = correct.to_kind(Kind::Int64).cumprod(1, Kind::Int64).sum(Kind::Double);
+    let [loss_sum, recalled] = sums;
+    let scalars = Tensor::stack(&[loss_sum, accepted, recalled], 0);
+    PendingMetrics {
+        values: Tensor::cat(&[scalars, per_slot_correct, per_slot_counted], 0),
+        blocks: layout.real_blocks as f64,
+    }
+}
+
 /// A batch's micro-batches: each one's sequences (offset and length in
 /// the batch) and its block layout.
 struct MicroBatchPlan {
@@ -367,12 +390,7 @@ impl Trainer {
     ) -> PendingMetrics {
         let device = self.drafter.device();
         let kind = self.drafter.kind();
-        let (n, s) = (layout.n as i64, layout.context_len as i64);
-        let width = features.size()[1];
-        let padded = Tensor::zeros([n, s, width], (kind, device));
-        for (i, &(off, len)) in members.iter().enumerate() {
-            padded.get(i as i64).narrow(0, 0, len as i64).copy_(&features.narrow(0, off as i64, len as i64));
-        }
+        let padded = self.padded_features(features, members, layout);
         let hidden = self.drafter.forward_layout(&padded, &self.embed, layout);
         let h = hidden.size()[2];
         let rows_idx = upload(&Tensor::from_slice(&layout.rows), device);
@@ -442,17 +460,18 @@ impl Trainer {
         loss.backward();
         let loss_sum = Tensor::stack(&loss_parts, 0).sum(Kind::Double);
 
-        // Metrics over supervised slots (weight > 0), per block of B-1 rows.
-        let valid = weights.gt(0.0).view([-1, bm1]);
-        let correct = Tensor::cat(&correct_parts, 0).view([-1, bm1]).logical_and(&valid);
-        let per_slot_correct = correct.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double);
-        let per_slot_counted = valid.to_kind(Kind::Double).sum_dim_intlist(0, false, Kind::Double);
-        let accepted = correct.to_kind(Kind::Int64).cumprod(1, Kind::Int64).sum(Kind::Double);
-        let scalars = Tensor::stack(&[loss_sum, accepted, recalled], 0);
-        PendingMetrics {
-            values: Tensor::cat(&[scalars, per_slot_correct, per_slot_counted], 0),
-            blocks: layout.real_blocks as f64,
+        pending_metrics(&weights, &correct_parts, bm1, [loss_sum, recalled], layout)
+    }
+
+    /// The micro-batch's sequences' features, each padded to the layout's
+    /// context length: `[n, S, k*H]`.
+    fn padded_features(&self, features: &Tensor, members: &[(usize, usize)], layout: &BlockLayout) -> Tensor {
+        let (n, s) = (layout.n as i64, layout.context_len as i64);
+        let padded = Tensor::zeros([n, s, features.size()[1]], (self.drafter.kind(), self.drafter.device()));
+        for (i, &(off, len)) in members.iter().enumerate() {
+            padded.get(i as i64).narrow(0, 0, len as i64).copy_(&features.narrow(0, off as i64, len as i64));
         }
+        padded
     }
 }
 
