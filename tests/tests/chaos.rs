@@ -23,7 +23,8 @@
 //! proxy; a member killed is replaced by a new process (a new instance).
 //! `scripts/chaos-soak.sh SECONDS SEED` runs the same test as a soak:
 //! `DFLASH_CHAOS_SEED`, `DFLASH_CHAOS_FAULTS`, `DFLASH_CHAOS_SPACING_MS` and
-//! `DFLASH_CHAOS_SAMPLES` size it, `DFLASH_CHAOS_MEMBERS` sets the group's
+//! `DFLASH_CHAOS_SAMPLES` (per epoch) and `DFLASH_CHAOS_EPOCHS` size it,
+//! `DFLASH_CHAOS_MEMBERS` sets the group's
 //! size (1: a drafter alone), `DFLASH_CHAOS_KEEP_LAST` bounds the
 //! checkpoints its disk holds, and a recovery slower than
 //! `DFLASH_CHAOS_SLOW_S` (10 s) has every role's log lines around it
@@ -568,6 +569,10 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
     let calm = Workspace::synthetic(samples, 3);
     // A soak keeps fewer checkpoints than all (its disk is memory).
     let mut config = CONFIG.replace("keep_last = 0", &format!("keep_last = {}", setting("DFLASH_CHAOS_KEEP_LAST", 0)));
+    // A soak passes over its data several times (DFLASH_CHAOS_EPOCHS), so
+    // that a restarted role's dataset load stays short.
+    let epochs = setting("DFLASH_CHAOS_EPOCHS", 1).max(1);
+    config = config.replace("seed = 3\n", &format!("seed = 3\nepochs = {epochs}\n"));
     // A drafter group of this many members (2 unless set), of a fixed
     // size, so that the deal -- and the weights -- are the uninterrupted run's.
     let members = setting("DFLASH_CHAOS_MEMBERS", 2).max(1) as usize;
@@ -579,7 +584,7 @@ fn a_run_under_a_seeded_fault_schedule_ends_bit_identical_to_an_uninterrupted_on
     let mut coord = cluster.coordinator(&[]);
     let mut procs = vec![cluster.drafter("drafter"), cluster.target("target-0"), cluster.target("target-1")];
     procs.extend((1..members).map(|m| cluster.drafter_at(&format!("drafter-m{m}"), dflash_tests::free_port())));
-    let limit = Duration::from_secs(300).max(Duration::from_secs(samples as u64 / 20));
+    let limit = Duration::from_secs(300).max(Duration::from_secs(epochs * samples as u64 / 20));
     assert!(coord.expect_exit(limit).success(), "{}", coord.log_text());
     for p in &mut procs {
         p.expect_exit(Duration::from_secs(60));
