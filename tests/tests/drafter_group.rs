@@ -61,6 +61,48 @@ fn two_drafter_processes_train_one_drafter_with_two_targets() {
     assert!(by_member.values().all(|&n| n == 30), "{by_member:?}");
 }
 
+/// A plan far over gRPC's 4 MiB message limit (40,000 samples over 20
+/// epochs: 200,000 batches, about 5.8 MB as one message) and deals over
+/// one page (100,000 batches a member) reach both members in pages, and the
+/// group trains. One message, as before protocol 7, failed the drafter:
+/// "decoded message length too large".
+#[test]
+fn a_plan_and_deals_over_grpcs_message_limit_reach_the_members_in_pages() {
+    let ws = Workspace::synthetic(40_000, 3);
+    let config = ws.config(
+        "long-plan",
+        "[run]\nmax_steps = 0\nepochs = 20\n[pipeline]\nmax_batch_size = 4\ntoken_budget = 512\n[faults]\ninstance_timeout_ms = 3000\n\
+         [group]\nsize = 2\ncollective_timeout_ms = 20000\n",
+    );
+    let cluster = Cluster::new(&ws, config);
+    let mut coord = cluster.coordinator(&[]);
+    let mut a = cluster.drafter_at("drafter-a", free_port());
+    let mut b = cluster.drafter_at("drafter-b", free_port());
+    let _target = cluster.target("target-0");
+    // Both members hold the whole plan and their deal, and train together
+    // (the run itself is far longer than the test: it ends with the test).
+    for m in [&mut a, &mut b] {
+        assert!(m.wait_for_log("batch(es) of the plan", Duration::from_secs(120)), "{}:\n{}", m.name, m.log_text());
+    }
+    let leader = if a.log_text().contains("rank 0 of world 2") { &mut a } else { &mut b };
+    assert!(leader.wait_for_log("step 3/", Duration::from_secs(120)), "{}", leader.log_text());
+    let log = coord.log_text();
+    let planned: usize = log
+        .lines()
+        .find(|l| l.contains(" batches over "))
+        .and_then(|l| l.split("plan: ").nth(1))
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no plan line:\n{log}"));
+    assert!(planned > 150_000, "{planned} batches");
+    for m in [&a, &b] {
+        let text = m.log_text();
+        assert!(text.contains(&format!("plan: {planned} batches")), "{text}");
+        assert!(text.contains(&format!("train {} batch(es) of the plan", planned / 2)), "{text}");
+    }
+    assert!(coord.wait_for(Duration::ZERO).is_none(), "{log}");
+}
+
 /// One member slot: the process now in it, and how many it has had.
 struct Slot {
     port: u16,

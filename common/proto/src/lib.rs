@@ -3,8 +3,9 @@
 /// Protocol version spoken by this build. A peer speaking another version is
 /// refused with a clear error at registration or stream start. 5: batch
 /// headers carry the lease token of their batch. 6: error details carry
-/// their variant's fields as JSON (typed by serde).
-pub const PROTOCOL_VERSION: u32 = 6;
+/// their variant's fields as JSON (typed by serde). 7: the plan comes in
+/// pages (`GetPlan`'s `from_batch_id` / `from_assigned`).
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The hidden-state RPC's HTTP path (package, service, method of `drafter.proto`),
 /// for the data plane that serves and calls it below tonic's codec.

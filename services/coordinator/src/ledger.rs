@@ -591,6 +591,43 @@ impl Ledger {
         .map_err(|e| self.err(e))
     }
 
+    /// The plan's batches with ids from `from_batch_id` on, in id order, as
+    /// many as fit in about `max_bytes` of protobuf (at least one), and
+    /// whether they reach the plan's end: a page of the plan for
+    /// `GetPlan`, whose responses must stay under the 4 MiB gRPC limit
+    /// however long the plan (a batch's size is bounded from above: ten
+    /// bytes per id, five per length, sixteen for the rest).
+    pub fn plan_page(&self, from_batch_id: u64, max_bytes: usize) -> Result<(Vec<PlannedBatch>, bool), LedgerError> {
+        let mut q = self
+            .conn
+            .prepare(
+                "SELECT batch_id, epoch, sample_ids, sample_lengths FROM batches WHERE batch_id >= ?1 \
+                 ORDER BY batch_id",
+            )
+            .map_err(|e| self.err(e))?;
+        let mut rows = q
+            .query_map([from_batch_id as i64], |r| {
+                Ok(PlannedBatch {
+                    batch_id: r.get::<_, i64>(0)? as u64,
+                    epoch: r.get(1)?,
+                    sample_ids: split(&r.get::<_, String>(2)?),
+                    sample_lengths: split(&r.get::<_, String>(3)?),
+                })
+            })
+            .map_err(|e| self.err(e))?;
+        let (mut page, mut bytes) = (Vec::new(), 0usize);
+        for row in rows.by_ref() {
+            let b = row.map_err(|e| self.err(e))?;
+            bytes += 16 + 10 * b.sample_ids.len() + 5 * b.sample_lengths.len();
+            page.push(b);
+            if bytes >= max_bytes {
+                break;
+            }
+        }
+        let complete = rows.next().is_none();
+        Ok((page, complete))
+    }
+
     /// Leases of a dead target go back to pending. Returns how many.
     pub fn release_holder(&mut self, holder: &str) -> Result<u64, LedgerError> {
         self.conn
@@ -822,6 +859,29 @@ mod tests {
         let mut l = Ledger::open(&dir.path().join("l.sqlite")).unwrap();
         l.install_plan("fp", &plan(n)).unwrap();
         (dir, l)
+    }
+
+    #[test]
+    fn the_plan_comes_in_pages_that_together_are_the_whole_plan() {
+        let (_dir, l) = ledger(1000);
+        // 16 + 2 * 10 + 2 * 5 = 46 bytes counted per batch: 22 per 1 KB page.
+        let (mut got, mut from, mut pages) = (Vec::new(), 0, 0);
+        loop {
+            let (page, complete) = l.plan_page(from, 1000).unwrap();
+            assert!(!page.is_empty() && page.len() <= 22, "{} batches in a page", page.len());
+            pages += 1;
+            from = page.last().unwrap().batch_id + 1;
+            got.extend(page);
+            if complete {
+                break;
+            }
+        }
+        assert_eq!(got, plan(1000));
+        assert_eq!(pages, 1000usize.div_ceil(22));
+        // A page holds at least one batch, however small the budget.
+        assert_eq!(l.plan_page(5, 1).unwrap(), (plan(6)[5..].to_vec(), false));
+        assert_eq!(l.plan_page(999, 1).unwrap(), (plan(1000)[999..].to_vec(), true));
+        assert_eq!(l.plan_page(1000, 1 << 20).unwrap(), (Vec::new(), true));
     }
 
     #[test]

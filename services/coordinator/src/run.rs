@@ -278,9 +278,14 @@ impl Run {
     }
 
     /// The plan's batches and its fingerprint.
-    pub fn plan(&self) -> Result<(Vec<PlannedBatch>, String), LedgerError> {
-        let ledger = self.ledger();
-        Ok((ledger.plan()?, ledger.meta("plan_fingerprint")?.unwrap_or_default()))
+    /// A page of the plan ([`crate::ledger::Ledger::plan_page`]).
+    pub fn plan_page(&self, from_batch_id: u64, max_bytes: usize) -> Result<(Vec<PlannedBatch>, bool), LedgerError> {
+        self.ledger().plan_page(from_batch_id, max_bytes)
+    }
+
+    /// The plan's fingerprint, as the ledger records it.
+    pub fn plan_fingerprint(&self) -> Result<String, LedgerError> {
+        Ok(self.ledger().meta("plan_fingerprint")?.unwrap_or_default())
     }
 
     /// One sample of supply and demand (the monitor's tick); the summary.

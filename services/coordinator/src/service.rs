@@ -13,6 +13,14 @@ use tonic::{Request, Response, Status};
 use dflash_proto::CoordinatorError;
 
 use crate::ledger::{CheckpointRecord, LedgerError};
+
+/// About this many bytes of plan per `GetPlan` response: far under gRPC's
+/// 4 MiB message limit, however long the plan.
+const PLAN_PAGE_BYTES: usize = 1 << 20;
+
+/// A group member's assigned batches per `GetPlan` response (an id of up to
+/// ten bytes and a rank of up to five each: at most about 1 MiB).
+const ASSIGNED_PAGE: usize = 65_536;
 use crate::run::{Run, StepFigures};
 
 pub struct CoordinatorService {
@@ -364,31 +372,40 @@ impl Coordinator for CoordinatorService {
     async fn get_plan(&self, req: Request<pb::GetPlanRequest>) -> Result<Response<pb::GetPlanResponse>, Status> {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
-        let (batches, fingerprint) = self.run.plan().map_err(ledger_status)?;
+        let fingerprint = self.run.plan_fingerprint().map_err(ledger_status)?;
+        if req.generation == 0 {
+            let (batches, plan_complete) =
+                self.run.plan_page(req.from_batch_id, PLAN_PAGE_BYTES).map_err(ledger_status)?;
+            return Ok(Response::new(pb::GetPlanResponse {
+                fingerprint,
+                plan_complete,
+                batches: batches
+                    .into_iter()
+                    .map(|b| pb::PlannedBatch {
+                        batch_id: b.batch_id,
+                        epoch: b.epoch,
+                        sample_ids: b.sample_ids,
+                        sample_lengths: b.sample_lengths,
+                    })
+                    .collect(),
+                ..Default::default()
+            }));
+        }
         // A member asking for its batches of a generation waits (within
         // half the RPC deadline) until they are dealt out.
-        let assigned = if req.generation > 0 {
-            let (instance, generation) = (req.instance_id.clone(), req.generation);
-            self.wait_for_group(|run| Ok(run.assigned(&instance, generation))).await?
-        } else {
-            None
-        };
-        let (assigned_batch_ids, assigned_ranks) =
-            assigned.iter().flatten().map(|&(id, rank)| (id, rank as u32)).unzip();
+        let (instance, generation) = (req.instance_id.clone(), req.generation);
+        let assigned = self.wait_for_group(|run| Ok(run.assigned(&instance, generation))).await?;
+        let page = assigned.as_deref().unwrap_or_default();
+        let page = &page[(req.from_assigned as usize).min(page.len())..];
+        let take = page.len().min(ASSIGNED_PAGE);
+        let (assigned_batch_ids, assigned_ranks) = page[..take].iter().map(|&(id, rank)| (id, rank as u32)).unzip();
         Ok(Response::new(pb::GetPlanResponse {
             fingerprint,
             assignment_ready: assigned.is_some(),
             assigned_batch_ids,
             assigned_ranks,
-            batches: batches
-                .into_iter()
-                .map(|b| pb::PlannedBatch {
-                    batch_id: b.batch_id,
-                    epoch: b.epoch,
-                    sample_ids: b.sample_ids,
-                    sample_lengths: b.sample_lengths,
-                })
-                .collect(),
+            assigned_complete: take == page.len(),
+            ..Default::default()
         }))
     }
 

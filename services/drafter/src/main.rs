@@ -125,24 +125,37 @@ async fn serve(args: ServeArgs) -> i32 {
     session.finish(result).await
 }
 
-/// The run's plan from the coordinator: what every batch must hold.
+/// The run's plan from the coordinator: what every batch must hold, page
+/// after page (each RPC under its deadline).
 async fn fetch_plan(session: &Session) -> anyhow::Result<receiver::Plan> {
-    let req =
-        pb::GetPlanRequest { run_id: session.run_id.clone(), instance_id: session.instance_id.clone(), generation: 0 };
-    let plan = dflash_role::with_timeout(session.rpc_timeout(), session.client().get_plan(req))
-        .await
-        .map_err(|s| anyhow::anyhow!("fetching the run's plan: {}", s.message()))
-        .kind(ErrorKind::PeerLost)?;
-    tracing::info!("plan: {} batches ({})", plan.batches.len(), plan.fingerprint);
-    Ok(plan
-        .batches
-        .into_iter()
-        .map(|b| {
+    let (mut plan, mut from_batch_id) = (receiver::Plan::new(), 0);
+    loop {
+        let req = pb::GetPlanRequest {
+            run_id: session.run_id.clone(),
+            instance_id: session.instance_id.clone(),
+            generation: 0,
+            from_batch_id,
+            from_assigned: 0,
+        };
+        let page = dflash_role::with_timeout(session.rpc_timeout(), session.client().get_plan(req))
+            .await
+            .map_err(|s| anyhow::anyhow!("fetching the run's plan (from batch {from_batch_id}): {}", s.message()))
+            .kind(ErrorKind::PeerLost)?;
+        let last = page.batches.last().map(|b| b.batch_id);
+        for b in page.batches {
             let planned =
                 receiver::Planned { epoch: b.epoch, sample_ids: b.sample_ids, sample_lengths: b.sample_lengths };
-            (b.batch_id, planned)
-        })
-        .collect())
+            plan.insert(b.batch_id, planned);
+        }
+        match (page.plan_complete, last) {
+            (true, _) => {
+                tracing::info!("plan: {} batches ({})", plan.len(), page.fingerprint);
+                return Ok(plan);
+            }
+            (false, Some(last)) => from_batch_id = last + 1,
+            (false, None) => anyhow::bail!("the coordinator sent an empty, incomplete page of the plan"),
+        }
+    }
 }
 
 /// A libtorch device as the config names it ("cpu", "cuda:1").
@@ -159,9 +172,19 @@ fn device_name(d: tch::Device) -> String {
 async fn fetch_assignment(session: &Session, generation: u64) -> anyhow::Result<Vec<(u64, usize)>> {
     let deadline = tokio::time::Instant::now() + Duration::from_millis(session.config.group.collective_timeout_ms);
     let what = format!("asking for generation {generation}'s batches (group.collective_timeout_ms)");
+    // The list comes in pages: each answer adds one, and the next call asks
+    // from where it ended.
+    let got: Arc<std::sync::Mutex<Vec<(u64, usize)>>> = Default::default();
     let batches = group::ask_until(session, &what, Some(deadline), || {
-        let req =
-            pb::GetPlanRequest { run_id: session.run_id.clone(), instance_id: session.instance_id.clone(), generation };
+        let got = Arc::clone(&got);
+        let from_assigned = got.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+        let req = pb::GetPlanRequest {
+            run_id: session.run_id.clone(),
+            instance_id: session.instance_id.clone(),
+            generation,
+            from_batch_id: 0,
+            from_assigned,
+        };
         let mut client = session.client();
         async move {
             let p = dflash_role::with_timeout(session.rpc_timeout(), client.get_plan(req)).await?;
@@ -175,11 +198,13 @@ async fn fetch_assignment(session: &Session, generation: u64) -> anyhow::Result<
                     p.assigned_ranks.len()
                 ))));
             }
-            Ok(Some(Ok(p
-                .assigned_batch_ids
-                .into_iter()
-                .zip(p.assigned_ranks.into_iter().map(|r| r as usize))
-                .collect())))
+            if !p.assigned_complete && p.assigned_batch_ids.is_empty() {
+                return Ok(Some(Err(anyhow::anyhow!("the coordinator sent an empty, incomplete page of the deal"))));
+            }
+            let mut got = got.lock().unwrap_or_else(|p| p.into_inner());
+            got.extend(p.assigned_batch_ids.into_iter().zip(p.assigned_ranks.into_iter().map(|r| r as usize)));
+            // Not complete: the next page at once.
+            Ok(p.assigned_complete.then(|| Ok(std::mem::take(&mut *got))))
         }
     })
     .await;
