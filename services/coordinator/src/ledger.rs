@@ -116,6 +116,21 @@ CREATE TABLE IF NOT EXISTS batches (
   trained_member TEXT
 );
 CREATE INDEX IF NOT EXISTS batches_by_state ON batches (state, batch_id);
+-- How many batches are in each state, kept by the triggers below in the
+-- transaction that changes a state: counting them by a scan took 12 ms at
+-- 200,000 batches, and the coordinator counts at every lease request.
+CREATE TABLE IF NOT EXISTS state_counts (state TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TRIGGER IF NOT EXISTS batches_count_insert AFTER INSERT ON batches BEGIN
+  INSERT INTO state_counts (state, n) VALUES (NEW.state, 1) ON CONFLICT (state) DO UPDATE SET n = n + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS batches_count_delete AFTER DELETE ON batches BEGIN
+  UPDATE state_counts SET n = n - 1 WHERE state = OLD.state;
+END;
+CREATE TRIGGER IF NOT EXISTS batches_count_update AFTER UPDATE OF state ON batches
+  WHEN OLD.state != NEW.state BEGIN
+  UPDATE state_counts SET n = n - 1 WHERE state = OLD.state;
+  INSERT INTO state_counts (state, n) VALUES (NEW.state, 1) ON CONFLICT (state) DO UPDATE SET n = n + 1;
+END;
 CREATE TABLE IF NOT EXISTS progress (
   step INTEGER PRIMARY KEY,
   loss REAL NOT NULL,
@@ -170,6 +185,14 @@ impl Ledger {
                 conn.execute_batch(&format!("ALTER TABLE batches ADD COLUMN {name} {kind}")).map_err(wrap)?;
             }
         }
+        // Counted once from the batches themselves (one scan per start), so
+        // that a ledger written before the counts were kept, or by hand,
+        // starts from the truth; the triggers keep them from here on.
+        conn.execute_batch(
+            "BEGIN; DELETE FROM state_counts; \
+             INSERT INTO state_counts (state, n) SELECT state, COUNT(*) FROM batches GROUP BY state; COMMIT;",
+        )
+        .map_err(wrap)?;
         Ok(Self { conn, path: p })
     }
 
@@ -730,7 +753,7 @@ impl Ledger {
     }
 
     pub fn counts(&self) -> Result<Counts, LedgerError> {
-        let mut q = self.conn.prepare("SELECT state, COUNT(*) FROM batches GROUP BY state").map_err(|e| self.err(e))?;
+        let mut q = self.conn.prepare_cached("SELECT state, n FROM state_counts").map_err(|e| self.err(e))?;
         let rows: BTreeMap<String, u64> = q
             .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64)))
             .map_err(|e| self.err(e))?
@@ -859,6 +882,57 @@ mod tests {
         let mut l = Ledger::open(&dir.path().join("l.sqlite")).unwrap();
         l.install_plan("fp", &plan(n)).unwrap();
         (dir, l)
+    }
+
+    /// The counts by a scan of the batches, as the kept counts must be.
+    fn scanned(l: &Ledger) -> Counts {
+        let mut q = l.conn.prepare("SELECT state, COUNT(*) FROM batches GROUP BY state").unwrap();
+        let rows: BTreeMap<String, u64> =
+            q.query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as u64))).unwrap().map(Result::unwrap).collect();
+        let get = |k: &str| rows.get(k).copied().unwrap_or(0);
+        Counts {
+            pending: get("pending"),
+            leased: get("leased"),
+            sent: get("sent"),
+            trained: get("trained"),
+            committed: get("committed"),
+        }
+    }
+
+    #[test]
+    fn the_kept_counts_follow_every_change_of_state_and_are_recounted_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.sqlite");
+        let mut l = Ledger::open(&path).unwrap();
+        l.install_plan("fp", &plan(40)).unwrap();
+        assert_eq!(l.counts().unwrap(), scanned(&l));
+        let mut check = |l: &mut Ledger, what: &str| assert_eq!(l.counts().unwrap(), scanned(l), "after {what}");
+        let a = l.lease("t0", 10, 1000, 50, 0).unwrap();
+        check(&mut l, "lease");
+        let ids: Vec<u64> = a.iter().map(|x| x.batch_id).collect();
+        l.mark_sent("t0", &ids[..6], FAR).unwrap();
+        check(&mut l, "mark_sent");
+        l.mark_trained("d", &ids[..4], 2).unwrap();
+        check(&mut l, "mark_trained");
+        l.commit_checkpoint("d", &ckpt(2, "h2"), &ids[..2]).unwrap();
+        check(&mut l, "commit");
+        assert_eq!(l.expire_sent(FAR + 1).unwrap(), 2);
+        check(&mut l, "expire_sent");
+        assert_eq!(l.release_holder("t0").unwrap(), 4);
+        check(&mut l, "release_holder");
+        l.lease("t1", 5, 2000, 50, 0).unwrap();
+        assert_eq!(l.expire_leases(10_000).unwrap(), 5);
+        check(&mut l, "expire_leases");
+        l.resume("d", Some(&ckpt(2, "h2")), &ids[..2]).unwrap();
+        check(&mut l, "resume");
+        let before = l.counts().unwrap();
+        assert_eq!(before.total(), 40);
+        // A ledger whose counts are lost (written before they were kept)
+        // is counted again when opened.
+        l.conn.execute_batch("DELETE FROM state_counts; INSERT INTO state_counts VALUES ('pending', 7);").unwrap();
+        drop(l);
+        let l = Ledger::open(&path).unwrap();
+        assert_eq!(l.counts().unwrap(), before);
     }
 
     #[test]
