@@ -87,6 +87,12 @@ pub struct BenchStepArgs {
     /// Keep the residual stream and norms in f32 (training.f32_residual).
     #[arg(long)]
     pub f32_residual: bool,
+    /// The layer matmuls' kind, comma-separated to compare in one run:
+    /// `bf16`, `fp8` (training.precision; fp8 needs a GPU of compute
+    /// capability 8.9 or newer). MFU is counted against the bf16 matmul peak
+    /// either way.
+    #[arg(long, default_value = "bf16")]
+    pub precision: String,
     /// Round each micro-batch's context up to a multiple of this
     /// (training.context_pad_multiple; 1: no padding).
     #[arg(long, default_value_t = 128)]
@@ -107,6 +113,7 @@ pub struct BenchStepArgs {
 #[derive(Serialize)]
 struct Row {
     collective: String,
+    precision: String,
     attention: String,
     anchors: usize,
     chunk_blocks: usize,
@@ -183,6 +190,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
     let head = Tensor::randn([shape.vocab_size, shape.hidden_size], (kind, device)) * 0.02;
     let modes = attention_modes(a, device)?;
     let objective = objective(a)?;
+    let fp8_settings = precisions(a)?;
     let mut rows = Vec::new();
     let mut profiles = Vec::new();
     for collective in collectives(a)? {
@@ -190,18 +198,26 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             "group-of-one" => Some(group_of_one(device)?),
             _ => None,
         };
-        for (split, anchors, chunk) in attention_grid(&modes, &a.anchors, &a.chunks)? {
+        for ((split, anchors, chunk), fp8) in attention_grid(&modes, &a.anchors, &a.chunks)?
+            .into_iter()
+            .flat_map(|cell| fp8_settings.iter().map(move |&fp8| (cell, fp8)))
+        {
             tch::manual_seed(0);
             let mut drafter = Drafter::new(config.clone(), device, kind);
             drafter.set_split_attention(split);
             drafter.set_f32_residual(a.f32_residual);
+            drafter.set_fp8_matmuls(fp8)?;
             let settings = train_settings(a, anchors, chunk, objective);
             let mut trainer = Trainer::new(drafter, embed.shallow_clone(), head.shallow_clone(), settings);
             let run = Timed { trainer: &mut trainer, group: group.as_deref(), batches: &batches, lens: &all_lens };
             let (secs, flops, step_seqs, step_tokens) = run.time(a, &config, anchors, device)?;
             let mem = if device.is_cuda() { device_memory_used_gib() } else { 0.0 };
             if a.profile {
-                let label = format!("{} attention, {anchors} anchors", if split { "split" } else { "masked" });
+                let label = format!(
+                    "{} attention, {anchors} anchors, {}",
+                    if split { "split" } else { "masked" },
+                    if fp8 { "fp8" } else { "bf16" }
+                );
                 let p = step_profile::profile_step(
                     device.is_cuda(),
                     &config,
@@ -215,6 +231,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             }
             rows.push(Row {
                 collective: collective.into(),
+                precision: if fp8 { "fp8" } else { "bf16" }.into(),
                 attention: if split { "split" } else { "masked" }.into(),
                 anchors,
                 chunk_blocks: chunk,
@@ -241,6 +258,7 @@ pub fn run(a: &BenchStepArgs) -> anyhow::Result<()> {
             "batches": all_lens,
             "cudnn_attention": !a.no_cudnn_attention,
             "f32_residual": a.f32_residual,
+            "precision": a.precision,
             "matmul_peak_flops": peak,
             "rows": rows,
             "profiles": profiles,
@@ -362,6 +380,19 @@ fn collectives(a: &BenchStepArgs) -> anyhow::Result<Vec<&str>> {
     Ok(collectives)
 }
 
+/// `--precision` as FP8 on/off settings, in the order given.
+fn precisions(a: &BenchStepArgs) -> anyhow::Result<Vec<bool>> {
+    a.precision
+        .split(',')
+        .map(str::trim)
+        .map(|p| match p {
+            "bf16" => Ok(false),
+            "fp8" => Ok(true),
+            other => anyhow::bail!("--precision: {other:?} is neither bf16 nor fp8"),
+        })
+        .collect()
+}
+
 fn train_settings(
     a: &BenchStepArgs,
     anchors: usize,
@@ -436,14 +467,24 @@ impl Timed<'_> {
 
 fn print_rows(rows: &[Row]) {
     println!(
-        "{:>12} {:>9} {:>8} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}",
-        "collective", "attention", "anchors", "chunk", "step ms", "samples/s", "tokens/s", "MFU", "mem GiB"
+        "{:>12} {:>9} {:>9} {:>8} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}",
+        "collective",
+        "precision",
+        "attention",
+        "anchors",
+        "chunk",
+        "step ms",
+        "samples/s",
+        "tokens/s",
+        "MFU",
+        "mem GiB"
     );
     for r in rows {
         let chunk = if r.chunk_blocks >= r.anchors { "dense".to_string() } else { r.chunk_blocks.to_string() };
         println!(
-            "{:>12} {:>9} {:>8} {:>7} {:>10.1} {:>10.2} {:>10.0} {:>6.1}% {:>9.1}",
+            "{:>12} {:>9} {:>9} {:>8} {:>7} {:>10.1} {:>10.2} {:>10.0} {:>6.1}% {:>9.1}",
             r.collective,
+            r.precision,
             r.attention,
             r.anchors,
             chunk,

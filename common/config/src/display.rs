@@ -138,6 +138,13 @@ fn training(c: &RunConfig, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             "  Precision: residual stream and norms in f32, matmuls in the model's dtype (training.f32_residual)"
         )?;
     }
+    if t.precision == crate::Precision::Fp8 {
+        writeln!(
+            f,
+            "  Matmuls: FP8 in the training step (e4m3 forward, e5m2 gradients, per-tensor current scaling; \
+             training.precision)"
+        )?;
+    }
     if t.deterministic_kernels {
         writeln!(f, "  Kernels: deterministic only (training.deterministic_kernels)")?;
     }

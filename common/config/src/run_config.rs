@@ -321,6 +321,26 @@ pub struct TrainingSection {
     /// reached 2.20, a rerun's noise apart, for 4% more step time
     /// (BENCHMARKS.md). No effect on a drafter that computes in f32.
     pub f32_residual: bool,
+    /// The kind of the drafter's layer matmuls in the training step:
+    /// `bf16` (the drafter's own kind) or `fp8` (GPUs of compute capability
+    /// 8.9 or newer only; refused on CPU drafters).
+    pub precision: Precision,
+}
+
+/// The kind of the drafter's layer matmuls (its projections, MLPs and the
+/// feature fusion `fc`) in the training step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// In the drafter's own kind (bf16 on GPUs).
+    #[default]
+    Bf16,
+    /// e4m3 operands in the forward, e5m2 output gradients in the two
+    /// backward matmuls, each tensor scaled by its current absolute maximum
+    /// (Transformer Engine's current scaling); products accumulate in f32
+    /// and come back in bf16. Master weights, optimizer state, attention,
+    /// norms, the frozen LM head and evaluation stay as with `bf16`.
+    Fp8,
 }
 
 /// The loss over a block's drafted slots.
@@ -380,6 +400,7 @@ impl Default for TrainingSection {
             kd_top_k: None,
             deterministic_kernels: false,
             f32_residual: false,
+            precision: Precision::Bf16,
         }
     }
 }

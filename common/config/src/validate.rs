@@ -167,6 +167,17 @@ impl RunConfig {
             format!("is {}; must be >= 0 (0 turns clipping off)", t.grad_clip)
         });
         c.require(t.anchors_per_sequence >= 1, "training.anchors_per_sequence", || "must be at least 1".into());
+        c.require(
+            t.precision == crate::Precision::Bf16 || !self.devices.drafter.is_cpu(),
+            "training.precision",
+            || {
+                format!(
+                    "is \"fp8\", but devices.drafter is {}: FP8 matmuls need GPUs of compute capability 8.9 \
+                     or newer (Ada, Hopper, Blackwell)",
+                    self.devices.drafter
+                )
+            },
+        );
         c.require(t.feature_noise_std.is_finite() && t.feature_noise_std >= 0.0, "training.feature_noise_std", || {
             format!("is {}; must be >= 0", t.feature_noise_std)
         });
@@ -416,6 +427,21 @@ mod tests {
         c.validate().unwrap();
         c.devices = DevicesSection { target: TargetDevices::cpu(), drafter: DeviceList::cpu(), share_gpus: false };
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn fp8_matmuls_are_refused_on_a_cpu_drafter_by_name() {
+        let mut c = valid();
+        c.training.precision = crate::Precision::Fp8;
+        c.devices = DevicesSection { target: TargetDevices::cpu(), drafter: DeviceList::cpu(), share_gpus: false };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("training.precision") && err.contains("devices.drafter is cpu"), "{err}");
+        c.devices.drafter = DeviceList::cuda([1]);
+        c.validate().unwrap();
+        let parsed: crate::TrainingSection = toml::from_str("precision = \"fp8\"").unwrap();
+        assert_eq!(parsed.precision, crate::Precision::Fp8);
+        let unknown = toml::from_str::<crate::TrainingSection>("precision = \"fp4\"").unwrap_err().to_string();
+        assert!(unknown.contains("fp4") && unknown.contains("bf16"), "{unknown}");
     }
 
     #[test]

@@ -171,6 +171,9 @@ pub struct Drafter {
     /// A half-precision drafter keeps its residual stream and RMSNorms in
     /// f32 (see [`Drafter::set_f32_residual`]).
     f32_residual: bool,
+    /// The layer matmuls of the training forward in FP8 (see
+    /// [`Drafter::set_fp8_matmuls`]).
+    fp8: bool,
 }
 
 /// Inputs of one drafter forward over `n` sequences, padded to `S` context
@@ -250,7 +253,19 @@ impl Drafter {
             vs.set_kind(kind);
         }
         let rope = Rope::new(hd, c.rope_theta, device);
-        Self { config, vs, fc, hidden_norm, layers, norm, selector, rope, split_attention: true, f32_residual: false }
+        Self {
+            config,
+            vs,
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            selector,
+            rope,
+            split_attention: true,
+            f32_residual: false,
+            fp8: false,
+        }
     }
 
     /// Initialises the decoder layers from the target's top layers (drafter
@@ -408,7 +423,7 @@ impl Drafter {
 
     /// Fuses the target features: `hidden_norm(fc(features))`.
     pub fn context(&self, features: &Tensor) -> Tensor {
-        self.hidden_norm.forward(&self.fc.forward(features))
+        self.hidden_norm.forward(&project(&self.fc, features, self.fp8))
     }
 
     /// Final-normed hidden states of the block slots, `[n, Q, H]`.
@@ -458,6 +473,19 @@ impl Drafter {
         self.f32_residual = on;
     }
 
+    /// Runs the layer matmuls (the projections, the MLPs and the fusion
+    /// `fc`) of the training forward and backward in FP8 ([`crate::fp8`]);
+    /// attention, norms, the LM head and every forward without autograd
+    /// stay in the drafter's kind. Refused, naming why, off a GPU of compute
+    /// capability 8.9 or newer or for a drafter not in bf16/f16.
+    pub fn set_fp8_matmuls(&mut self, on: bool) -> Result<(), ModelError> {
+        if on {
+            crate::fp8::check_supported(self.device(), self.kind())?;
+        }
+        self.fp8 = on;
+        Ok(())
+    }
+
     /// The kind of the residual stream between layers.
     fn residual_kind(&self) -> Kind {
         match self.kind() {
@@ -489,9 +517,10 @@ impl Drafter {
             blk_cos: bc.unsqueeze(2),
             blk_sin: bs.unsqueeze(2),
         };
+        let pass = LayerPass { ctx, rope: &rope, attn: &input.attention, config: &self.config, fp8: self.fp8 };
         let mut x = input.block_embeds.to_kind(self.residual_kind());
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, ctx, &rope, &input.attention, &self.config, self.config.layer_type(i));
+            x = layer.forward(&x, &pass, self.config.layer_type(i));
         }
         self.norm.forward_to(&x, kind)
     }
@@ -504,16 +533,19 @@ struct RopeTables {
     blk_sin: Tensor,
 }
 
+/// What every layer of one forward shares: the fused context, the RoPE
+/// tables, the attention plan, the shape and the matmul precision.
+struct LayerPass<'a> {
+    ctx: &'a Tensor,
+    rope: &'a RopeTables,
+    attn: &'a BlockAttention<'a>,
+    config: &'a DrafterConfig,
+    fp8: bool,
+}
+
 impl DrafterLayer {
-    fn forward(
-        &self,
-        x: &Tensor,
-        ctx: &Tensor,
-        rope: &RopeTables,
-        attn: &BlockAttention,
-        c: &DrafterConfig,
-        layer_type: LayerType,
-    ) -> Tensor {
+    fn forward(&self, x: &Tensor, pass: &LayerPass, layer_type: LayerType) -> Tensor {
+        let (ctx, rope, attn, c, fp8) = (pass.ctx, pass.rope, pass.attn, pass.config, pass.fp8);
         let a = &self.self_attn;
         let (n, q_len, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
         let (nh, kv, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
@@ -529,16 +561,18 @@ impl DrafterLayer {
             }
             None => (xn, None),
         };
-        // Queries come from the block only.
-        let q = a.q_norm.forward(&a.q_proj.forward(&xn).view([n, q_len, nh, d]));
+        // Queries come from the block only; keys/values from the context and
+        // the block through the SAME projections.
+        let [q, kb, vb] = project_many([&a.q_proj, &a.k_proj, &a.v_proj], &xn, fp8);
+        let [kc, vc] = project_many([&a.k_proj, &a.v_proj], ctx, fp8);
+        let q = a.q_norm.forward(&q.view([n, q_len, nh, d]));
         let q = apply_rope(&q, &rope.blk_cos, &rope.blk_sin);
-        // Keys/values: the context and the block through the SAME projections.
-        let kc = a.k_norm.forward(&a.k_proj.forward(ctx).view([n, s, kv, d]));
+        let kc = a.k_norm.forward(&kc.view([n, s, kv, d]));
         let kc = apply_rope(&kc, &rope.ctx_cos, &rope.ctx_sin);
-        let kb = a.k_norm.forward(&a.k_proj.forward(&xn).view([n, q_len, kv, d]));
+        let kb = a.k_norm.forward(&kb.view([n, q_len, kv, d]));
         let kb = apply_rope(&kb, &rope.blk_cos, &rope.blk_sin);
-        let vc = a.v_proj.forward(ctx).view([n, s, kv, d]);
-        let vb = a.v_proj.forward(&xn).view([n, q_len, kv, d]);
+        let vc = vc.view([n, s, kv, d]);
+        let vb = vb.view([n, q_len, kv, d]);
         let o = match attn {
             BlockAttention::Masked { full, sliding } => {
                 let mask = match (layer_type, sliding) {
@@ -581,7 +615,7 @@ impl DrafterLayer {
                 o.view([n, q_len, nh * d])
             }
         };
-        let attended = a.o_proj.forward(&o);
+        let attended = project(&a.o_proj, &o, fp8);
         let attended = match (&self.attention_conv, &attention_dynamic) {
             (Some(conv), Some(dynamic)) => conv.finish(&attended, dynamic, block),
             _ => attended,
@@ -591,10 +625,36 @@ impl DrafterLayer {
         let mlp = match &self.mlp_conv {
             Some(conv) => {
                 let (y, dynamic) = conv.prepare(&xn, block);
-                conv.finish(&self.mlp.forward(&y), &dynamic, block)
+                conv.finish(&self.mlp_forward(&y, fp8), &dynamic, block)
             }
-            None => self.mlp.forward(&xn),
+            None => self.mlp_forward(&xn, fp8),
         };
         &x + mlp.to_kind(x.kind())
     }
+
+    /// The SwiGLU MLP, its three matmuls in FP8 when `fp8`.
+    fn mlp_forward(&self, x: &Tensor, fp8: bool) -> Tensor {
+        let m = &self.mlp;
+        let [gate, up] = project_many([&m.gate_proj, &m.up_proj], x, fp8);
+        project(&m.down_proj, &(gate.silu() * up), fp8)
+    }
+}
+
+/// The projections `ls` of one input `x`: in FP8 one matmul over their
+/// weights stacked (the input cast once for all of them, a wider matmul),
+/// split after; otherwise one [`Linear::forward`] each, as ever.
+fn project_many<const N: usize>(ls: [&Linear; N], x: &Tensor, fp8: bool) -> [Tensor; N] {
+    if !fp8 || ls.iter().any(|l| l.bias.is_some()) {
+        return ls.map(|l| l.forward(x));
+    }
+    let weights: Vec<&Tensor> = ls.iter().map(|l| &l.weight).collect();
+    let sizes: Vec<i64> = ls.iter().map(|l| l.weight.size()[0]).collect();
+    let y = crate::fp8::linear(x, &Tensor::cat(&weights, 0));
+    y.split_with_sizes(&sizes, -1).try_into().unwrap_or_else(|v: Vec<Tensor>| panic!("{} parts, not {N}", v.len()))
+}
+
+/// `x w^T` of a bias-free drafter projection: FP8 ([`crate::fp8::linear`])
+/// when `fp8`, else [`Linear::forward`].
+fn project(l: &Linear, x: &Tensor, fp8: bool) -> Tensor {
+    if fp8 && l.bias.is_none() { crate::fp8::linear(x, &l.weight) } else { l.forward(x) }
 }

@@ -18,6 +18,7 @@ pub mod dp;
 pub mod drafter;
 pub mod evaluation;
 pub mod features;
+pub mod fp8;
 pub mod fused_cuda;
 pub mod gated_deltanet;
 pub mod generate;

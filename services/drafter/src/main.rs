@@ -288,6 +288,10 @@ fn build_trainer(session: &Session, device: tch::Device) -> anyhow::Result<Train
         tracing::info!("initialised the drafter from {init}");
     }
     drafter.set_f32_residual(c.training.f32_residual);
+    drafter
+        .set_fp8_matmuls(c.training.precision == dflash_config::Precision::Fp8)
+        .map_err(anyhow::Error::from)
+        .kind(ErrorKind::Config)?;
     let params: i64 = drafter.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
     tracing::info!(
         "drafter: {} layers, hidden {}, {params} parameters, {kind:?} on {device:?}",
