@@ -52,6 +52,20 @@ fn batch() -> DeviceBatch {
     }
 }
 
+/// `b` with its features in `kind` on `device`.
+fn batch_as(b: &DeviceBatch, kind: Kind, device: Device) -> DeviceBatch {
+    DeviceBatch {
+        batch_id: b.batch_id,
+        features: b.features.to_kind(kind).to_device(device),
+        input_ids: b.input_ids.clone(),
+        loss_mask: b.loss_mask.clone(),
+        seq_lengths: b.seq_lengths.clone(),
+        target_top_k: None,
+        landing: None,
+        trace_context: Default::default(),
+    }
+}
+
 fn grads(t: &Trainer) -> Vec<Tensor> {
     t.drafter().named_parameters().into_iter().map(|(_, p)| p.grad().copy()).collect()
 }
@@ -126,16 +140,7 @@ fn an_f32_residual_stream_brings_a_bf16_drafters_gradients_closer_to_f64() {
         d.vs.copy(&reference.vs).unwrap();
         d.set_f32_residual(f32_residual);
         let mut t = Trainer::new(d, embed.to_kind(kind), head.to_kind(kind), settings(1000, 1000));
-        let kb = DeviceBatch {
-            batch_id: b.batch_id,
-            features: b.features.to_kind(kind),
-            input_ids: b.input_ids.clone(),
-            loss_mask: b.loss_mask.clone(),
-            seq_lengths: b.seq_lengths.clone(),
-            target_top_k: None,
-            landing: None,
-            trace_context: Default::default(),
-        };
+        let kb = batch_as(&b, kind, Device::Cpu);
         let l = loss(t.train_batch(&kb));
         (l, grads(&t).iter().map(|g| g.to_kind(Kind::Double)).collect::<Vec<_>>())
     };
@@ -191,16 +196,7 @@ fn an_fp8_step_stays_within_a_stated_tolerance_of_the_bf16_and_f32_steps() {
         d.vs.copy(&reference.vs).unwrap();
         d.set_fp8_matmuls(fp8).unwrap();
         let mut t = Trainer::new(d, embed.to_kind(kind), head.to_kind(kind), settings(1000, 1000));
-        let kb = DeviceBatch {
-            batch_id: b.batch_id,
-            features: b.features.to_kind(kind).to_device(gpu),
-            input_ids: b.input_ids.clone(),
-            loss_mask: b.loss_mask.clone(),
-            seq_lengths: b.seq_lengths.clone(),
-            target_top_k: None,
-            landing: None,
-            trace_context: Default::default(),
-        };
+        let kb = batch_as(&b, kind, gpu);
         let l = loss(t.train_batch(&kb));
         (l, grads(&t).iter().map(|g| g.to_kind(Kind::Double).to_device(Device::Cpu)).collect::<Vec<_>>())
     };
