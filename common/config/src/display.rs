@@ -99,6 +99,11 @@ fn data(c: &RunConfig, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     };
     writeln!(f, "  Train: {}", data.train_path)?;
     writeln!(f, "  Max sequence length: {}, malformed lines: {malformed}", data.max_seq_len)?;
+    match (data.cache, data.cache_dir.as_str()) {
+        (false, _) => writeln!(f, "  Tokenized cache: off")?,
+        (true, "") => writeln!(f, "  Tokenized cache: .dflash-cache beside the dataset")?,
+        (true, dir) => writeln!(f, "  Tokenized cache: {dir}")?,
+    }
     Ok(())
 }
 

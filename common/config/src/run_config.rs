@@ -242,6 +242,13 @@ pub struct DataSection {
     /// With `on_malformed = "skip"`: loading fails when more than this
     /// fraction of the lines is skipped (a wrong file, not a few bad lines).
     pub max_skipped_fraction: f64,
+    /// Keep the tokenized dataset in a cache file, so that a restarted
+    /// target or coordinator reads its samples instead of tokenizing the
+    /// dataset again (keyed by the dataset's and tokenizer's bytes).
+    pub cache: bool,
+    /// Where the cache files go: empty is `.dflash-cache` beside the
+    /// dataset (shared by the roles that share the dataset's folder).
+    pub cache_dir: String,
 }
 
 impl Default for DataSection {
@@ -251,6 +258,20 @@ impl Default for DataSection {
             max_seq_len: 3072,
             on_malformed: MalformedPolicy::Error,
             max_skipped_fraction: 0.5,
+            cache: true,
+            cache_dir: String::new(),
+        }
+    }
+}
+
+impl DataSection {
+    /// The folder of the tokenized-dataset cache, `None` when it is off.
+    pub fn tokenized_cache_dir(&self) -> Option<std::path::PathBuf> {
+        let train = std::path::Path::new(&self.train_path);
+        match (self.cache, self.cache_dir.as_str()) {
+            (false, _) => None,
+            (true, "") => Some(train.parent().unwrap_or(std::path::Path::new(".")).join(".dflash-cache")),
+            (true, dir) => Some(dir.into()),
         }
     }
 }

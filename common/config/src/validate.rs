@@ -140,6 +140,9 @@ impl RunConfig {
             "data.max_skipped_fraction",
             || format!("is {}; must be in [0, 1]", data.max_skipped_fraction),
         );
+        c.require(data.cache || data.cache_dir.is_empty(), "data.cache_dir", || {
+            format!("is \"{}\" but data.cache = false: set one or the other", data.cache_dir)
+        });
         c.require(data.max_seq_len > block, "data.max_seq_len", || {
             format!("is {}; must exceed drafter.block_size ({block})", data.max_seq_len)
         });
@@ -484,6 +487,23 @@ mod tests {
         c.group.min_size = 3;
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("group.min_size") && err.contains("must not exceed group.size (2)"), "{err}");
+    }
+
+    #[test]
+    fn the_tokenized_cache_sits_beside_the_data_unless_moved_or_off() {
+        let mut c = valid();
+        c.data.train_path = "/data/chat.jsonl".into();
+        assert_eq!(c.data.tokenized_cache_dir(), Some("/data/.dflash-cache".into()));
+        c.data.cache_dir = "/scratch/tok".into();
+        assert_eq!(c.data.tokenized_cache_dir(), Some("/scratch/tok".into()));
+        c.validate().unwrap();
+        // A folder for a cache that is off is a contradiction, refused.
+        c.data.cache = false;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("data.cache_dir") && err.contains("data.cache = false"), "{err}");
+        c.data.cache_dir.clear();
+        c.validate().unwrap();
+        assert_eq!(c.data.tokenized_cache_dir(), None);
     }
 
     #[test]

@@ -72,6 +72,16 @@ impl Dataset {
     /// tokens is cut before it is tokenized. A sample's id is its record's
     /// 0-based line or row number.
     pub fn load(path: &Path, tok: &ChatTokenizer, opts: &LoadOptions) -> Result<Self, DataError> {
+        Ok(Self::load_with_skipped(path, tok, opts)?.0)
+    }
+
+    /// [`Dataset::load`], and the first few records it skipped (for the
+    /// cache, which logs them again at each read).
+    pub(crate) fn load_with_skipped(
+        path: &Path,
+        tok: &ChatTokenizer,
+        opts: &LoadOptions,
+    ) -> Result<(Self, Vec<String>), DataError> {
         let mut acc = Accumulator::new(path, tok, opts);
         if crate::parquet_rows::is_parquet(path) {
             for (idx, row) in crate::parquet_rows::chat_rows(path, &[])?.into_iter().enumerate() {
@@ -183,7 +193,7 @@ impl<'a> Accumulator<'a> {
         Ok(())
     }
 
-    fn finish(mut self) -> Result<Dataset, DataError> {
+    fn finish(mut self) -> Result<(Dataset, Vec<String>), DataError> {
         let (path, report) = (self.path, &mut self.report);
         report.samples = self.samples.len() as u64;
         if report.malformed_skipped > 0 {
@@ -209,7 +219,7 @@ impl<'a> Accumulator<'a> {
         if self.samples.is_empty() {
             return Err(DataError::Empty(path.to_path_buf()));
         }
-        Ok(Dataset { path: path.to_path_buf(), samples: self.samples, report: self.report })
+        Ok((Dataset { path: path.to_path_buf(), samples: self.samples, report: self.report }, self.skipped))
     }
 }
 

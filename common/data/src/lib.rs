@@ -1,6 +1,7 @@
 //! Training data: chat datasets in JSONL or Parquet, the target's tokenizer and chat
 //! template, assistant-only loss masks, and the deterministic batch plan.
 
+mod cache;
 mod chat;
 mod dataset;
 pub mod parquet_rows;

@@ -111,6 +111,11 @@ impl ChatTokenizer {
         })
     }
 
+    /// The model folder the tokenizer was read from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     pub fn vocab_size(&self) -> u32 {
         self.tokenizer.get_vocab_size(true) as u32
     }

@@ -906,7 +906,7 @@ mod tests {
         let mut l = Ledger::open(&path).unwrap();
         l.install_plan("fp", &plan(40)).unwrap();
         assert_eq!(l.counts().unwrap(), scanned(&l));
-        let mut check = |l: &mut Ledger, what: &str| assert_eq!(l.counts().unwrap(), scanned(l), "after {what}");
+        let check = |l: &mut Ledger, what: &str| assert_eq!(l.counts().unwrap(), scanned(l), "after {what}");
         let a = l.lease("t0", 10, 1000, 50, 0).unwrap();
         check(&mut l, "lease");
         let ids: Vec<u64> = a.iter().map(|x| x.batch_id).collect();

@@ -55,7 +55,9 @@ pub fn plan_run(mut config: RunConfig) -> anyhow::Result<RunPlan> {
         skip_malformed: config.data.on_malformed == MalformedPolicy::Skip,
         max_skipped_fraction: config.data.max_skipped_fraction,
     };
-    let data = Dataset::load(Path::new(&config.data.train_path), &tok, &opts).context("data.train_path")?;
+    let cache = config.data.tokenized_cache_dir();
+    let data = Dataset::load_cached(Path::new(&config.data.train_path), &tok, &opts, cache.as_deref())
+        .context("data.train_path")?;
     tracing::info!("dataset {}: {}", config.data.train_path, data.report);
     let lengths: Vec<(u64, u32)> = data.samples.iter().map(|s| (s.id, s.len() as u32)).collect();
     let p = &config.pipeline;

@@ -42,7 +42,9 @@ pub fn load_dataset(session: &Session) -> anyhow::Result<Dataset> {
         skip_malformed: c.data.on_malformed == MalformedPolicy::Skip,
         max_skipped_fraction: c.data.max_skipped_fraction,
     };
-    let ds = Dataset::load(Path::new(&c.data.train_path), &tok, &opts).kind(ErrorKind::Data)?;
+    let cache = c.data.tokenized_cache_dir();
+    let ds =
+        Dataset::load_cached(Path::new(&c.data.train_path), &tok, &opts, cache.as_deref()).kind(ErrorKind::Data)?;
     tracing::info!("dataset {}: {}", c.data.train_path, ds.report);
     Ok(ds)
 }
