@@ -75,28 +75,48 @@ impl BlockConv {
     }
 
     /// `sum_t (base[t] + dynamic[t]) * x[j - t]` within each block;
-    /// `dynamic` is `[n, Q, K, groups]`, `base` `[K, H]`.
+    /// `dynamic` is `[n, Q, K, groups]`, `base` `[K, H]`. One autograd
+    /// function (`csrc/block_conv.cpp`) that keeps only `x`, `dynamic` and
+    /// `base` for the backward: as libtorch ops, autograd kept a full-size
+    /// kernel and a shifted copy of `x` per tap.
     fn convolve(&self, x: &Tensor, dynamic: &Tensor, base: &Tensor, block_len: i64) -> Tensor {
-        let size = x.size();
-        let (n, q, h) = (size[0], size[1], size[2]);
-        let (gs, groups) = (self.group_size, h / self.group_size);
-        let blocks = q / block_len;
-        assert_eq!(blocks * block_len, q, "{q} block slots are not whole blocks of {block_len}");
-        let values = x.view([n, blocks, block_len, groups, gs]);
-        let dynamic = dynamic.view([n, blocks, block_len, self.kernel_size, groups, 1]);
-        let mut out = values.zeros_like();
-        for t in 0..self.kernel_size.min(block_len) {
-            // Slot j reads slot j - t of its own block; the first t slots read zeros.
-            let shifted = if t == 0 {
-                values.shallow_clone()
-            } else {
-                values.narrow(2, 0, block_len - t).constant_pad_nd([0, 0, 0, 0, t, 0])
-            };
-            let kernel = base.get(t).view([1, 1, 1, groups, gs]).to_kind(x.kind()) + dynamic.select(3, t);
-            out += kernel * shifted;
+        let base = base.to_kind(x.kind());
+        let dynamic = dynamic.to_kind(x.kind());
+        let mut err = [0u8; 1024];
+        // SAFETY: the three pointers are live at::Tensors borrowed for the
+        // call (the autograd function saves its own references); the shim
+        // returns a new heap tensor or null and writes at most err.len() bytes.
+        let out = unsafe {
+            dflash_block_conv(
+                x.as_ptr().cast_mut().cast(),
+                dynamic.as_ptr().cast_mut().cast(),
+                base.as_ptr().cast_mut().cast(),
+                block_len,
+                self.group_size,
+                err.as_mut_ptr().cast(),
+                err.len() as i32,
+            )
+        };
+        if out.is_null() {
+            let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
+            panic!("{}", String::from_utf8_lossy(&err[..end]));
         }
-        out.view([n, q, h])
+        // SAFETY: a fresh at::Tensor* from the shim, owned from here on.
+        unsafe { Tensor::from_ptr(out.cast()) }
     }
+}
+
+unsafe extern "C" {
+    /// csrc/block_conv.cpp: a new `at::Tensor*` or null with `err` filled.
+    fn dflash_block_conv(
+        x: *mut std::ffi::c_void,
+        dynamic: *mut std::ffi::c_void,
+        base: *mut std::ffi::c_void,
+        block_len: i64,
+        group_size: i64,
+        err: *mut std::ffi::c_char,
+        err_len: i32,
+    ) -> *mut std::ffi::c_void;
 }
 
 /// The selector (`candidate_selector.*`): codebooks `A` (predecessor) and
@@ -200,6 +220,54 @@ mod tests {
                     assert!((g - want).abs() < 1e-12, "slot {q} channel {c}: {g} vs {want}");
                 }
             }
+        }
+    }
+
+    /// The convolution as libtorch ops under autograd (the form before
+    /// `csrc/block_conv.cpp`): the reference for the fused gradients.
+    fn composite(x: &Tensor, dynamic: &Tensor, base: &Tensor, block_len: i64, gs: i64, k: i64) -> Tensor {
+        let (n, q, h) = (x.size()[0], x.size()[1], x.size()[2]);
+        let (groups, blocks) = (h / gs, q / block_len);
+        let values = x.view([n, blocks, block_len, groups, gs]);
+        let dynamic = dynamic.reshape([n, blocks, block_len, k, groups, 1]);
+        let mut out = values.zeros_like();
+        for t in 0..k.min(block_len) {
+            let shifted = values.narrow(2, 0, block_len - t).constant_pad_nd([0, 0, 0, 0, t, 0]);
+            out += (base.get(t).view([1, 1, 1, groups, gs]) + dynamic.select(3, t)) * shifted;
+        }
+        out.view([n, q, h])
+    }
+
+    /// The fused convolution's output and the gradients of its input,
+    /// dynamic coefficients (a view of both sides', as `prepare` makes
+    /// them) and base kernel equal autograd's through the composite form,
+    /// for kernels shorter than, as long as and longer than a block.
+    #[test]
+    fn the_fused_convolution_has_the_gradients_of_its_composite_form() {
+        let opts = (Kind::Double, Device::Cpu);
+        for (k, bl) in [(1, 4), (2, 4), (3, 4), (4, 4), (6, 4), (4, 16)] {
+            tch::manual_seed(k);
+            let (n, blocks, gs, groups) = (2, 3, 2, 3);
+            let h = gs * groups;
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut conv = BlockConv::new(&vs.root(), h, &Dflash2Config { conv_group_size: gs, ..config(k) });
+            conv.base_kernel = Tensor::randn([2, k, h], opts).set_requires_grad(true);
+            let x = Tensor::randn([n, blocks * bl, h], opts).set_requires_grad(true);
+            let both = Tensor::randn([n, blocks * bl, 2, k, groups], opts).set_requires_grad(true);
+            let weights = Tensor::randn([n, blocks * bl, h], opts);
+            let fused = conv.finish(&x, &both.select(2, 1), bl);
+            let want = composite(&x, &both.select(2, 1), &conv.base_kernel.get(1), bl, gs, k);
+            assert!(fused.allclose(&want, 1e-12, 1e-12, false), "k {k}, block {bl}: outputs differ");
+            let inputs = [&x, &both, &conv.base_kernel];
+            let got = Tensor::run_backward(&[(&fused * &weights).sum(Kind::Double)], &inputs, false, false);
+            let expect = Tensor::run_backward(&[(&want * &weights).sum(Kind::Double)], &inputs, false, false);
+            for (name, (g, e)) in ["x", "dynamic", "base"].iter().zip(got.iter().zip(&expect)) {
+                let diff = (g - e).abs().max().double_value(&[]);
+                assert!(diff < 1e-12, "k {k}, block {bl}: the gradient of {name} is {diff} off");
+            }
+            // Without autograd: the same output.
+            let plain = tch::no_grad(|| conv.finish(&x, &both.select(2, 1), bl));
+            assert!(plain.allclose(&want, 1e-12, 1e-12, false), "k {k}, block {bl}: no_grad output differs");
         }
     }
 
