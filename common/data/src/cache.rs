@@ -40,44 +40,8 @@ struct Header {
     key: String,
     dataset: String,
     samples: u64,
-    report: StoredReport,
+    report: LoadReport,
     skipped_examples: Vec<String>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct StoredReport {
-    lines: u64,
-    samples: u64,
-    malformed_skipped: u64,
-    truncated: u64,
-    without_targets: u64,
-    tokens: u64,
-}
-
-impl From<&LoadReport> for StoredReport {
-    fn from(r: &LoadReport) -> Self {
-        Self {
-            lines: r.lines,
-            samples: r.samples,
-            malformed_skipped: r.malformed_skipped,
-            truncated: r.truncated,
-            without_targets: r.without_targets,
-            tokens: r.tokens,
-        }
-    }
-}
-
-impl From<StoredReport> for LoadReport {
-    fn from(r: StoredReport) -> Self {
-        Self {
-            lines: r.lines,
-            samples: r.samples,
-            malformed_skipped: r.malformed_skipped,
-            truncated: r.truncated,
-            without_targets: r.without_targets,
-            tokens: r.tokens,
-        }
-    }
 }
 
 /// The key of a dataset under a tokenizer and options: hex SHA-256.
@@ -191,7 +155,7 @@ fn read_cache(file: &Path, key: &str) -> Result<Option<Dataset>, String> {
     if r.at != r.bytes.len() {
         return Err(format!("{} bytes after the last sample", r.bytes.len() - r.at));
     }
-    let report: LoadReport = header.report.into();
+    let report = header.report;
     if report.malformed_skipped > 0 {
         tracing::warn!(
             "{}: skipped {} malformed record(s) of {}, e.g. {}",
@@ -235,7 +199,7 @@ fn write_cache(file: &Path, key: &str, ds: &Dataset, skipped: &[String]) -> std:
         key: key.to_string(),
         dataset: ds.path.display().to_string(),
         samples: ds.samples.len() as u64,
-        report: (&ds.report).into(),
+        report: ds.report.clone(),
         skipped_examples: skipped.to_vec(),
     };
     let header = serde_json::to_vec(&header).map_err(std::io::Error::other)?;

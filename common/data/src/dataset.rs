@@ -44,8 +44,8 @@ impl LoadOptions {
     }
 }
 
-/// What loading counted, for the log.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What loading counted, for the log (and the tokenized cache's header).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LoadReport {
     pub lines: u64,
     pub samples: u64,
