@@ -94,6 +94,12 @@ pub struct Run {
     /// batches were dealt out) or the run ended: what a waiting member's
     /// request waits on instead of polling.
     group_moves: tokio::sync::watch::Sender<u64>,
+    /// Bumped whenever a batch may have become leasable: the drafter trained
+    /// (the reorder window moved), leases or acknowledged batches returned
+    /// to the pool, a drafter resumed, or the group moved. What a target's
+    /// `LeaseWork` waits on when it finds nothing to lease, instead of the
+    /// target polling.
+    work_moves: tokio::sync::watch::Sender<u64>,
     /// Instances that heard of the run's end (its stop event on their event
     /// stream, or a heartbeat answered "run over"), counted in the watch.
     told: Mutex<BTreeSet<String>>,
@@ -125,6 +131,7 @@ impl Run {
             fate: Mutex::new(Fate { state: pb::RunState::Running, message: String::new() }),
             events,
             group_moves: tokio::sync::watch::Sender::new(0),
+            work_moves: tokio::sync::watch::Sender::new(0),
             told: Mutex::new(BTreeSet::new()),
             told_moves: tokio::sync::watch::Sender::new(0),
             ended: CancellationToken::new(),
@@ -166,6 +173,7 @@ impl Run {
             // ledger and the deal agree): back to pending, and said.
             tracing::error!("batches {unrouted:?} have no member in generation {}: released", g.number);
             self.ledger().release_batches(&unrouted)?;
+            self.work_moved();
         }
         Ok(out)
     }
@@ -222,6 +230,7 @@ impl Run {
             p.tokens += f.tokens;
         }
         self.flow().drafter_report(f.tokens, f.input_wait_fraction);
+        self.work_moved();
         Ok(())
     }
 
@@ -269,6 +278,7 @@ impl Run {
         let counts = ledger.counts()?;
         drop(ledger);
         self.progress.lock().expect("progress lock").committed_step = record.step;
+        self.work_moved();
         Ok(counts)
     }
 
@@ -343,9 +353,22 @@ impl Run {
         Ok(())
     }
 
-    /// Wakes every request waiting for the group to move.
+    /// Wakes every request waiting for the group to move, and every lease
+    /// request (a new deal routes batches, an ended one releases them).
     fn group_moved(&self) {
         self.group_moves.send_modify(|n| *n = n.wrapping_add(1));
+        self.work_moved();
+    }
+
+    /// Wakes every lease request waiting for work (see `work_moves`).
+    fn work_moved(&self) {
+        self.work_moves.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A receiver that changes whenever a batch may have become leasable
+    /// or the run ended (see `work_moves`).
+    pub fn watch_work(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.work_moves.subscribe()
     }
 
     /// A receiver that changes whenever the group may have moved or the
@@ -637,6 +660,9 @@ impl Run {
                 f.sent_timeout_ms
             );
         }
+        if expired + lost > 0 {
+            self.work_moved();
+        }
         let timeout = Duration::from_millis(f.instance_timeout_ms);
         let mut dead_targets = Vec::new();
         let mut changes = Vec::new();
@@ -675,6 +701,7 @@ impl Run {
             self.flow.lock().expect("flow lock").target_gone(&id);
             let n = self.ledger.lock().expect("ledger lock").release_holder(&id)?;
             tracing::warn!("released {n} lease(s) of target {id}");
+            self.work_moved();
         }
         let absent = self.registry.lock().expect("registry lock").drafter_absent_since.map(|t| t.elapsed());
         if let Some(a) = absent

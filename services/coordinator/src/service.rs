@@ -208,21 +208,25 @@ impl Coordinator for CoordinatorService {
     async fn lease_work(&self, req: Request<pb::LeaseWorkRequest>) -> Result<Response<pb::LeaseWorkResponse>, Status> {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
-        if !self.run.is_running() {
-            return Ok(Response::new(pb::LeaseWorkResponse { leases: vec![], exhausted: true, retry_after_ms: 0 }));
-        }
-        let leases = self.run.lease(&req.instance_id, req.max_batches.clamp(1, 64)).map_err(ledger_status)?;
-        let counts = self.run.counts();
-        let exhausted = leases.is_empty() && counts.pending + counts.leased + counts.sent == 0;
-        // Pending work held back by the reorder window comes free with the
-        // drafter's next step: ask again soon. Nothing pending: later.
-        let retry_after_ms = match (leases.is_empty(), counts.pending > 0) {
-            (false, _) => 0,
-            (true, true) => 20,
-            (true, false) => 200,
-        };
+        // Nothing to lease now (work held back by the reorder window, or
+        // all of it out with targets): the request waits for the drafter's
+        // next step or a lease's return instead of the target polling.
+        let held = self
+            .wait_on(self.run.watch_work(), |run| {
+                if !run.is_running() {
+                    return Ok(Some((Vec::new(), true)));
+                }
+                let leases = run.lease(&req.instance_id, req.max_batches.clamp(1, 64)).map_err(ledger_status)?;
+                let c = run.counts();
+                let exhausted = leases.is_empty() && c.pending + c.leased + c.sent == 0;
+                Ok((!leases.is_empty() || exhausted).then_some((leases, exhausted)))
+            })
+            .await?;
+        // None: the hold ran out with nothing to lease; the target asks
+        // again at once and waits here again.
+        let (leases, exhausted) = held.unwrap_or_default();
         Ok(Response::new(pb::LeaseWorkResponse {
-            retry_after_ms,
+            retry_after_ms: 0,
             exhausted,
             leases: leases
                 .into_iter()
@@ -443,22 +447,39 @@ impl CoordinatorService {
         &self,
         mut check: impl FnMut(&Run) -> Result<Option<T>, Status>,
     ) -> Result<Option<T>, Status> {
+        self.wait_on(self.run.watch_group(), |run| {
+            if !run.is_running() {
+                let (state, message) = run.state();
+                return Err(CoordinatorError::RunOver { state, message, run_id: run.run_id.clone() }.into());
+            }
+            check(run)
+        })
+        .await
+    }
+
+    /// Runs `check` whenever `moves` changes, until it answers, half the
+    /// RPC deadline passes or the coordinator stops (None: the caller asks
+    /// again): a request held open instead of a client polling, bounded well
+    /// inside the client's own deadline and not delaying a shutdown.
+    async fn wait_on<T>(
+        &self,
+        mut moves: tokio::sync::watch::Receiver<u64>,
+        mut check: impl FnMut(&Run) -> Result<Option<T>, Status>,
+    ) -> Result<Option<T>, Status> {
         let half = std::time::Duration::from_millis(self.run.config.faults.rpc_timeout_ms / 2);
         let deadline = tokio::time::Instant::now() + half;
-        let mut moves = self.run.watch_group();
         loop {
             // Marked seen before the check: a move after it wakes the wait.
             moves.borrow_and_update();
-            if !self.run.is_running() {
-                let (state, message) = self.run.state();
-                return Err(CoordinatorError::RunOver { state, message, run_id: self.run.run_id.clone() }.into());
-            }
             if let Some(answer) = check(&self.run)? {
                 return Ok(Some(answer));
             }
-            match tokio::time::timeout_at(deadline, moves.changed()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) | Err(_) => return Ok(None),
+            tokio::select! {
+                r = tokio::time::timeout_at(deadline, moves.changed()) => match r {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) | Err(_) => return Ok(None),
+                },
+                _ = self.streams.stop().stopped() => return Ok(None),
             }
         }
     }
@@ -467,4 +488,126 @@ impl CoordinatorService {
 /// The directory name of a checkpoint path (what the ledger records).
 fn checkpoint_name(path: &str) -> String {
     std::path::Path::new(path).file_name().map_or_else(|| path.to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::ledger::Ledger;
+
+    /// A coordinator service over a plan of `batches` one-sample batches,
+    /// a drafter group of one formed and resumed at the start (so every
+    /// batch is dealt out), and target `t` registered.
+    fn service(batches: u64, reorder_window: u32, rpc_timeout_ms: u64) -> (tempfile::TempDir, CoordinatorService) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ledger = Ledger::open(&dir.path().join("ledger.sqlite")).unwrap();
+        let plan: Vec<_> = (0..batches)
+            .map(|i| dflash_data::PlannedBatch { batch_id: i, epoch: 0, sample_ids: vec![i], sample_lengths: vec![9] })
+            .collect();
+        ledger.install_plan("fp", &plan).unwrap();
+        let mut config = dflash_config::RunConfig::default();
+        config.pipeline.reorder_window = reorder_window;
+        config.faults.rpc_timeout_ms = rpc_timeout_ms;
+        config.faults.lease_timeout_ms = 500;
+        let replicas = config.devices.drafter.devices().len() as u32;
+        let run = Arc::new(Run::new("run".into(), config, ledger, vec![7; 32]));
+        let register = |id: &str, role: pb::Role| {
+            run.register(pb::RegisterRequest { role: role as i32, instance_id: id.into(), ..Default::default() })
+        };
+        register("d", pb::Role::Drafter);
+        let joined = run.join_group("d", 0, "", replicas).unwrap().expect("a group of one forms at once");
+        assert!(joined.formed);
+        run.resume_drafter("d", None, &[], 0).unwrap();
+        register("t", pb::Role::Target);
+        (dir, CoordinatorService::new(run, dflash_role::Stages::new(dflash_role::Stop::new())))
+    }
+
+    async fn lease(svc: &CoordinatorService) -> pb::LeaseWorkResponse {
+        let req = pb::LeaseWorkRequest { run_id: "run".into(), instance_id: "t".into(), max_batches: 1 };
+        svc.lease_work(Request::new(req)).await.unwrap().into_inner()
+    }
+
+    /// A lease request on its own task, to be held.
+    fn spawn_lease(svc: &Arc<CoordinatorService>) -> tokio::task::JoinHandle<pb::LeaseWorkResponse> {
+        let svc = Arc::clone(svc);
+        tokio::spawn(async move { lease(&svc).await })
+    }
+
+    fn ids(r: &pb::LeaseWorkResponse) -> Vec<u64> {
+        r.leases.iter().map(|l| l.batch_id).collect()
+    }
+
+    fn trained(svc: &CoordinatorService, batch: u64, step: u64) {
+        let f = StepFigures { step, tokens: 9, ..Default::default() };
+        svc.run.record_trained("d", &[batch], &[], &f).unwrap();
+    }
+
+    /// The reorder window (one batch) holds batch 1 back until batch 0 is
+    /// trained: the second request waits for the drafter's step and comes
+    /// back with batch 1, rather than empty-handed with a time to poll again.
+    #[tokio::test]
+    async fn a_lease_request_with_nothing_leasable_is_answered_when_the_drafter_trains() {
+        let (_dir, svc) = service(3, 1, 60_000);
+        let svc = Arc::new(svc);
+        assert_eq!(ids(&lease(&svc).await), [0]);
+        let held = spawn_lease(&svc);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!held.is_finished(), "the request is held while nothing can be leased");
+        trained(&svc, 0, 1);
+        let r = tokio::time::timeout(Duration::from_secs(10), held).await.expect("answered after the step").unwrap();
+        assert_eq!(ids(&r), [1]);
+        assert!(!r.exhausted);
+        // Batch 1's lease expires (500 ms): its return wakes the waiting
+        // request, which takes it again.
+        let held = spawn_lease(&svc);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        svc.run.check_liveness().unwrap(); // nothing expired yet: still held
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!held.is_finished());
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        svc.run.check_liveness().unwrap();
+        let r = tokio::time::timeout(Duration::from_secs(10), held).await.expect("answered after the expiry").unwrap();
+        assert_eq!(ids(&r), [1]);
+        trained(&svc, 1, 2);
+        assert_eq!(ids(&lease(&svc).await), [2]);
+        trained(&svc, 2, 3);
+        let r = lease(&svc).await;
+        assert!(r.leases.is_empty() && r.exhausted, "all trained: exhausted at once, not held");
+    }
+
+    /// A request with nothing to lease is held at most half the RPC timeout,
+    /// and answered at once when the run ends or the coordinator stops.
+    #[tokio::test]
+    async fn a_held_lease_request_ends_with_its_hold_the_run_or_the_coordinator() {
+        let (_dir, svc) = service(2, 1, 1_000);
+        assert_eq!(ids(&lease(&svc).await), [0]);
+        let start = std::time::Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(10), lease(&svc)).await.unwrap();
+        assert!(r.leases.is_empty() && !r.exhausted && r.retry_after_ms == 0, "{r:?}");
+        assert!(
+            start.elapsed() >= Duration::from_millis(450),
+            "held {:?}, half the RPC timeout is 500 ms",
+            start.elapsed()
+        );
+
+        let (_dir, svc) = service(2, 1, 600_000);
+        let svc = Arc::new(svc);
+        assert_eq!(ids(&lease(&svc).await), [0]);
+        let held = spawn_lease(&svc);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        svc.run.end(pb::RunState::Cancelled, "test".into());
+        let r = tokio::time::timeout(Duration::from_secs(10), held).await.expect("answered at the run's end").unwrap();
+        assert!(r.leases.is_empty() && r.exhausted, "{r:?}");
+
+        let (_dir, svc) = service(2, 1, 600_000);
+        let svc = Arc::new(svc);
+        assert_eq!(ids(&lease(&svc).await), [0]);
+        let held = spawn_lease(&svc);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        svc.streams.stop().stop(dflash_role::StopCause::Signal("SIGTERM"));
+        let r = tokio::time::timeout(Duration::from_secs(10), held).await.expect("answered at the stop").unwrap();
+        assert!(r.leases.is_empty() && !r.exhausted, "{r:?}");
+    }
 }
