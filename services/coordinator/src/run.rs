@@ -172,8 +172,9 @@ impl Run {
             // Not dealt out in this generation (cannot happen while the
             // ledger and the deal agree): back to pending, and said.
             tracing::error!("batches {unrouted:?} have no member in generation {}: released", g.number);
+            // Not a move of the work: a held request woken by it would
+            // lease the same batches again at once.
             self.ledger().release_batches(&unrouted)?;
-            self.work_moved();
         }
         Ok(out)
     }

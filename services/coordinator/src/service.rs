@@ -2,6 +2,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use dflash_proto as pb;
 use dflash_proto::coordinator_server::Coordinator;
@@ -209,10 +210,12 @@ impl Coordinator for CoordinatorService {
         let req = req.into_inner();
         self.check_instance(&req.run_id, &req.instance_id)?;
         // Nothing to lease now (work held back by the reorder window, or
-        // all of it out with targets): the request waits for the drafter's
-        // next step or a lease's return instead of the target polling.
+        // all of it out with targets): the request waits, as long as its
+        // caller allows, for the drafter's next step or a lease's return
+        // instead of the target polling.
+        let hold = Duration::from_millis(u64::from(req.max_wait_ms)).min(self.half_rpc_timeout());
         let held = self
-            .wait_on(self.run.watch_work(), |run| {
+            .wait_on(self.run.watch_work(), hold, |run| {
                 if !run.is_running() {
                     return Ok(Some((Vec::new(), true)));
                 }
@@ -222,11 +225,17 @@ impl Coordinator for CoordinatorService {
                 Ok((!leases.is_empty() || exhausted).then_some((leases, exhausted)))
             })
             .await?;
-        // None: the hold ran out with nothing to lease; the target asks
-        // again at once and waits here again.
         let (leases, exhausted) = held.unwrap_or_default();
+        // After a hold the target asks again at once (and waits here
+        // again); unheld, pending work held back by the reorder window comes
+        // free with the drafter's next step: soon; nothing pending: later.
+        let retry_after_ms = match (leases.is_empty() && !exhausted, hold.is_zero(), self.run.counts().pending > 0) {
+            (false, ..) | (true, false, _) => 0,
+            (true, true, true) => 20,
+            (true, true, false) => 200,
+        };
         Ok(Response::new(pb::LeaseWorkResponse {
-            retry_after_ms: 0,
+            retry_after_ms,
             exhausted,
             leases: leases
                 .into_iter()
@@ -447,7 +456,7 @@ impl CoordinatorService {
         &self,
         mut check: impl FnMut(&Run) -> Result<Option<T>, Status>,
     ) -> Result<Option<T>, Status> {
-        self.wait_on(self.run.watch_group(), |run| {
+        self.wait_on(self.run.watch_group(), self.half_rpc_timeout(), |run| {
             if !run.is_running() {
                 let (state, message) = run.state();
                 return Err(CoordinatorError::RunOver { state, message, run_id: run.run_id.clone() }.into());
@@ -457,17 +466,23 @@ impl CoordinatorService {
         .await
     }
 
-    /// Runs `check` whenever `moves` changes, until it answers, half the
-    /// RPC deadline passes or the coordinator stops (None: the caller asks
-    /// again): a request held open instead of a client polling, bounded well
-    /// inside the client's own deadline and not delaying a shutdown.
+    /// Half the RPC deadline: the longest a request is held, well inside
+    /// the caller's own deadline.
+    fn half_rpc_timeout(&self) -> Duration {
+        Duration::from_millis(self.run.config.faults.rpc_timeout_ms / 2)
+    }
+
+    /// Runs `check` whenever `moves` changes, until it answers, `hold`
+    /// passes or the coordinator stops (None: the caller asks again): a
+    /// request held open instead of a client polling, not delaying a
+    /// shutdown. A zero `hold` checks once.
     async fn wait_on<T>(
         &self,
         mut moves: tokio::sync::watch::Receiver<u64>,
+        hold: Duration,
         mut check: impl FnMut(&Run) -> Result<Option<T>, Status>,
     ) -> Result<Option<T>, Status> {
-        let half = std::time::Duration::from_millis(self.run.config.faults.rpc_timeout_ms / 2);
-        let deadline = tokio::time::Instant::now() + half;
+        let deadline = tokio::time::Instant::now() + hold;
         loop {
             // Marked seen before the check: a move after it wakes the wait.
             moves.borrow_and_update();
@@ -492,8 +507,6 @@ fn checkpoint_name(path: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
     use crate::ledger::Ledger;
 
@@ -510,7 +523,7 @@ mod tests {
         let mut config = dflash_config::RunConfig::default();
         config.pipeline.reorder_window = reorder_window;
         config.faults.rpc_timeout_ms = rpc_timeout_ms;
-        config.faults.lease_timeout_ms = 500;
+        config.faults.lease_timeout_ms = 2_000;
         let replicas = config.devices.drafter.devices().len() as u32;
         let run = Arc::new(Run::new("run".into(), config, ledger, vec![7; 32]));
         let register = |id: &str, role: pb::Role| {
@@ -524,8 +537,13 @@ mod tests {
         (dir, CoordinatorService::new(run, dflash_role::Stages::new(dflash_role::Stop::new())))
     }
 
+    /// A lease request that waits as long as the coordinator holds it.
     async fn lease(svc: &CoordinatorService) -> pb::LeaseWorkResponse {
-        let req = pb::LeaseWorkRequest { run_id: "run".into(), instance_id: "t".into(), max_batches: 1 };
+        lease_within(svc, u32::MAX).await
+    }
+
+    async fn lease_within(svc: &CoordinatorService, max_wait_ms: u32) -> pb::LeaseWorkResponse {
+        let req = pb::LeaseWorkRequest { run_id: "run".into(), instance_id: "t".into(), max_batches: 1, max_wait_ms };
         svc.lease_work(Request::new(req)).await.unwrap().into_inner()
     }
 
@@ -559,14 +577,14 @@ mod tests {
         let r = tokio::time::timeout(Duration::from_secs(10), held).await.expect("answered after the step").unwrap();
         assert_eq!(ids(&r), [1]);
         assert!(!r.exhausted);
-        // Batch 1's lease expires (500 ms): its return wakes the waiting
+        // Batch 1's lease expires (2 s): its return wakes the waiting
         // request, which takes it again.
         let held = spawn_lease(&svc);
         tokio::time::sleep(Duration::from_millis(200)).await;
         svc.run.check_liveness().unwrap(); // nothing expired yet: still held
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!held.is_finished());
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
         svc.run.check_liveness().unwrap();
         let r = tokio::time::timeout(Duration::from_secs(10), held).await.expect("answered after the expiry").unwrap();
         assert_eq!(ids(&r), [1]);
@@ -577,8 +595,11 @@ mod tests {
         assert!(r.leases.is_empty() && r.exhausted, "all trained: exhausted at once, not held");
     }
 
-    /// A request with nothing to lease is held at most half the RPC timeout,
-    /// and answered at once when the run ends or the coordinator stops.
+    /// A request with nothing to lease is held as long as its caller waits
+    /// and at most half the RPC timeout, and answered at once when the run
+    /// ends or the coordinator stops; one that does not wait (max_wait_ms
+    /// 0, as from a target that predates the field) is answered at once
+    /// with a time to ask again.
     #[tokio::test]
     async fn a_held_lease_request_ends_with_its_hold_the_run_or_the_coordinator() {
         let (_dir, svc) = service(2, 1, 1_000);
@@ -591,6 +612,12 @@ mod tests {
             "held {:?}, half the RPC timeout is 500 ms",
             start.elapsed()
         );
+        let start = std::time::Instant::now();
+        let r = lease_within(&svc, 200).await;
+        assert!(r.leases.is_empty() && r.retry_after_ms == 0, "{r:?}");
+        assert!(start.elapsed() >= Duration::from_millis(190), "held {:?}, the caller waits 200 ms", start.elapsed());
+        let r = lease_within(&svc, 0).await;
+        assert!(r.leases.is_empty() && !r.exhausted && r.retry_after_ms == 20, "{r:?}");
 
         let (_dir, svc) = service(2, 1, 600_000);
         let svc = Arc::new(svc);

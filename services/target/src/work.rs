@@ -106,6 +106,9 @@ pub async fn lease_loop(
             run_id: session.run_id.clone(),
             instance_id: session.instance_id.clone(),
             max_batches: 1,
+            // Held by the coordinator until work comes free, well inside
+            // this call's own deadline.
+            max_wait_ms: u32::try_from(session.rpc_timeout().as_millis() / 2).unwrap_or(u32::MAX),
         };
         let resp = tokio::select! {
             r = with_timeout(session.rpc_timeout(), client.lease_work(req)) => r,
