@@ -22,8 +22,9 @@ use dflash_target::work::WorkItem;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Target shape: qwen3-8b, llama3.1-8b, qwen3-30b-a3b, qwen3.5-27b,
-    /// qwen3.5-35b-a3b, qwen3-next-80b-a3b, smollm2-135m, tiny, tiny-moe, tiny-hybrid.
+    /// Target shape: qwen3-8b, llama3.1-8b, qwen3-30b-a3b, gpt-oss-20b,
+    /// moonlight-16b-a3b, qwen3.5-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b,
+    /// smollm2-135m, tiny, tiny-qwen3, tiny-qwen2, tiny-moe, tiny-hybrid, tiny-gpt-oss.
     #[arg(long, default_value = "tiny")]
     pub shape: String,
     /// "cpu" or a GPU index.

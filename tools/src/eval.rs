@@ -22,7 +22,8 @@ pub struct EvalArgs {
     /// checkpoint root holding a `latest` pointer.
     #[arg(long)]
     pub drafter: PathBuf,
-    /// Held-out prompts (JSONL).
+    /// Held-out prompts (JSONL or Parquet conversations; the first user turn
+    /// of each is the prompt).
     #[arg(long)]
     pub prompts: PathBuf,
     #[command(flatten)]

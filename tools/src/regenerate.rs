@@ -14,7 +14,7 @@ use tch::{Device, Kind};
 
 use crate::meter::Meter;
 
-/// Which prompts of a JSONL file to decode, and how far.
+/// Which prompts of a JSONL or Parquet file to decode, and how far.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PromptSlice {
     /// Skip this many lines first.
@@ -33,7 +33,8 @@ pub struct RegenArgs {
     /// Hugging Face cache.
     #[arg(long, value_parser = dflash_config::hub::resolve_model_dir)]
     pub model: PathBuf,
-    /// JSONL conversations; each line's turns before the first assistant turn are the prompt.
+    /// JSONL or Parquet conversations; each one's turns before the first
+    /// assistant turn are the prompt.
     #[arg(long)]
     pub input: PathBuf,
     /// JSONL to write: prompt plus the target's answer.
