@@ -279,7 +279,6 @@ impl Run {
         let counts = ledger.counts()?;
         drop(ledger);
         self.progress.lock().expect("progress lock").committed_step = record.step;
-        self.work_moved();
         Ok(counts)
     }
 

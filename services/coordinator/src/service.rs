@@ -229,10 +229,12 @@ impl Coordinator for CoordinatorService {
         // After a hold the target asks again at once (and waits here
         // again); unheld, pending work held back by the reorder window comes
         // free with the drafter's next step: soon; nothing pending: later.
-        let retry_after_ms = match (leases.is_empty() && !exhausted, hold.is_zero(), self.run.counts().pending > 0) {
-            (false, ..) | (true, false, _) => 0,
-            (true, true, true) => 20,
-            (true, true, false) => 200,
+        let retry_after_ms = if !leases.is_empty() || exhausted || !hold.is_zero() {
+            0
+        } else if self.run.counts().pending > 0 {
+            20
+        } else {
+            200
         };
         Ok(Response::new(pb::LeaseWorkResponse {
             retry_after_ms,
