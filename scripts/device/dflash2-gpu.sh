@@ -4,6 +4,12 @@
 #   scripts/device/dflash2-gpu.sh step
 #     The training step on the Qwen3-8B shape (5-layer drafter, 512 anchors,
 #     split attention): DFlash block 16, DFlash2 block 16, DFlash2 block 8.
+#   scripts/device/dflash2-gpu.sh conv
+#     The block convolution's GPU kernels: their CUDA test (the models
+#     crate's test binary in $DFLASH_BIN/deps/models_lib), then DFlash block
+#     16 against DFlash2 block 16 with the kernels and without them
+#     (DFLASH_FUSED_OPS=off: the libtorch passes), twice each, alternated,
+#     and one profiled DFlash2 step between the rounds.
 #   scripts/device/dflash2-gpu.sh quality BLOCK LAYERS
 #     SmolLM2-135M: the target converted from its wheel (in parts: the carry
 #     limit), SmolLM2's answers to 1,200 chitchat prompts generated on the
@@ -29,6 +35,31 @@ if [ "$phase" = step ]; then
     timeout 170 $B/dflash bench-step "${common[@]}" --variant "$1" --block "$2" \
       --json "$OUT/step-$1-$2.json" 2>&1 | grep -v INFO | tail -4
   done
+  exit 0
+fi
+
+if [ "$phase" = conv ]; then
+  # Everything also goes to $OUT/conv.log, so a call cut short keeps what ran.
+  exec > >(tee "$OUT/conv.log") 2>&1
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 120 $B/deps/models_lib --ignored --exact dflash2::tests::the_gpu_kernels_of_the_convolution_match_its_composite_form \
+    2>&1 | grep -E "^test |test result|panicked|assert" | head -20
+  common=(--shape qwen3-8b --device 0 --anchors 512 --attention split --chunks 64 --context-multiple 128
+    --batch-tokens 12288 --batches 12 --max-blocks 2048 --steps 12 --warmup 2 --block 16)
+  step() {
+    echo "== $1 block 16, fused ops $2"
+    DFLASH_FUSED_OPS=$2 timeout 100 $B/dflash bench-step "${common[@]}" --variant "$1" \
+      --json "$OUT/conv-$1-$2-$SECONDS.json" 2>&1 | grep -v INFO | tail -1
+  }
+  step dflash2 on
+  step dflash2 off
+  step dflash on
+  echo "== dflash2 block 16 profiled"
+  timeout 120 $B/dflash bench-step "${common[@]}" --variant dflash2 --batches 2 --steps 3 --profile \
+    --json "$OUT/conv-profile.json" 2>&1 | grep -v "INFO\|^ERROR\|^WARNING\|^STAGE\|^\[W" | tail -40
+  step dflash2 on
+  step dflash2 off
+  step dflash on
   exit 0
 fi
 

@@ -933,9 +933,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) output_tc(
 #endif
 
 #if IN_BF16
-// Round to nearest even (NaN and Inf stay NaN and Inf).
+// Round to nearest even; Inf stays Inf and NaN a (quiet) NaN (rounding
+// would carry a NaN's mantissa into its exponent or sign, or wrap it to zero).
 __device__ __forceinline__ in_t st(float f) {
     unsigned b = __float_as_uint(f);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (in_t)((b >> 16) | 0x40u);
     return (in_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 #else

@@ -7,27 +7,7 @@
 // Rows are read and written as 16-byte vectors (VEC elements): the callers
 // check that rows are 16-byte aligned and their lengths multiples of VEC.
 
-#if IN_BF16
-typedef unsigned short in_t;
-#define VEC 8
-__device__ __forceinline__ float ld(in_t x) { return __uint_as_float(((unsigned)x) << 16); }
-// Round to nearest even (NaN and Inf stay NaN and Inf).
-__device__ __forceinline__ in_t st(float f) {
-    unsigned b = __float_as_uint(f);
-    return (in_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-#else
-typedef float in_t;
-#define VEC 4
-__device__ __forceinline__ float ld(in_t x) { return x; }
-__device__ __forceinline__ in_t st(float f) { return f; }
-#endif
-
-typedef long long i64;
-
-struct __align__(16) vec_t {
-    in_t v[VEC];
-};
+// (The kind's types and loads: vec_kind.cuh, prepended.)
 
 // RMSNorm with an f32 scale (the zero-centred norms of Qwen3-Next and
 // Qwen3.5 keep 1 + w in f32), over rows of `dim`:

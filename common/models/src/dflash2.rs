@@ -78,8 +78,12 @@ impl BlockConv {
     /// `dynamic` is `[n, Q, K, groups]`, `base` `[K, H]`. One autograd
     /// function (`csrc/block_conv.cpp`) that keeps only `x`, `dynamic` and
     /// `base` for the backward: as libtorch ops, autograd kept a full-size
-    /// kernel and a shifted copy of `x` per tap.
+    /// kernel and a shifted copy of `x` per tap. On a GPU its two directions
+    /// are one kernel each ([`crate::block_conv_cuda`]).
     fn convolve(&self, x: &Tensor, dynamic: &Tensor, base: &Tensor, block_len: i64) -> Tensor {
+        if x.device().is_cuda() {
+            crate::block_conv_cuda::register();
+        }
         let base = base.to_kind(x.kind());
         let dynamic = dynamic.to_kind(x.kind());
         let mut err = [0u8; 1024];
@@ -299,6 +303,82 @@ mod tests {
             // Without autograd: the same output.
             let plain = tch::no_grad(|| conv.finish(&x, &both.select(2, 1), bl));
             assert!(plain.allclose(&want, 1e-12, 1e-12, false), "k {k}, block {bl}: no_grad output differs");
+        }
+    }
+
+    /// On a GPU both directions are the kernels of `block_conv_cuda` (they
+    /// ran: the launch count grows), against the composite form in f64 on
+    /// the CPU: f32 within 1e-5 and bf16 within 1e-2 (relative L2: it
+    /// rounds inputs and outputs, not sums), the same bits when run again.
+    /// Groups of 2 to 32 threads, of one and within one thread's vector;
+    /// kernels of 1 to 8 taps, longer than a block too; channels past the
+    /// last thread block's end; coefficients as `prepare`'s views and as
+    /// rows the shim must copy dense. A group the kernels decline (12
+    /// channels: neither whole vectors in a power of two nor within one)
+    /// runs the libtorch passes, also within the tolerance, as do 256
+    /// channels in f32 (64 vectors: more than a warp). A NaN in the input
+    /// reaches the output and the coefficients' gradients.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn the_gpu_kernels_of_the_convolution_match_its_composite_form() {
+        use std::sync::atomic::Ordering;
+        crate::cuda::ensure_cuda(&[0]).unwrap();
+        let gpu = Device::Cuda(0);
+        let f64s = (Kind::Double, Device::Cpu);
+        // 1,536 channels: whole groups of each size, two thread blocks of
+        // vectors in bf16 (the second half-full), one and a half in f32.
+        let (n, blocks, h) = (2, 9, 1536);
+        let launches = || crate::block_conv_cuda::LAUNCHES.load(Ordering::Relaxed);
+        let cases =
+            [(16, 2, 16, false), (64, 4, 16, false), (256, 8, 16, false), (128, 3, 16, true), (2, 3, 16, false)];
+        let cases = cases.into_iter().chain([(8, 1, 16, false), (4, 6, 4, false), (12, 2, 16, false)]);
+        for (kind, tol) in [(Kind::Float, 1e-5), (Kind::BFloat16, 1e-2)] {
+            for (gs, k, bl, transposed) in cases.clone() {
+                // 256 channels are 64 f32 vectors: more than a warp.
+                let kernels = gs != 12 && !(kind == Kind::Float && gs == 256);
+                tch::manual_seed(gs * 10 + k);
+                let groups = h / gs;
+                let x = Tensor::randn([n, blocks * bl, h], f64s);
+                let both = Tensor::randn([n, blocks * bl, 2, k, groups], f64s);
+                let base = Tensor::randn([k, h], f64s);
+                let weights = Tensor::randn([n, blocks * bl, h], f64s);
+                // The reference: the composite form's output and gradients in f64.
+                let leaves = [&x, &both, &base].map(|t| t.copy().set_requires_grad(true));
+                let want = composite(&leaves[0], &leaves[1].select(2, 1), &leaves[2], bl, gs, k);
+                let inputs = [&leaves[0], &leaves[1], &leaves[2]];
+                let expect = Tensor::run_backward(&[(&want * &weights).sum(Kind::Double)], &inputs, false, false);
+                let conv = |x: &Tensor, both: &Tensor| {
+                    let leaves = [x, both, &base].map(|t| t.to_kind(kind).to_device(gpu).set_requires_grad(true));
+                    let vs = nn::VarStore::new(gpu);
+                    let conv = BlockConv::new(&vs.root(), h, &Dflash2Config { conv_group_size: gs, ..config(k) });
+                    let side = leaves[1].select(2, 1);
+                    // Rows whose [k, groups] are not dense: the shim copies them.
+                    let side = if transposed { side.transpose(2, 3).contiguous().transpose(2, 3) } else { side };
+                    let out = conv.convolve(&leaves[0], &side, &leaves[2], bl);
+                    let w = weights.to_kind(kind).to_device(gpu);
+                    let inputs = [&leaves[0], &leaves[1], &leaves[2]];
+                    let grads = Tensor::run_backward(&[(&out * w).sum(Kind::Float)], &inputs, false, false);
+                    let cpu = |t: &Tensor| t.to_kind(Kind::Double).to_device(Device::Cpu);
+                    (cpu(&out), grads.iter().map(cpu).collect::<Vec<_>>())
+                };
+                let case = format!("{kind:?} gs {gs} k {k} block {bl}");
+                let before = launches();
+                let (out, grads) = conv(&x, &both);
+                assert_eq!(launches() - before, if kernels { 2 } else { 0 }, "{case}: kernel launches");
+                let rel = |a: &Tensor, b: &Tensor| (a - b).norm().double_value(&[]) / b.norm().double_value(&[]);
+                assert!(rel(&out, &want) < tol, "{case}: output {}", rel(&out, &want));
+                for (name, (g, e)) in ["x", "dynamic", "base"].iter().zip(grads.iter().zip(&expect)) {
+                    assert!(rel(g, e) < tol, "{case}: the gradient of {name} is {} off", rel(g, e));
+                }
+                let (again, grads_again) = conv(&x, &both);
+                assert!(again.equal(&out) && grads_again.iter().zip(&grads).all(|(a, b)| a.equal(b)), "{case}: repeat");
+                // A NaN in the input reaches the output and the coefficients' gradients.
+                let poisoned = x.copy();
+                let _ = poisoned.get(0).get(0).get(0).fill_(f64::NAN);
+                let (out, grads) = conv(&poisoned, &both);
+                let has_nan = |t: &Tensor| bool::try_from(t.isnan().any()).unwrap();
+                assert!(has_nan(&out) && has_nan(&grads[1]) && has_nan(&grads[2]), "{case}: a NaN was lost");
+            }
         }
     }
 

@@ -15,13 +15,12 @@
 //! caller runs the ops. `DFLASH_FUSED_OPS=off` turns them off (for comparing
 //! the two on one machine); unset or `on` keeps them.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
-const SOURCE: &str = include_str!("../csrc/fused.cu");
+const SOURCE: &str = concat!(include_str!("../csrc/vec_kind.cuh"), include_str!("../csrc/fused.cu"));
 
 struct Kernels {
     ctx: Arc<CudaContext>,
@@ -33,9 +32,10 @@ struct Kernels {
     order: CudaFunction,
 }
 
-/// Whether the kernels may run. Any value but `on` and `off` is refused:
+/// Whether the kernels may run (these and DFlash2's block convolution,
+/// [`crate::block_conv_cuda`]). Any value but `on` and `off` is refused:
 /// the process stops at its first use, naming the variable.
-fn enabled() -> bool {
+pub(crate) fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| match std::env::var("DFLASH_FUSED_OPS").as_deref() {
         Err(_) | Ok("on") => true,
@@ -44,40 +44,24 @@ fn enabled() -> bool {
     })
 }
 
-/// Compiled kernels by (device ordinal, bf16 inputs); None where they could not be.
-type Cache = Mutex<HashMap<(usize, bool), Option<Arc<Kernels>>>>;
-
 /// The kernels for (device, bf16 inputs), compiled on first use; None
 /// (logged once) when they cannot be.
 fn kernels(ordinal: usize, bf16: bool) -> Option<Arc<Kernels>> {
-    static CACHE: OnceLock<Cache> = OnceLock::new();
-    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    cache
-        .entry((ordinal, bf16))
-        .or_insert_with(|| {
-            let compiled =
-                crate::nvrtc::compile(ordinal, SOURCE, "fused.cu", &[format!("-DIN_BF16={}", i32::from(bf16))])
-                    .and_then(|(ctx, module)| {
-                        let f = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
-                        Ok(Kernels {
-                            rms_norm: f("rms_norm_f32_scale")?,
-                            unpermute: f("moe_unpermute")?,
-                            swiglu: f("swiglu")?,
-                            route: f("route_softmax_topk")?,
-                            counts: f("expert_counts")?,
-                            order: f("expert_order")?,
-                            ctx,
-                        })
-                    });
-            match compiled {
-                Ok(k) => Some(Arc::new(k)),
-                Err(e) => {
-                    tracing::warn!("fused row kernels unavailable ({e}); using libtorch ops");
-                    None
-                }
-            }
+    static COMPILED: crate::nvrtc::Compiled<Kernels> = crate::nvrtc::Compiled::new();
+    COMPILED.get(ordinal, bf16, "fused row kernels", || {
+        let (ctx, module) =
+            crate::nvrtc::compile(ordinal, SOURCE, "fused.cu", &[format!("-DIN_BF16={}", i32::from(bf16))])?;
+        let f = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
+        Ok(Kernels {
+            rms_norm: f("rms_norm_f32_scale")?,
+            unpermute: f("moe_unpermute")?,
+            swiglu: f("swiglu")?,
+            route: f("route_softmax_topk")?,
+            counts: f("expert_counts")?,
+            order: f("expert_order")?,
+            ctx,
         })
-        .clone()
+    })
 }
 
 /// The elements a 16-byte vector holds, for the kinds the kernels take.

@@ -5,6 +5,7 @@
 
 pub mod acceptance;
 pub mod attention;
+pub mod block_conv_cuda;
 pub mod blocks;
 pub mod checkpoint;
 pub mod collective;

@@ -3,10 +3,44 @@
 //! binary stays one build for every GPU: each caller compiles its source
 //! once per process, device and setting, for the device's own architecture.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaModule};
 use cudarc::nvrtc::CompileOptions;
+
+/// The kernels of one source by (device ordinal, bf16 inputs), compiled on
+/// first use; None (logged once) where they could not be, and the callers
+/// run libtorch ops instead.
+pub(crate) struct Compiled<K>(Mutex<BTreeMap<(usize, bool), Option<Arc<K>>>>);
+
+impl<K> Compiled<K> {
+    pub(crate) const fn new() -> Self {
+        Self(Mutex::new(BTreeMap::new()))
+    }
+
+    /// The kernels for (device, bf16), made by `build` the first time;
+    /// `what` names them in the warning when that fails.
+    pub(crate) fn get(
+        &self,
+        ordinal: usize,
+        bf16: bool,
+        what: &str,
+        build: impl FnOnce() -> Result<K, String>,
+    ) -> Option<Arc<K>> {
+        let mut cache = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        cache
+            .entry((ordinal, bf16))
+            .or_insert_with(|| match build() {
+                Ok(k) => Some(Arc::new(k)),
+                Err(e) => {
+                    tracing::warn!("{what} unavailable ({e}); using libtorch ops");
+                    None
+                }
+            })
+            .clone()
+    }
+}
 
 /// `source` (named `name` in errors) compiled with `defines` (`-DNAME=value`)
 /// for GPU `ordinal`, and loaded there.
