@@ -12,7 +12,10 @@ use cudarc::nvrtc::CompileOptions;
 /// The kernels of one source by (device ordinal, bf16 inputs), compiled on
 /// first use; None (logged once) where they could not be, and the callers
 /// run libtorch ops instead.
-pub(crate) struct Compiled<K>(Mutex<BTreeMap<(usize, bool), Option<Arc<K>>>>);
+pub(crate) struct Compiled<K>(Mutex<BTreeMap<DeviceKind, Option<Arc<K>>>>);
+
+/// (device ordinal, bf16 inputs)
+type DeviceKind = (usize, bool);
 
 impl<K> Compiled<K> {
     pub(crate) const fn new() -> Self {
