@@ -45,10 +45,10 @@ if [ "$phase" = conv ]; then
   timeout 120 $B/deps/models_lib --ignored --exact dflash2::tests::the_gpu_kernels_of_the_convolution_match_its_composite_form \
     2>&1 | grep -E "^test |test result|panicked|assert" | head -20
   common=(--shape qwen3-8b --device 0 --anchors 512 --attention split --chunks 64 --context-multiple 128
-    --batch-tokens 12288 --batches 12 --max-blocks 2048 --steps 12 --warmup 2 --block 16)
+    --batch-tokens 12288 --max-blocks 2048 --warmup 2 --block 16)
   step() {
     echo "== $1 block 16, fused ops $2"
-    DFLASH_FUSED_OPS=$2 timeout 100 $B/dflash bench-step "${common[@]}" --variant "$1" \
+    DFLASH_FUSED_OPS=$2 timeout 100 $B/dflash bench-step "${common[@]}" --batches 12 --steps 12 --variant "$1" \
       --json "$OUT/conv-$1-$2-$SECONDS.json" 2>&1 | grep -v INFO | tail -1
   }
   step dflash2 on
