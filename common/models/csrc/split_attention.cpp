@@ -13,16 +13,81 @@
 // L = logaddexp(lse_A, lse_B). Flash's backward, given the MERGED O and L,
 // returns exactly each part's share of the gradient (its P = exp(S - L) are
 // the merged probabilities and its D = rowsum(dO * O) is the merged one), so
-// the backward is two flash backward calls and a scatter-add of the key and
-// value gradients. tch has no custom autograd functions, hence this file.
+// the backward is two flash backward calls and a sum of the gathered key and
+// value gradients into their rows: on a GPU one kernel per tensor that the
+// Rust side registers (src/gather_sum_cuda.rs; this library is built against
+// libtorch's CPU half and cannot launch CUDA itself), else index_add_ in
+// f32. tch has no custom autograd functions, hence this file.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <tuple>
 
+// One call of the GPU launcher (src/gather_sum_cuda.rs reads it field by
+// field): out[r] = sum of src(order[e]) for e in [offsets[r], offsets[r+1]),
+// src(s) = a[s] below rows_a, else b[s - rows_a]; rows of `width` elements.
+struct DflashGatherSumCall {
+  int32_t device;  // the CUDA ordinal
+  int32_t bf16;    // 1: bf16 tensors; 0: f32
+  int64_t rows, width, rows_a;
+  uint64_t a, b, order, offsets, out;
+};
+
+typedef int32_t (*DflashGatherSumLauncher)(const DflashGatherSumCall* call, char* err, int32_t err_len);
+
 namespace {
+
+std::atomic<DflashGatherSumLauncher> gather_sum_launcher{nullptr};
+
+// Which gathered rows sum into which row: the gathered rows of both parts
+// (a's, then b's) stably sorted by the row they came from, and each row's
+// range of them.
+struct Sources {
+  at::Tensor order, offsets;
+};
+
+Sources sources(const at::Tensor& idx_a, const at::Tensor& idx_b, int64_t rows) {
+  auto sorted = at::sort(at::cat({idx_a, idx_b}), /*stable=*/std::optional<bool>(true), /*dim=*/0, /*descending=*/false);
+  auto bounds = at::arange(rows + 1, idx_a.options());
+  return {std::get<1>(sorted), at::searchsorted(std::get<0>(sorted), bounds)};
+}
+
+// The gathered gradients ga (of idx_a's rows) and gb (idx_b's) summed into
+// `rows` rows, in their kind: the GPU kernel where the launcher takes it,
+// else index_add_ into f32 and a cast back.
+at::Tensor sum_gathered(const at::Tensor& ga, const at::Tensor& gb, const at::Tensor& idx_a, const at::Tensor& idx_b,
+                        int64_t rows, const Sources* src) {
+  const auto kind = ga.scalar_type();
+  const auto launcher = gather_sum_launcher.load();
+  if (src != nullptr && launcher != nullptr && (kind == at::kBFloat16 || kind == at::kFloat) &&
+      gb.scalar_type() == kind && ga.is_contiguous() && gb.is_contiguous()) {
+    auto sizes = ga.sizes().vec();
+    sizes[0] = rows;
+    auto out = at::empty(sizes, ga.options());
+    DflashGatherSumCall c{};
+    c.device = ga.get_device();
+    c.bf16 = kind == at::kBFloat16;
+    c.rows = rows, c.width = rows == 0 ? 0 : out.numel() / rows, c.rows_a = ga.size(0);
+    c.a = reinterpret_cast<uint64_t>(ga.data_ptr());
+    c.b = reinterpret_cast<uint64_t>(gb.data_ptr());
+    c.order = reinterpret_cast<uint64_t>(src->order.data_ptr());
+    c.offsets = reinterpret_cast<uint64_t>(src->offsets.data_ptr());
+    c.out = reinterpret_cast<uint64_t>(out.data_ptr());
+    char err[512] = {0};
+    const int32_t rc = launcher(&c, err, sizeof(err));
+    TORCH_CHECK(rc == 0 || rc == 1, "split attention's gradient sum on cuda:", c.device, ": ", err);
+    if (rc == 0) return out;
+  }
+  auto sizes = ga.sizes().vec();
+  sizes[0] = rows;
+  auto acc = at::zeros(sizes, ga.options().dtype(at::kFloat));
+  acc.index_add_(0, idx_a, ga.to(at::kFloat));
+  acc.index_add_(0, idx_b, gb.to(at::kFloat));
+  return acc.to(kind);
+}
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -137,28 +202,28 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     auto d_out = fold(grads[0].contiguous(), kv);
     auto k_all = at::cat({kc, kb}, 0);
     auto v_all = at::cat({vc, vb}, 0);
-    // Key and value gradients of the shared prefix arrive from every group
-    // that reads it: summed in fp32.
-    auto dk_all = at::zeros(k_all.sizes(), k_all.options().dtype(at::kFloat));
-    auto dv_all = at::zeros(v_all.sizes(), v_all.options().dtype(at::kFloat));
-    at::Tensor dq;
     auto part = [&](const Part& p, const at::Tensor& lse, const at::Tensor& rng, const at::Tensor& unused) {
       auto k = k_all.index_select(0, p.idx);
       auto v = v_all.index_select(0, p.idx);
-      auto r = at::_flash_attention_backward(d_out, qf, k, v, out_f, lse, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0,
-                                             /*is_causal=*/false, rng, unused, scale);
-      dq = dq.defined() ? dq.add_(std::get<0>(r)) : std::get<0>(r);
-      dk_all.index_add_(0, p.idx, std::get<1>(r).to(at::kFloat));
-      dv_all.index_add_(0, p.idx, std::get<2>(r).to(at::kFloat));
+      return at::_flash_attention_backward(d_out, qf, k, v, out_f, lse, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0,
+                                           /*is_causal=*/false, rng, unused, scale);
     };
-    part(a, s[12], s[14], s[15]);
-    part(b, s[13], s[16], s[17]);
-    const int64_t ctx_rows = kc.size(0);
+    auto ra = part(a, s[12], s[14], s[15]);
+    auto rb = part(b, s[13], s[16], s[17]);
+    auto dq = std::get<0>(ra).add_(std::get<0>(rb));
+    // Key and value gradients of the shared prefix arrive from every group
+    // that reads it: summed in f32, rounded once.
+    const int64_t rows = k_all.size(0);
     const auto kind = qf.scalar_type();
-    auto dkc = dk_all.narrow(0, 0, ctx_rows).to(kind);
-    auto dkb = dk_all.narrow(0, ctx_rows, kb.size(0)).to(kind);
-    auto dvc = dv_all.narrow(0, 0, ctx_rows).to(kind);
-    auto dvb = dv_all.narrow(0, ctx_rows, vb.size(0)).to(kind);
+    const bool gpu = qf.is_cuda() && (kind == at::kBFloat16 || kind == at::kFloat) && gather_sum_launcher.load() != nullptr;
+    const Sources src = gpu ? sources(a.idx, b.idx, rows) : Sources{};
+    auto dk_all = sum_gathered(std::get<1>(ra), std::get<1>(rb), a.idx, b.idx, rows, gpu ? &src : nullptr);
+    auto dv_all = sum_gathered(std::get<2>(ra), std::get<2>(rb), a.idx, b.idx, rows, gpu ? &src : nullptr);
+    const int64_t ctx_rows = kc.size(0);
+    auto dkc = dk_all.narrow(0, 0, ctx_rows);
+    auto dkb = dk_all.narrow(0, ctx_rows, kb.size(0));
+    auto dvc = dv_all.narrow(0, 0, ctx_rows);
+    auto dvb = dv_all.narrow(0, ctx_rows, vb.size(0));
     at::Tensor none;
     return {unfold(dq, g), dkc, dvc, dkb, dvb, none, none, none, none, none, none, none, none, none, none, none};
   }
@@ -167,6 +232,10 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
 at::Tensor& t(void* p) { return *static_cast<at::Tensor*>(p); }
 
 }  // namespace
+
+// Registers the GPU launcher of the gradient sum (once per process; a
+// second call replaces it).
+extern "C" void dflash_split_attention_set_gather_sum(DflashGatherSumLauncher f) { gather_sum_launcher.store(f); }
 
 // Returns a new at::Tensor* (owned by the caller), or null with `err` filled.
 extern "C" void* dflash_split_attention(void* q, void* kc, void* vc, void* kb, void* vb, void* idx_a, void* cuq_a,

@@ -114,28 +114,15 @@ fn applies(c: &Call) -> bool {
 unsafe extern "C" fn launch(call: *const Call, err: *mut std::ffi::c_char, err_len: i32) -> i32 {
     // SAFETY: the shim passes a call that lives for this one.
     let c = unsafe { &*call };
-    // A panic must not unwind into C++.
-    let result = std::panic::catch_unwind(|| {
+    let attempt = || {
         if !applies(c) {
             return Ok(false);
         }
         let Some(k) = kernels(c.device as usize, c.bf16 != 0) else { return Ok(false) };
         run(&k, c).map(|()| true)
-    });
-    let message = match result {
-        Ok(Ok(true)) => return 0,
-        Ok(Ok(false)) => return 1,
-        Ok(Err(e)) => e,
-        Err(_) => "the launcher panicked".to_string(),
     };
-    let bytes = message.as_bytes();
-    let n = bytes.len().min(err_len.max(1) as usize - 1);
-    // SAFETY: `err` holds err_len bytes; n + 1 <= err_len.
-    unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), err.cast::<u8>(), n);
-        *err.add(n) = 0;
-    }
-    2
+    // SAFETY: as this function's contract states.
+    unsafe { crate::nvrtc::shim_launch(attempt, err, err_len) }
 }
 
 fn run(k: &Kernels, c: &Call) -> Result<(), String> {

@@ -188,8 +188,9 @@ impl CandidateSelector {
     }
 }
 
-/// Vocabulary entries per chunk of [`top_k`]'s first stage.
-const TOP_K_CHUNK: i64 = 128;
+/// Vocabulary entries per chunk of [`top_k`]'s first stage (the GPU
+/// kernel's too).
+const TOP_K_CHUNK: i64 = crate::top_k_cuda::CHUNK;
 
 /// The `k` largest entries of each row of `logits` `[.., V]` and their ids,
 /// best first: `topk`'s values. Over a vocabulary, libtorch's `topk` is a
@@ -199,13 +200,18 @@ const TOP_K_CHUNK: i64 = 128;
 /// over their `128 k` entries only. Exact: a chunk that holds one of the k
 /// largest has a maximum at least that large, and fewer than k other chunks
 /// can beat it. Among equal logits the ids chosen may differ from `topk`'s.
-/// Rows too short for chunks to pay go to `topk`. No gradient flows (the
-/// selector's candidates are taken without one).
+/// Rows too short for chunks to pay go to `topk`. On a GPU the same
+/// selection runs as one kernel that reads each row once
+/// ([`crate::top_k_cuda`]). No gradient flows (the selector's candidates
+/// are taken without one).
 pub fn top_k(logits: &Tensor, k: i64) -> (Tensor, Tensor) {
     let size = logits.size();
     let v = *size.last().expect("logits have a vocabulary dimension");
     if v % TOP_K_CHUNK != 0 || v / TOP_K_CHUNK < 8 * k || logits.requires_grad() {
         return logits.topk(k, -1, true, true);
+    }
+    if let Some(found) = crate::top_k_cuda::top_k(logits, k) {
+        return found;
     }
     let lead = &size[..size.len() - 1];
     let rows: i64 = lead.iter().product();

@@ -67,6 +67,33 @@ pub(crate) fn compile(
     Ok((ctx, module))
 }
 
+/// The status a C++ shim's launcher returns for `attempt` (Ok(true):
+/// launched, Ok(false): declined, Err: failed): 0, 1 or 2, with a failure's
+/// message (or a panic's: it must not unwind into C++) written into `err`.
+///
+/// # Safety
+/// `err` points at `err_len` writable bytes.
+pub(crate) unsafe fn shim_launch(
+    attempt: impl FnOnce() -> Result<bool, String> + std::panic::UnwindSafe,
+    err: *mut std::ffi::c_char,
+    err_len: i32,
+) -> i32 {
+    let message = match std::panic::catch_unwind(attempt) {
+        Ok(Ok(true)) => return 0,
+        Ok(Ok(false)) => return 1,
+        Ok(Err(e)) => e,
+        Err(_) => "the launcher panicked".to_string(),
+    };
+    let bytes = message.as_bytes();
+    let n = bytes.len().min(err_len.max(1) as usize - 1);
+    // SAFETY: `err` holds err_len bytes; n + 1 <= err_len.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), err.cast::<u8>(), n);
+        *err.add(n) = 0;
+    }
+    2
+}
+
 /// Makes `libnvrtc.so.13` loadable by name: PyTorch's CUDA wheel keeps it
 /// in `site-packages/nvidia/cu13/lib`, beside the `torch/lib` folder that
 /// LD_LIBRARY_PATH names. Once loaded by path, a load by name finds it.

@@ -151,6 +151,9 @@ pub fn split_attention(
     index: &SplitIndex,
     scale: f64,
 ) -> Result<Tensor, ModelError> {
+    if q.device().is_cuda() {
+        crate::gather_sum_cuda::register();
+    }
     let (a, b) = (&index.prefix, &index.band);
     let ptr = |t: &Tensor| t.as_ptr().cast_mut().cast::<std::ffi::c_void>();
     let mut err = [0u8; 1024];
@@ -362,6 +365,8 @@ mod tests {
         let valid = Tensor::from_slice(&layout.valid).to_device(dev).repeat_interleave_self_int(16, 0, None);
         let d_out = Tensor::randn([t, hq, d], (Kind::Float, dev)) * valid.view([t, 1, 1]).to_kind(Kind::Float);
 
+        let launches = || crate::gather_sum_cuda::LAUNCHES.load(std::sync::atomic::Ordering::Relaxed);
+        let before = launches();
         let out = split_attention(&q, &kc, &vc, &kb, &vb, &plan.to_device(dev), 1.0 / (d as f64).sqrt()).unwrap();
         let got: Vec<Tensor> = Tensor::run_backward(
             &[(out.to_kind(Kind::Float) * &d_out).sum(Kind::Float)],
@@ -369,6 +374,9 @@ mod tests {
             false,
             false,
         );
+        // The key and value gradients were summed by the GPU kernel (one
+        // launch each), not by index_add_.
+        assert_eq!(launches() - before, 2, "the gather-sum kernel ran");
         let reference = masked(&layout, [&q, &kc, &vc, &kb, &vb], (hq, hkv, d));
         let want: Vec<Tensor> =
             Tensor::run_backward(&[(&reference * &d_out).sum(Kind::Float)], &[&q, &kc, &vc, &kb, &vb], false, false);
