@@ -16,6 +16,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/host_memory.cpp");
     println!("cargo:rerun-if-changed=csrc/fp8_linear.cpp");
     println!("cargo:rerun-if-changed=csrc/block_conv.cpp");
+    println!("cargo:rerun-if-changed=csrc/fused_layers.cpp");
     println!("cargo:rerun-if-env-changed=DFLASH_GLOO_INCLUDE");
     let Ok(dir) = std::env::var("LIBTORCH") else {
         panic!("LIBTORCH is not set: run scripts/setup-libtorch.sh (the Makefile does)");
@@ -39,6 +40,7 @@ fn main() {
         .file("csrc/host_memory.cpp")
         .file("csrc/fp8_linear.cpp")
         .file("csrc/block_conv.cpp")
+        .file("csrc/fused_layers.cpp")
         .define("USE_C10D_GLOO", None)
         .include(gloo)
         .include(format!("{dir}/include"))

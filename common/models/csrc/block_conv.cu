@@ -19,19 +19,6 @@
 
 // (The kind's types and loads: vec_kind.cuh, prepended.)
 
-__device__ __forceinline__ void load(const in_t* p, float* f) {
-    const vec_t a = *reinterpret_cast<const vec_t*>(p);
-#pragma unroll
-    for (int e = 0; e < VEC; e++) f[e] = ld(a.v[e]);
-}
-
-__device__ __forceinline__ void store(in_t* p, const float* f) {
-    vec_t a;
-#pragma unroll
-    for (int e = 0; e < VEC; e++) a.v[e] = st(f[e]);
-    *reinterpret_cast<vec_t*>(p) = a;
-}
-
 // Tap t's kernel for row r at channels c0..c0+VEC: base[t] plus the row's
 // dynamic coefficient of each channel's group (dyn rows are `ds` apart,
 // [k, groups] within a row).

@@ -1,7 +1,8 @@
-// The input kind of the row kernels (fused.cu, block_conv.cu), prepended to
-// their source by the Rust side (NVRTC is given one string, no include
-// path): -DIN_BF16=<1: bf16; 0: f32>. Loads widen to f32; stores round to
-// nearest even. Rows move as 16-byte vectors of VEC elements.
+// The input kind of the row kernels (fused.cu, block_conv.cu, top_k.cu,
+// gather_sum.cu, fused_layers.cu), prepended to their source by the Rust side
+// (NVRTC is given one string, no include path): -DIN_BF16=<1: bf16; 0: f32>.
+// Loads widen to f32; stores round to nearest even. Rows move as 16-byte
+// vectors of VEC elements.
 
 #if IN_BF16
 typedef unsigned short in_t;
@@ -27,3 +28,17 @@ typedef long long i64;
 struct __align__(16) vec_t {
     in_t v[VEC];
 };
+
+// One 16-byte vector of a row, widened to f32; and stored back, rounded.
+__device__ __forceinline__ void load(const in_t* p, float* f) {
+    const vec_t a = *reinterpret_cast<const vec_t*>(p);
+#pragma unroll
+    for (int e = 0; e < VEC; e++) f[e] = ld(a.v[e]);
+}
+
+__device__ __forceinline__ void store(in_t* p, const float* f) {
+    vec_t a;
+#pragma unroll
+    for (int e = 0; e < VEC; e++) a.v[e] = st(f[e]);
+    *reinterpret_cast<vec_t*>(p) = a;
+}

@@ -112,17 +112,8 @@ fn applies(c: &Call) -> bool {
 /// `call` points at a live call whose pointers are device memory of the
 /// shapes it names, and `err` at `err_len` writable bytes.
 unsafe extern "C" fn launch(call: *const Call, err: *mut std::ffi::c_char, err_len: i32) -> i32 {
-    // SAFETY: the shim passes a call that lives for this one.
-    let c = unsafe { &*call };
-    let attempt = || {
-        if !applies(c) {
-            return Ok(false);
-        }
-        let Some(k) = kernels(c.device as usize, c.bf16 != 0) else { return Ok(false) };
-        run(&k, c).map(|()| true)
-    };
     // SAFETY: as this function's contract states.
-    unsafe { crate::nvrtc::shim_launch(attempt, err, err_len) }
+    unsafe { crate::nvrtc::shim_launch(call, err, err_len, applies, |c| kernels(c.device as usize, c.bf16 != 0), run) }
 }
 
 fn run(k: &Kernels, c: &Call) -> Result<(), String> {

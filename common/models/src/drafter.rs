@@ -11,7 +11,8 @@ use tch::{Device, Kind, Tensor};
 use crate::ModelError;
 use crate::blocks::BlockLayout;
 use crate::dflash2::{BlockConv, CandidateSelector, Dflash2Config};
-use crate::layers::{Linear, Mlp, RmsNorm, Rope, apply_rope};
+use crate::fused_layers;
+use crate::layers::{Linear, Mlp, RmsNorm, Rope};
 use crate::split_attention::{self, SplitIndex, SplitPlan};
 use crate::target_config::TargetConfig;
 
@@ -566,11 +567,11 @@ impl DrafterLayer {
         let [q, kb, vb] = project_many([&a.q_proj, &a.k_proj, &a.v_proj], &xn, fp8);
         let [kc, vc] = project_many([&a.k_proj, &a.v_proj], ctx, fp8);
         let q = a.q_norm.forward(&q.view([n, q_len, nh, d]));
-        let q = apply_rope(&q, &rope.blk_cos, &rope.blk_sin);
+        let q = fused_layers::rope(&q, &rope.blk_cos, &rope.blk_sin);
         let kc = a.k_norm.forward(&kc.view([n, s, kv, d]));
-        let kc = apply_rope(&kc, &rope.ctx_cos, &rope.ctx_sin);
+        let kc = fused_layers::rope(&kc, &rope.ctx_cos, &rope.ctx_sin);
         let kb = a.k_norm.forward(&kb.view([n, q_len, kv, d]));
-        let kb = apply_rope(&kb, &rope.blk_cos, &rope.blk_sin);
+        let kb = fused_layers::rope(&kb, &rope.blk_cos, &rope.blk_sin);
         let vc = vc.view([n, s, kv, d]);
         let vb = vb.view([n, q_len, kv, d]);
         let o = match attn {
@@ -636,7 +637,7 @@ impl DrafterLayer {
     fn mlp_forward(&self, x: &Tensor, fp8: bool) -> Tensor {
         let m = &self.mlp;
         let [gate, up] = project_many([&m.gate_proj, &m.up_proj], x, fp8);
-        project(&m.down_proj, &(gate.silu() * up), fp8)
+        project(&m.down_proj, &fused_layers::swiglu(&gate, &up), fp8)
     }
 }
 

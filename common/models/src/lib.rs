@@ -21,6 +21,7 @@ pub mod evaluation;
 pub mod features;
 pub mod fp8;
 pub mod fused_cuda;
+pub mod fused_layers;
 pub mod gated_deltanet;
 pub mod gather_sum_cuda;
 pub mod generate;

@@ -67,17 +67,32 @@ pub(crate) fn compile(
     Ok((ctx, module))
 }
 
-/// The status a C++ shim's launcher returns for `attempt` (Ok(true):
-/// launched, Ok(false): declined, Err: failed): 0, 1 or 2, with a failure's
-/// message (or a panic's: it must not unwind into C++) written into `err`.
+/// The body of a C++ shim's launcher for `call`: `applies` says whether
+/// the kernels take it, `kernels` compiles or finds them, `run` launches.
+/// Returns 0 launched, 1 declined (the shim runs libtorch ops instead), 2
+/// failed, with the failure's message (or a panic's: it must not unwind into
+/// C++) written into `err`.
 ///
 /// # Safety
-/// `err` points at `err_len` writable bytes.
-pub(crate) unsafe fn shim_launch(
-    attempt: impl FnOnce() -> Result<bool, String> + std::panic::UnwindSafe,
+/// `call` points at a live call whose pointers are device memory of the
+/// shapes it names, and `err` at `err_len` writable bytes.
+pub(crate) unsafe fn shim_launch<C: std::panic::RefUnwindSafe, K>(
+    call: *const C,
     err: *mut std::ffi::c_char,
     err_len: i32,
+    applies: fn(&C) -> bool,
+    kernels: fn(&C) -> Option<Arc<K>>,
+    run: fn(&K, &C) -> Result<(), String>,
 ) -> i32 {
+    // SAFETY: the shim passes a call that lives for this one.
+    let c = unsafe { &*call };
+    let attempt = || {
+        if !applies(c) {
+            return Ok(false);
+        }
+        let Some(k) = kernels(c) else { return Ok(false) };
+        run(&k, c).map(|()| true)
+    };
     let message = match std::panic::catch_unwind(attempt) {
         Ok(Ok(true)) => return 0,
         Ok(Ok(false)) => return 1,
