@@ -154,6 +154,9 @@ extern "C" void* dflash_fused_rope(void* x, void* cos, void* sin, char* err, int
                         xt.size(2) % 2 == 0 && ct.size(0) > 0 && xt.size(0) % ct.size(0) == 0,
                     "fused RoPE: x ", xt.sizes(), " and tables ", ct.sizes(), " do not fit");
         TORCH_CHECK(xt.is_contiguous() && ct.is_contiguous() && st.is_contiguous(), "fused RoPE: non-contiguous input");
+        TORCH_CHECK(ct.scalar_type() == xt.scalar_type() && st.scalar_type() == xt.scalar_type() &&
+                        ct.device() == xt.device() && st.device() == xt.device(),
+                    "fused RoPE: the tables' kind or device differs from x's");
         return Rope::apply(xt, ct, st);
       },
       err, err_len);

@@ -151,7 +151,7 @@ pub fn split_attention(
     index: &SplitIndex,
     scale: f64,
 ) -> Result<Tensor, ModelError> {
-    if q.device().is_cuda() {
+    if q.device().is_cuda() && crate::fused_cuda::enabled() {
         crate::gather_sum_cuda::register();
     }
     let (a, b) = (&index.prefix, &index.band);
@@ -376,7 +376,8 @@ mod tests {
         );
         // The key and value gradients were summed by the GPU kernel (one
         // launch each), not by index_add_.
-        assert_eq!(launches() - before, 2, "the gather-sum kernel ran");
+        // (At least: other tests of the process may launch it too.)
+        assert!(launches() - before >= 2, "the gather-sum kernel ran");
         let reference = masked(&layout, [&q, &kc, &vc, &kb, &vb], (hq, hkv, d));
         let want: Vec<Tensor> =
             Tensor::run_backward(&[(&reference * &d_out).sum(Kind::Float)], &[&q, &kc, &vc, &kb, &vb], false, false);
