@@ -86,27 +86,13 @@ impl BlockConv {
         }
         let base = base.to_kind(x.kind());
         let dynamic = dynamic.to_kind(x.kind());
-        let mut err = [0u8; 1024];
+        let raw = crate::nvrtc::raw;
         // SAFETY: the three pointers are live at::Tensors borrowed for the
         // call (the autograd function saves its own references); the shim
-        // returns a new heap tensor or null and writes at most err.len() bytes.
-        let out = unsafe {
-            dflash_block_conv(
-                x.as_ptr().cast_mut().cast(),
-                dynamic.as_ptr().cast_mut().cast(),
-                base.as_ptr().cast_mut().cast(),
-                block_len,
-                self.group_size,
-                err.as_mut_ptr().cast(),
-                err.len() as i32,
-            )
-        };
-        if out.is_null() {
-            let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
-            panic!("{}", String::from_utf8_lossy(&err[..end]));
-        }
-        // SAFETY: a fresh at::Tensor* from the shim, owned from here on.
-        unsafe { Tensor::from_ptr(out.cast()) }
+        // returns a new heap tensor or null and writes at most `len` bytes.
+        crate::nvrtc::call_shim(|err, len| unsafe {
+            dflash_block_conv(raw(x), raw(&dynamic), raw(&base), block_len, self.group_size, err, len)
+        })
     }
 }
 

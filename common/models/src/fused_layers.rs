@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
 use tch::{Kind, Tensor};
 
+use crate::nvrtc::{call_shim, raw};
 use crate::rope::apply_rope;
 
 const SOURCE: &str = concat!(include_str!("../csrc/vec_kind.cuh"), include_str!("../csrc/fused_layers.cu"));
@@ -186,23 +187,6 @@ fn run(k: &Kernels, c: &Call) -> Result<(), String> {
     launched.map_err(|e| format!("launching the fused layer kernel failed: {e:?}"))?;
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
     Ok(())
-}
-
-/// Runs a shim entry that returns a new tensor or null with `err` filled;
-/// a failure is a device error (the shapes were checked before).
-fn call_shim(f: impl FnOnce(*mut std::ffi::c_char, i32) -> *mut std::ffi::c_void) -> Tensor {
-    let mut err = [0u8; 1024];
-    let out = f(err.as_mut_ptr().cast(), err.len() as i32);
-    if out.is_null() {
-        let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
-        panic!("{}", String::from_utf8_lossy(&err[..end]));
-    }
-    // SAFETY: a fresh at::Tensor* from the shim, owned from here on.
-    unsafe { Tensor::from_ptr(out.cast()) }
-}
-
-fn raw(t: &Tensor) -> *mut std::ffi::c_void {
-    t.as_ptr().cast_mut().cast()
 }
 
 fn fused_kind(k: Kind) -> bool {

@@ -109,6 +109,25 @@ pub(crate) unsafe fn shim_launch<C: std::panic::RefUnwindSafe, K>(
     2
 }
 
+/// Runs a C++ shim entry `f(err, err_len)` that returns a new `at::Tensor*`
+/// or null with `err` filled; a failure panics with the shim's message (the
+/// callers checked the shapes before, so what is left is a device error).
+pub(crate) fn call_shim(f: impl FnOnce(*mut std::ffi::c_char, i32) -> *mut std::ffi::c_void) -> tch::Tensor {
+    let mut err = [0u8; 1024];
+    let out = f(err.as_mut_ptr().cast(), err.len() as i32);
+    if out.is_null() {
+        let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
+        panic!("{}", String::from_utf8_lossy(&err[..end]));
+    }
+    // SAFETY: a fresh at::Tensor* from the shim, owned from here on.
+    unsafe { tch::Tensor::from_ptr(out.cast()) }
+}
+
+/// The `at::Tensor*` behind `t`, for a shim that borrows it for one call.
+pub(crate) fn raw(t: &tch::Tensor) -> *mut std::ffi::c_void {
+    t.as_ptr().cast_mut().cast()
+}
+
 /// Makes `libnvrtc.so.13` loadable by name: PyTorch's CUDA wheel keeps it
 /// in `site-packages/nvidia/cu13/lib`, beside the `torch/lib` folder that
 /// LD_LIBRARY_PATH names. Once loaded by path, a load by name finds it.
