@@ -142,7 +142,7 @@ mod tests {
         d.max().double_value(&[])
     }
 
-    /// The kernel gives softmax's probabilities (f32 within 2e-6 relative,
+    /// The kernel gives softmax's probabilities (f32 within 1e-5 relative,
     /// bf16 within one rounding), argmax's positions exactly (ties to the
     /// lowest, NaN first) and the sum of its own probabilities (1e-5
     /// relative), with and without the shared-memory cache; on Qwen's and
@@ -174,7 +174,7 @@ mod tests {
                         let got = softmax_with_cache(&logits.copy(), cache).expect("the kernel applies");
                         assert!(LAUNCHES.load(Ordering::Relaxed) > before);
                         assert!(got.argmax.equal(&want_argmax), "{at}: argmax");
-                        let tol = if kind == Kind::Float { 2e-6 } else { 1.0 / 128.0 };
+                        let tol = if kind == Kind::Float { 1e-5 } else { 1.0 / 128.0 };
                         let e = worst(&got.probs, &want_probs, 1e-30);
                         assert!(e <= tol, "{at}: probabilities off by {e}");
                         let own = got.probs.sum_dim_intlist(-1, false, Kind::Float);
