@@ -15,10 +15,8 @@
 //! dense one-hot gradient and conversions (each a full pass over rows x
 //! vocab). The label's entry, p - 1, is not the rounded p minus 1 (near
 //! p = 1 that loses all of it) but minus the sum of the other rounded
-//! probabilities, each held to half precision's relative accuracy. On a GPU
-//! the argmax, the softmax and that sum are one kernel over the logits
-//! ([`crate::softmax_cuda`]); elsewhere three ops, the sum one extra read of
-//! the chunk's probabilities.
+//! probabilities, each held to half precision's relative accuracy: one extra
+//! read of the chunk's probabilities.
 
 use tch::{Kind, Tensor};
 
@@ -100,22 +98,13 @@ impl ChunkObjective {
     pub fn terms(&self, logits: Tensor, rows: ChunkRows) -> ChunkTerms {
         let ChunkRows { labels: lab, teacher: taught, weights: w, pick } = rows;
         let acc = self.acc;
-        // On a GPU one kernel writes the probabilities over the logits and
-        // gives each row's argmax and the sum of its probabilities as written
-        // (crate::softmax_cuda); elsewhere the ops below do the same.
-        let fused =
-            if logits.kind() == self.probs_kind { crate::softmax_cuda::softmax_in_place(&logits) } else { None };
-        let argmax = || fused.as_ref().map_or_else(|| logits.argmax(-1, false), |f| f.argmax.shallow_clone());
         let correct = match (&pick, &taught) {
             (Some(p), _) => p.correct(),
             // Greedy verification accepts the target's most likely token.
-            (None, Some((ids, _))) => argmax().eq_tensor(&ids.select(1, 0)),
-            (None, None) => argmax().eq_tensor(&lab.squeeze_dim(1)),
+            (None, Some((ids, _))) => logits.argmax(-1, false).eq_tensor(&ids.select(1, 0)),
+            (None, None) => logits.argmax(-1, false).eq_tensor(&lab.squeeze_dim(1)),
         };
-        let (mut probs, sums) = match fused {
-            Some(f) => (f.probs, Some(f.sums)),
-            None => (logits.softmax(-1, self.probs_kind), None),
-        };
+        let mut probs = logits.softmax(-1, self.probs_kind);
         drop(logits);
         // CE = -log p[label]; p is clamped at the smallest normal float,
         // so a confidently wrong slot reports a loss of at most ~87 where
@@ -132,8 +121,7 @@ impl ChunkObjective {
             Some((ids, _)) => probs.gather(1, &ids.narrow(1, 0, 1), false).squeeze_dim(1),
             None => p_label.shallow_clone(),
         };
-        let sums = sums.map_or_else(|| probs.sum_dim_intlist(-1, false, acc), |s| s.to_kind(acc));
-        let rest = sums - first.to_kind(acc);
+        let rest = probs.sum_dim_intlist(-1, false, acc) - first.to_kind(acc);
         let log_p = |p: Tensor| p.to_kind(Kind::Double).clamp_min(f64::from(f32::MIN_POSITIVE)).log();
         let ce = match &taught {
             // -sum_j p_target(j) log p(j) over the target's top-k.
