@@ -42,7 +42,6 @@ pub mod perf;
 pub mod placement;
 pub mod quant;
 pub mod rope;
-pub mod softmax_cuda;
 pub mod split_attention;
 pub mod synthetic;
 pub mod target;
