@@ -62,19 +62,12 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Tensor {
         return x.linear(w, None::<&Tensor>);
     }
     let flat = x.reshape([rows, k]);
-    let mut err = [0u8; 1024];
+    let raw = crate::nvrtc::raw;
     // SAFETY: both pointers are live at::Tensors borrowed for the call (the
     // autograd function saves its own references); the shim returns a new
-    // heap tensor or null and writes at most err.len() bytes.
-    let out = unsafe {
-        dflash_fp8_linear(flat.as_ptr().cast_mut().cast(), w.as_ptr().cast_mut().cast(), err.as_mut_ptr().cast(), 1024)
-    };
-    if out.is_null() {
-        let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
-        panic!("FP8 matmul of [{rows}, {k}] x [{n}, {k}]^T: {}", String::from_utf8_lossy(&err[..end]));
-    }
-    // SAFETY: a fresh at::Tensor* from the shim, owned from here on.
-    let y = unsafe { Tensor::from_ptr(out.cast()) };
+    // heap tensor or null and writes at most `len` bytes.
+    let y = crate::nvrtc::try_call_shim(|err, len| unsafe { dflash_fp8_linear(raw(&flat), raw(w), err, len) })
+        .unwrap_or_else(|e| panic!("FP8 matmul of [{rows}, {k}] x [{n}, {k}]^T: {e}"));
     *shape.last_mut().expect("x has a last dimension") = n;
     y.view(shape.as_slice())
 }

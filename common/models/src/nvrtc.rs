@@ -110,17 +110,24 @@ pub(crate) unsafe fn shim_launch<C: std::panic::RefUnwindSafe, K>(
 }
 
 /// Runs a C++ shim entry `f(err, err_len)` that returns a new `at::Tensor*`
-/// or null with `err` filled; a failure panics with the shim's message (the
-/// callers checked the shapes before, so what is left is a device error).
-pub(crate) fn call_shim(f: impl FnOnce(*mut std::ffi::c_char, i32) -> *mut std::ffi::c_void) -> tch::Tensor {
+/// or null with `err` filled: the tensor, or the shim's message.
+pub(crate) fn try_call_shim(
+    f: impl FnOnce(*mut std::ffi::c_char, i32) -> *mut std::ffi::c_void,
+) -> Result<tch::Tensor, String> {
     let mut err = [0u8; 1024];
     let out = f(err.as_mut_ptr().cast(), err.len() as i32);
     if out.is_null() {
         let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
-        panic!("{}", String::from_utf8_lossy(&err[..end]));
+        return Err(String::from_utf8_lossy(&err[..end]).into_owned());
     }
     // SAFETY: a fresh at::Tensor* from the shim, owned from here on.
-    unsafe { tch::Tensor::from_ptr(out.cast()) }
+    Ok(unsafe { tch::Tensor::from_ptr(out.cast()) })
+}
+
+/// [`try_call_shim`] where a failure panics with the shim's message (the
+/// callers checked the shapes before, so what is left is a device error).
+pub(crate) fn call_shim(f: impl FnOnce(*mut std::ffi::c_char, i32) -> *mut std::ffi::c_void) -> tch::Tensor {
+    try_call_shim(f).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The `at::Tensor*` behind `t`, for a shim that borrows it for one call.

@@ -155,13 +155,12 @@ pub fn split_attention(
         crate::gather_sum_cuda::register();
     }
     let (a, b) = (&index.prefix, &index.band);
-    let ptr = |t: &Tensor| t.as_ptr().cast_mut().cast::<std::ffi::c_void>();
-    let mut err = [0u8; 1024];
+    let ptr = crate::nvrtc::raw;
     // SAFETY: every pointer is a live at::Tensor borrowed for the call; the
     // C++ side copies the handles it keeps (autograd saves its own
     // references) and returns a new heap tensor or null; `err` has the
     // length passed.
-    let out = unsafe {
+    crate::nvrtc::try_call_shim(|err, len| unsafe {
         dflash_split_attention(
             ptr(q),
             ptr(kc),
@@ -179,16 +178,11 @@ pub fn split_attention(
             b.max_q,
             b.max_k,
             scale,
-            err.as_mut_ptr().cast(),
-            err.len() as i32,
+            err,
+            len,
         )
-    };
-    if out.is_null() {
-        let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
-        return Err(ModelError::Device(format!("split attention: {}", String::from_utf8_lossy(&err[..end]))));
-    }
-    // SAFETY: a fresh at::Tensor* from the shim, owned from here on.
-    Ok(unsafe { Tensor::from_ptr(out.cast()) })
+    })
+    .map_err(|e| ModelError::Device(format!("split attention: {e}")))
 }
 
 /// Whether [`split_attention`] runs heads of `head_dim` on `device` in
