@@ -10,11 +10,15 @@
 #   3. long sequences: one sequence of 8K, 16K and 32K tokens, 512 anchors,
 #      chunk 32 (the training default), with the kernels and without
 #      (DFLASH_FUSED_OPS=off: the index_add_ path), alternated;
-#   4. one profiled DFlash2 step and one profiled 32K step;
-#   5. `layers`: the fused RoPE and SwiGLU (csrc/fused_layers.cu): the DFlash
-#      step on the usual shape and the 32K step with this build against the
-#      build in $OLD (a binary without them), alternated, twice.
-#   scripts/device/drafter-kernels-gpu.sh [tests] [dflash2] [long] [profile] [layers]
+#   4. one profiled step of $PROFILE_VARIANT (default dflash2) and one profiled
+#      32K step;
+#   5. `layers`: the DFlash step on the usual shape and the 32K step with
+#      this build against the build in $OLD (a binary without the kernels
+#      being measured: the fused RoPE and SwiGLU, csrc/fused_layers.cu; the
+#      loss softmax, csrc/softmax_rows.cu), alternated, in $ROUNDS (default 1 2);
+#   6. `softmax`: the loss softmax kernel at each row-cache size against the
+#      ops it replaces, on one loss chunk (printed by its timing test).
+#   scripts/device/drafter-kernels-gpu.sh [tests] [dflash2] [long] [profile] [layers] [softmax]
 # Everything also goes to $OUT/kernels.log, so a call cut short keeps what ran.
 set -u
 cd "$(dirname "$0")/../.."
@@ -36,7 +40,10 @@ for phase in $phases; do
     for t in ${TESTS:-top_k_cuda::tests::the_gpu_top_k_returns_topks_values_with_their_ids \
       split_attention::tests::split_attention_on_cuda_matches_the_masked_attention \
       dflash2::tests::the_gpu_kernels_of_the_convolution_match_its_composite_form \
-      fused_layers::tests::the_fused_layer_kernels_match_the_ops_on_a_gpu}; do
+      fused_layers::tests::the_fused_layer_kernels_match_the_ops_on_a_gpu \
+      softmax_cuda::tests::the_gpu_softmax_matches_the_ops \
+      objective::tests::the_softmax_kernel_gives_the_terms_of_the_ops \
+      trainer::tests::bf16_cross_entropy_on_cuda_matches_an_fp32_cross_entropy}; do
       timeout 150 $B/deps/models_lib --ignored --exact $t 2>&1 | grep -E "^test |panicked|assert|error" | head -10
     done ;;
   dflash2)
@@ -57,16 +64,17 @@ for phase in $phases; do
       done
     done ;;
   profile)
-    echo "== DFlash2 block 16, profiled"
-    timeout 120 $B/dflash bench-step "${usual[@]}" --variant dflash2 --batches 2 --steps 3 --profile \
-      --json "$J/profile-dflash2.json" 2>&1 | quiet | tail -30
+    pv=${PROFILE_VARIANT:-dflash2}
+    echo "== $pv block 16, profiled"
+    timeout 120 $B/dflash bench-step "${usual[@]}" --variant $pv --batches 2 --steps 3 --profile \
+      --json "$J/profile-$pv.json" 2>&1 | quiet | tail -30
     echo "== 32K tokens, chunk 32, profiled"
     timeout 120 $B/dflash bench-step --shape qwen3-8b --device 0 --layers 5 --block 16 --anchors 512 --chunks 32 \
       --attention split --batch-tokens 32768 --min-len 32768 --max-len 32768 --batches 1 --steps 2 --warmup 2 \
       --profile --json "$J/profile-32k.json" 2>&1 | quiet | tail -30 ;;
   layers)
     old=${OLD:?OLD names the binary to compare with}
-    for round in 1 2; do
+    for round in ${ROUNDS:-1 2}; do
       for bin in $B/dflash $old; do
         echo "== dflash block 16, $bin, round $round"
         timeout 100 $bin bench-step "${usual[@]}" --batches 12 --steps ${STEPS:-10} --variant dflash \
@@ -77,7 +85,10 @@ for phase in $phases; do
           --json "$J/layers-32k-$(basename $bin)-$round.json" 2>&1 | quiet | tail -1
       done
     done ;;
-  *) echo "unknown phase $phase (tests, dflash2, long, profile, layers)"; exit 2 ;;
+  softmax)
+    timeout 150 $B/deps/models_lib --ignored --exact softmax_cuda::tests::the_gpu_softmax_timings --nocapture 2>&1 |
+      grep -E "^test |loss softmax|panicked" ;;
+  *) echo "unknown phase $phase (tests, dflash2, long, profile, layers, softmax)"; exit 2 ;;
   esac
 done
 exit 0

@@ -1,5 +1,5 @@
 // The input kind of the row kernels (fused.cu, block_conv.cu, top_k.cu,
-// gather_sum.cu, fused_layers.cu), prepended to their source by the Rust side
+// gather_sum.cu, fused_layers.cu, softmax_rows.cu), prepended to their source by the Rust side
 // (NVRTC is given one string, no include path): -DIN_BF16=<1: bf16; 0: f32>.
 // Loads widen to f32; stores round to nearest even. Rows move as 16-byte
 // vectors of VEC elements.

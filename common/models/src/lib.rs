@@ -42,6 +42,7 @@ pub mod perf;
 pub mod placement;
 pub mod quant;
 pub mod rope;
+pub mod softmax_cuda;
 pub mod split_attention;
 pub mod synthetic;
 pub mod target;

@@ -15,8 +15,10 @@
 //! dense one-hot gradient and conversions (each a full pass over rows x
 //! vocab). The label's entry, p - 1, is not the rounded p minus 1 (near
 //! p = 1 that loses all of it) but minus the sum of the other rounded
-//! probabilities, each held to half precision's relative accuracy: one extra
-//! read of the chunk's probabilities.
+//! probabilities, each held to half precision's relative accuracy. On a GPU
+//! the argmax, the softmax and that sum are one kernel over the logits
+//! ([`crate::softmax_cuda`]); elsewhere three ops, the sum one extra read of
+//! the chunk's probabilities.
 
 use tch::{Kind, Tensor};
 
@@ -98,14 +100,23 @@ impl ChunkObjective {
     pub fn terms(&self, logits: Tensor, rows: ChunkRows) -> ChunkTerms {
         let ChunkRows { labels: lab, teacher: taught, weights: w, pick } = rows;
         let acc = self.acc;
-        let correct = match (&pick, &taught) {
-            (Some(p), _) => p.correct(),
-            // Greedy verification accepts the target's most likely token.
-            (None, Some((ids, _))) => logits.argmax(-1, false).eq_tensor(&ids.select(1, 0)),
-            (None, None) => logits.argmax(-1, false).eq_tensor(&lab.squeeze_dim(1)),
+        // On a GPU one kernel writes the probabilities over the logits and
+        // gives each row's argmax and the sum of its probabilities as written
+        // (crate::softmax_cuda); elsewhere the ops below do the same.
+        // Greedy verification accepts the target's most likely token.
+        let proposal_right = |argmax: Tensor| match &taught {
+            Some((ids, _)) => argmax.eq_tensor(&ids.select(1, 0)),
+            None => argmax.eq_tensor(&lab.squeeze_dim(1)),
         };
-        let mut probs = logits.softmax(-1, self.probs_kind);
-        drop(logits);
+        let fused =
+            if logits.kind() == self.probs_kind { crate::softmax_cuda::softmax_in_place(logits) } else { Err(logits) };
+        let (mut probs, correct, sums) = match fused {
+            Ok(f) => (f.probs, pick.map_or_else(|| proposal_right(f.argmax), |p| p.correct()), Some(f.sums)),
+            Err(logits) => {
+                let correct = pick.map_or_else(|| proposal_right(logits.argmax(-1, false)), |p| p.correct());
+                (logits.softmax(-1, self.probs_kind), correct, None)
+            }
+        };
         // CE = -log p[label]; p is clamped at the smallest normal float,
         // so a confidently wrong slot reports a loss of at most ~87 where
         // a log-sum-exp would report more (its gradient is exact either way).
@@ -121,7 +132,8 @@ impl ChunkObjective {
             Some((ids, _)) => probs.gather(1, &ids.narrow(1, 0, 1), false).squeeze_dim(1),
             None => p_label.shallow_clone(),
         };
-        let rest = probs.sum_dim_intlist(-1, false, acc) - first.to_kind(acc);
+        let sums = sums.map_or_else(|| probs.sum_dim_intlist(-1, false, acc), |s| s.to_kind(acc));
+        let rest = sums - first.to_kind(acc);
         let log_p = |p: Tensor| p.to_kind(Kind::Double).clamp_min(f64::from(f32::MIN_POSITIVE)).log();
         let ce = match &taught {
             // -sum_j p_target(j) log p(j) over the target's top-k.
@@ -258,5 +270,69 @@ pub(crate) fn probability_kind(model: Kind) -> Kind {
     match model {
         Kind::BFloat16 | Kind::Half | Kind::Double => model,
         _ => Kind::Float,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Largest |a - b| / (|b| + floor) over the entries.
+    fn worst(a: &Tensor, b: &Tensor, floor: f64) -> f64 {
+        let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+        ((&a - &b).abs() / (b.abs() + floor)).max().double_value(&[])
+    }
+
+    /// On a GPU the terms of a chunk through the softmax kernel
+    /// ([`crate::softmax_cuda`]) are the terms through the ops (the same
+    /// logits as a view the kernel declines) to the precision of the
+    /// probabilities' kind: the proposals' rightness exactly, the losses,
+    /// the weights and the gradient on the logits; for cross-entropy, D-PACE
+    /// and distillation, in bf16 and f32.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn the_softmax_kernel_gives_the_terms_of_the_ops() {
+        let dev = crate::cuda::tch_device(Some(0)).expect("a CUDA device");
+        tch::manual_seed(3);
+        let (slots, v, k) = (15, 1024, 8);
+        let len = 24 * slots;
+        let labels = Tensor::randint(v, [len, 1], (Kind::Int64, dev));
+        let weights = Tensor::rand([len], (Kind::Float, dev)).gt(0.2).to_kind(Kind::Float)
+            * Tensor::rand([len], (Kind::Float, dev));
+        let ids = Tensor::rand([len, v], (Kind::Float, dev)).argsort(-1, false).narrow(1, 0, k);
+        let teacher_p = Tensor::rand([len, k], (Kind::Float, dev)).softmax(-1, Kind::Float);
+        for kind in [Kind::BFloat16, Kind::Float] {
+            let wide = (Tensor::randn([len, v + 8], (Kind::Float, dev)) * 3.0).to_kind(kind);
+            let view = wide.narrow(1, 0, v); // not contiguous: the ops
+            let (tol, floor) = if kind == Kind::Float { (1e-5, 1e-6) } else { (1.0 / 64.0, 1e-2) };
+            for objective in [Objective::CrossEntropy, Objective::Dpace { alpha: 0.3 }, Objective::Distill] {
+                let obj = ChunkObjective {
+                    objective,
+                    selector_weight: 0.0,
+                    block_slots: slots,
+                    acc: Kind::Float,
+                    probs_kind: probability_kind(kind),
+                };
+                let rows = || ChunkRows {
+                    labels: &labels,
+                    teacher: (objective == Objective::Distill).then(|| (ids.copy(), teacher_p.copy())),
+                    weights: &weights,
+                    pick: None,
+                };
+                let before = crate::softmax_cuda::LAUNCHES.load(std::sync::atomic::Ordering::Relaxed);
+                let fused = obj.terms(view.contiguous(), rows());
+                assert!(crate::softmax_cuda::LAUNCHES.load(std::sync::atomic::Ordering::Relaxed) > before);
+                let ops = obj.terms(view.shallow_clone(), rows());
+                let at = format!("{kind:?} {objective:?}");
+                assert!(fused.correct.equal(&ops.correct), "{at}: right proposals");
+                for (f, o) in fused.losses.iter().zip(&ops.losses) {
+                    let e = worst(f, o, 1e-6);
+                    assert!(e <= tol, "{at}: loss off by {e}");
+                }
+                assert!(worst(&fused.weights, &ops.weights, 1e-6) <= tol, "{at}: weights");
+                let e = worst(&fused.dlogits, &ops.dlogits, floor);
+                assert!(e <= tol, "{at}: gradient on the logits off by {e}");
+            }
+        }
     }
 }

@@ -16,7 +16,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
-const SOURCE: &str = concat!(include_str!("../csrc/vec_kind.cuh"), include_str!("../csrc/top_k.cu"));
+const SOURCE: &str = concat!(
+    include_str!("../csrc/vec_kind.cuh"),
+    include_str!("../csrc/order_key.cuh"),
+    include_str!("../csrc/top_k.cu")
+);
 /// Vocabulary entries per chunk (`CHUNK` in the kernel).
 pub const CHUNK: i64 = 128;
 /// Threads per block (`THREADS` in the kernel).
