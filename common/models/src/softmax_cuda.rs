@@ -25,11 +25,25 @@ const SOURCE: &str = concat!(
     include_str!("../csrc/order_key.cuh"),
     include_str!("../csrc/softmax_rows.cu")
 );
-/// Threads per block (`THREADS` in the kernel).
-const THREADS: u32 = 1024;
-/// Shared memory kept free of the row cache for the kernel's own
-/// reduction slots (512 bytes), with room to spare.
-const STATIC_SHARED: i64 = 1024;
+/// A block shape the kernel is compiled in (`SHAPE` in the kernel): threads
+/// per block, and blocks resident per SM, for which the row cache is sized.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Shape {
+    threads: u32,
+    blocks_per_sm: i64,
+}
+
+const SHAPES: [Shape; 3] = [
+    Shape { threads: 1024, blocks_per_sm: 1 },
+    Shape { threads: 512, blocks_per_sm: 2 },
+    Shape { threads: 256, blocks_per_sm: 4 },
+];
+/// The shape the objective's chunks take (timing test: `the_gpu_softmax_timings`).
+const DEFAULT_SHAPE: Shape = SHAPES[0];
+/// Shared memory a block keeps for its own reduction slots (the kernel's
+/// static arrays, at most 640 bytes) and the 1 KiB the hardware reserves per
+/// block, out of its share of the SM's.
+const BLOCK_SHARED: i64 = 2048;
 
 /// Kernels launched so far in this process: how a test tells the kernel
 /// from the ops it replaces.
@@ -37,10 +51,10 @@ pub static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 struct Kernel {
     ctx: Arc<CudaContext>,
-    softmax: CudaFunction,
-    /// Bytes of row cache a block may take (the device's opt-in limit less
-    /// the kernel's own).
-    cache_limit: i64,
+    /// Per shape of [`SHAPES`]: the function and the bytes of row cache a
+    /// block may take (its share of the SM's shared memory, within the
+    /// device's per-block limit).
+    shapes: Vec<(CudaFunction, i64)>,
 }
 
 fn kernel(ordinal: usize, bf16: bool) -> Option<Arc<Kernel>> {
@@ -48,15 +62,25 @@ fn kernel(ordinal: usize, bf16: bool) -> Option<Arc<Kernel>> {
     COMPILED.get(ordinal, bf16, "loss softmax kernel", || {
         let defines = [format!("-DIN_BF16={}", i32::from(bf16))];
         let (ctx, m) = crate::nvrtc::compile(ordinal, SOURCE, "softmax_rows.cu", &defines)?;
-        let softmax = m.load_function("softmax_rows").map_err(|e| format!("kernel softmax_rows: {e:?}"))?;
-        let limit = ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| format!("shared memory limit: {e:?}"))?;
-        let cache_limit = (i64::from(limit) - STATIC_SHARED).max(0) / 16 * 16;
-        softmax
-            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cache_limit as i32)
-            .map_err(|e| format!("shared memory attribute: {e:?}"))?;
-        Ok(Kernel { ctx, softmax, cache_limit })
+        let attribute = |a, what: &str| ctx.attribute(a).map(i64::from).map_err(|e| format!("{what}: {e:?}"));
+        let per_block = attribute(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            "shared memory limit",
+        )?;
+        let per_sm = attribute(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            "shared memory per SM",
+        )?;
+        let mut shapes = Vec::new();
+        for shape in SHAPES {
+            let name = format!("softmax_rows_{}", shape.threads);
+            let f = m.load_function(&name).map_err(|e| format!("kernel {name}: {e:?}"))?;
+            let limit = (per_sm / shape.blocks_per_sm - BLOCK_SHARED).min(per_block - BLOCK_SHARED).max(0) / 16 * 16;
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, limit as i32)
+                .map_err(|e| format!("shared memory attribute of {name}: {e:?}"))?;
+            shapes.push((f, limit));
+        }
+        Ok(Kernel { ctx, shapes })
     })
 }
 
@@ -76,13 +100,13 @@ pub struct SoftmaxRows {
 /// the storage is overwritten, so no other tensor may still read it (the
 /// caller's are fresh outputs of the LM head).
 pub fn softmax_in_place(logits: Tensor) -> Result<SoftmaxRows, Tensor> {
-    softmax_with_cache(logits, None)
+    softmax_with(logits, DEFAULT_SHAPE, None)
 }
 
-/// [`softmax_in_place`] with at most `cache_bytes` of each row kept in
-/// shared memory between the two reads (None: as much as the device allows);
-/// the timing test compares the choices.
-fn softmax_with_cache(logits: Tensor, cache_bytes: Option<i64>) -> Result<SoftmaxRows, Tensor> {
+/// [`softmax_in_place`] in blocks of `shape` with at most `cache_bytes` of
+/// each row kept in shared memory between the two reads (None: as much as
+/// the shape's share of an SM allows); the timing test compares the choices.
+fn softmax_with(logits: Tensor, shape: Shape, cache_bytes: Option<i64>) -> Result<SoftmaxRows, Tensor> {
     let Device::Cuda(ordinal) = logits.device() else { return Err(logits) };
     let (bf16, elem) = match logits.kind() {
         Kind::BFloat16 => (true, 2),
@@ -97,13 +121,18 @@ fn softmax_with_cache(logits: Tensor, cache_bytes: Option<i64>) -> Result<Softma
         return Err(logits);
     }
     let Some(kern) = kernel(ordinal, bf16) else { return Err(logits) };
-    let cache = cache_bytes.unwrap_or(kern.cache_limit).clamp(0, kern.cache_limit).min(v * elem) / 16 * 16;
+    let at = SHAPES.iter().position(|s| *s == shape).expect("one of SHAPES");
+    let (function, limit) = &kern.shapes[at];
+    let cache = cache_bytes.unwrap_or(*limit).clamp(0, *limit).min(v * elem) / 16 * 16;
     let argmax = Tensor::empty([rows], (Kind::Int64, logits.device()));
     let sums = Tensor::empty([rows], (Kind::Float, logits.device()));
     let (pl, pa, ps) = (logits.data_ptr() as u64, argmax.data_ptr() as u64, sums.data_ptr() as u64);
     let (vi, cache_vecs) = (v as i32, (cache / 16) as i32);
-    let cfg =
-        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: cache as u32 };
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (shape.threads, 1, 1),
+        shared_mem_bytes: cache as u32,
+    };
     // SAFETY: `logits` is a contiguous [rows, V] CUDA tensor of the compiled
     // kind, 16-byte aligned, V whole vectors (checked), owned here and
     // written in place by this one kernel; `argmax` and `sums` are fresh [rows] int64 and f32;
@@ -112,7 +141,7 @@ fn softmax_with_cache(logits: Tensor, cache_bytes: Option<i64>) -> Result<Softma
     let launched = unsafe {
         kern.ctx
             .default_stream()
-            .launch_builder(&kern.softmax)
+            .launch_builder(function)
             .arg(&pl)
             .arg(&vi)
             .arg(&cache_vecs)
@@ -152,9 +181,10 @@ mod tests {
     /// lowest, NaN first) and the sum of its own probabilities (1e-5
     /// relative), with and without the shared-memory cache; on Qwen's and
     /// SmolLM2's vocabularies and a small one; on random logits, logits of
-    /// few values (ties), and rows with NaN, +inf, some -inf, all -inf and a
-    /// maximum of zero signed both ways. It hands back, untouched, what it
-    /// does not take.
+    /// few values (ties), and rows with NaN (early, and only past the
+    /// cache), +inf, some -inf, all -inf and a maximum of zero signed both
+    /// ways; in every block shape. It hands back, untouched, what it does
+    /// not take.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn the_gpu_softmax_matches_the_ops() {
@@ -175,13 +205,15 @@ mod tests {
                 let _ = special.get(5).fill_(-1.0);
                 let _ = special.get(5).narrow(0, 5, 1).fill_(-0.0);
                 let _ = special.get(5).narrow(0, 9, 1).fill_(0.0);
+                // One NaN, past the part of the row the cache holds.
+                let _ = special.get(6).narrow(0, v - 3, 1).fill_(f64::NAN);
                 for (name, logits) in [("random", &random), ("tied", &tied), ("special", &special)] {
                     let want_probs = logits.softmax(-1, kind);
                     let want_argmax = logits.argmax(-1, false);
-                    for cache in [Some(0), Some(4096), None] {
-                        let at = format!("{kind:?} V {v} {name} cache {cache:?}");
+                    for (shape, cache) in SHAPES.iter().flat_map(|s| [(s, Some(0)), (s, Some(4096)), (s, None)]) {
+                        let at = format!("{kind:?} V {v} {name} {shape:?} cache {cache:?}");
                         let before = LAUNCHES.load(Ordering::Relaxed);
-                        let got = applied(softmax_with_cache(logits.copy(), cache));
+                        let got = applied(softmax_with(logits.copy(), *shape, cache));
                         assert!(LAUNCHES.load(Ordering::Relaxed) > before);
                         assert!(got.argmax.equal(&want_argmax), "{at}: argmax");
                         let tol = if kind == Kind::Float { 1e-5 } else { 1.0 / 128.0 };
@@ -194,7 +226,7 @@ mod tests {
                 }
                 // Special rows: NaN wherever softmax gives NaN, zero at -inf.
                 let got = applied(softmax_in_place(special.copy()));
-                for r in 0..3 {
+                for r in [0, 1, 2, 6] {
                     assert!(bool::try_from(got.probs.get(r).isnan().all()).unwrap(), "{kind:?} V {v}: row {r} NaN");
                 }
                 assert!(bool::try_from(got.probs.get(4).narrow(0, v - 9, 9).eq(0.0).all()).unwrap());
@@ -220,8 +252,8 @@ mod tests {
         assert!(declined(base.to_device(Device::Cpu)));
     }
 
-    /// Information, not a goal: the kernel at each cache size against the
-    /// ops it replaces (argmax, softmax, sum) on one loss chunk of the
+    /// Information, not a goal: the kernel in each block shape, with and
+    /// without the row cache, against the ops it replaces (argmax, softmax, sum) on one loss chunk of the
     /// Qwen3-8B-shape step (3,840 rows of 151,936), printed.
     #[test]
     #[ignore = "needs a CUDA GPU"]
@@ -245,10 +277,17 @@ mod tests {
             drop((a, p, s));
         });
         println!("loss softmax, 3840 x 151936 bf16: ops (argmax, softmax, sum) {ops:.3} ms");
-        for cache in [Some(0), Some(64 * 1024), Some(100 * 1024), None] {
-            let scratch = logits.copy();
-            let ms = time(&|| drop(applied(softmax_with_cache(scratch.shallow_clone(), cache))));
-            println!("loss softmax, 3840 x 151936 bf16: kernel, cache {cache:?} bytes: {ms:.3} ms");
+        for shape in SHAPES {
+            for cache in [Some(0), None] {
+                let scratch = logits.copy();
+                let ms = time(&|| drop(applied(softmax_with(scratch.shallow_clone(), shape, cache))));
+                println!(
+                    "loss softmax, 3840 x 151936 bf16: kernel, {} threads x {} blocks per SM, cache {}: {ms:.3} ms",
+                    shape.threads,
+                    shape.blocks_per_sm,
+                    cache.map_or("as large as fits".into(), |c| format!("{c} bytes"))
+                );
+            }
         }
     }
 }
