@@ -135,26 +135,29 @@ at::Tensor lse_like(const at::Tensor& rows, const at::Tensor& like, int64_t max_
   return out;
 }
 
-// Grouped-query heads folded into rows: q [T, Hq, d] -> [T*G, Hkv, d], row
-// t*G + g holding query head kv*G + g (the head that reads kv head kv). Each
+// Grouped-query heads folded into rows: q [T, Hq, d] arrives with its heads
+// group-major (head g*Hkv + kv reads kv head kv; the drafter reorders q_proj
+// and o_proj to match), so [T, G, Hkv, d] is already [T*G, Hkv, d]: row
+// t*G + g holds the G-th query head of each kv head, a view, no copy. Each
 // flash "sequence" then has G times the rows and Hq/G heads: a block's 16
 // queries fill a 64-row tile instead of 16 rows of a tile per head, and the
 // backward needs no expanded key gradient summed over the heads of a group.
 at::Tensor fold(const at::Tensor& x, int64_t kv) {
   const int64_t t = x.size(0), g = x.size(1) / kv, d = x.size(2);
-  return x.view({t, kv, g, d}).transpose(1, 2).reshape({t * g, kv, d});
+  return x.reshape({t * g, kv, d});
 }
 
 at::Tensor unfold(const at::Tensor& x, int64_t g) {
   const int64_t t = x.size(0) / g, kv = x.size(1), d = x.size(2);
-  return x.view({t, g, kv, d}).transpose(1, 2).reshape({t, g * kv, d});
+  return x.view({t, g * kv, d});
 }
 
 // A part's plan for folded rows: every query count times G.
 Part folded(const Part& p, int64_t g) { return {p.idx, p.cu_q * g, p.cu_k, p.max_q * g, p.max_k}; }
 
 struct SplitAttention : public torch::autograd::Function<SplitAttention> {
-  // q [T, Hq, d]; kc, vc [n*S, Hkv, d]; kb, vb [T, Hkv, d]. Returns [T, Hq, d].
+  // q [T, Hq, d] (heads group-major, see fold); kc, vc [n*S, Hkv, d]; kb, vb [T, Hkv, d]. Returns
+  // [T, Hq, d], heads group-major.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                             const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& idx_a,
                             const at::Tensor& cuq_a, const at::Tensor& cuk_a, int64_t maxq_a, int64_t maxk_a,

@@ -562,9 +562,16 @@ impl DrafterLayer {
             }
             None => (xn, None),
         };
+        // The split attention takes the query heads group-major (head
+        // g*kv + j reads kv head j; see split_attention): q_proj's rows and
+        // o_proj's columns are reordered here, a copy of two weights, so that
+        // the queries, the outputs and their gradients need none.
+        let split = matches!(attn, BlockAttention::Split(_));
+        let reordered = split.then(|| group_major(a, kv, nh / kv));
+        let (q_proj, o_proj) = reordered.as_ref().map_or((&a.q_proj, &a.o_proj), |(q, o)| (q, o));
         // Queries come from the block only; keys/values from the context and
         // the block through the SAME projections.
-        let [q, kb, vb] = project_many([&a.q_proj, &a.k_proj, &a.v_proj], &xn, fp8);
+        let [q, kb, vb] = project_many([q_proj, &a.k_proj, &a.v_proj], &xn, fp8);
         let [kc, vc] = project_many([&a.k_proj, &a.v_proj], ctx, fp8);
         let q = a.q_norm.forward(&q.view([n, q_len, nh, d]));
         let q = fused_layers::rope(&q, &rope.blk_cos, &rope.blk_sin);
@@ -616,7 +623,7 @@ impl DrafterLayer {
                 o.view([n, q_len, nh * d])
             }
         };
-        let attended = project(&a.o_proj, &o, fp8);
+        let attended = project(o_proj, &o, fp8);
         let attended = match (&self.attention_conv, &attention_dynamic) {
             (Some(conv), Some(dynamic)) => conv.finish(&attended, dynamic, block),
             _ => attended,
@@ -639,6 +646,23 @@ impl DrafterLayer {
         let [gate, up] = project_many([&m.gate_proj, &m.up_proj], x, fp8);
         project(&m.down_proj, &fused_layers::swiglu(&gate, &up), fp8)
     }
+}
+
+/// `q_proj` and `o_proj` of `a` with the query heads in group-major order:
+/// head g*kv + j of the result is head j*G + g of the model (G = `groups`
+/// query heads per kv head), q_proj's output rows and o_proj's input
+/// columns moved together, so the attention computes the same function.
+fn group_major(a: &DrafterAttention, kv: i64, groups: i64) -> (Linear, Linear) {
+    // [kv, G, rest] -> [G, kv, rest] over the head dimension of `t`.
+    let swap = |t: &Tensor, dim: i64| {
+        let sizes = t.size();
+        let mut split = sizes[..dim as usize].to_vec();
+        split.extend([kv, groups, -1]);
+        t.reshape(&split[..]).transpose(dim, dim + 1).reshape(&sizes[..])
+    };
+    let q = Linear { weight: swap(&a.q_proj.weight, 0), bias: a.q_proj.bias.as_ref().map(|b| swap(b, 0)) };
+    let o = Linear { weight: swap(&a.o_proj.weight, 1), bias: a.o_proj.bias.as_ref().map(Tensor::shallow_clone) };
+    (q, o)
 }
 
 /// The projections `ls` of one input `x`: in FP8 one matmul over their

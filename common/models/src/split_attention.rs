@@ -139,9 +139,12 @@ pub struct SplitIndex {
     band: DevicePart,
 }
 
-/// Block attention by the plan: `q` `[T, Hq, d]` (T = n*Q block slots),
-/// context keys/values `[n*S, Hkv, d]`, block keys/values `[T, Hkv, d]`;
-/// returns `[T, Hq, d]`, differentiable in all five. CUDA, bf16 or f16.
+/// Block attention by the plan: `q` `[T, Hq, d]` (T = n*Q block slots) with
+/// its heads group-major (head g*Hkv + j reads kv head j, where a model's
+/// head j*G + g does: the shim then folds the G heads of a kv head into rows
+/// without a copy), context keys/values `[n*S, Hkv, d]`, block keys/values
+/// `[T, Hkv, d]`; returns `[T, Hq, d]`, heads group-major, differentiable in
+/// all five. CUDA, bf16 or f16.
 pub fn split_attention(
     q: &Tensor,
     kc: &Tensor,
@@ -361,7 +364,14 @@ mod tests {
 
         let launches = || crate::gather_sum_cuda::LAUNCHES.load(std::sync::atomic::Ordering::Relaxed);
         let before = launches();
-        let out = split_attention(&q, &kc, &vc, &kb, &vb, &plan.to_device(dev), 1.0 / (d as f64).sqrt()).unwrap();
+        // The model's head order to group-major and back (see split_attention).
+        let g = hq / hkv;
+        let group_major = q.view([t, hkv, g, d]).transpose(1, 2).reshape([t, hq, d]);
+        let out = split_attention(&group_major, &kc, &vc, &kb, &vb, &plan.to_device(dev), 1.0 / (d as f64).sqrt())
+            .unwrap()
+            .view([t, g, hkv, d])
+            .transpose(1, 2)
+            .reshape([t, hq, d]);
         let got: Vec<Tensor> = Tensor::run_backward(
             &[(out.to_kind(Kind::Float) * &d_out).sum(Kind::Float)],
             &[&q, &kc, &vc, &kb, &vb],
