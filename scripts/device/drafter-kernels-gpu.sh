@@ -18,7 +18,8 @@
 #      loss softmax, csrc/softmax_rows.cu), alternated, in $ROUNDS (default 1 2);
 #   6. `softmax`: the loss softmax kernel at each row-cache size against the
 #      ops it replaces, on one loss chunk (printed by its timing test).
-# ANCHORS (default 512) sets the usual shape's anchors per batch.
+# ANCHORS (default 512) and CHUNKS (attention chunk blocks, default 64) set the usual shape's
+# anchors per batch and chunking.
 #   scripts/device/drafter-kernels-gpu.sh [tests] [dflash2] [long] [profile] [layers] [softmax]
 # Everything also goes to $OUT/kernels.log, so a call cut short keeps what ran.
 set -u
@@ -33,7 +34,7 @@ trap 'tar czf "$OUT/kernels-json.tgz" -C $J .' EXIT
 phases=${*:-tests dflash2 long profile}
 nvidia-smi --query-gpu=name --format=csv,noheader
 quiet() { grep -v "^ERROR\|^WARNING\|^STAGE\|^\[W\|INFO"; }
-usual=(--shape qwen3-8b --device 0 --layers 5 --anchors ${ANCHORS:-512} --attention split --chunks 64 --context-multiple 128
+usual=(--shape qwen3-8b --device 0 --layers 5 --anchors ${ANCHORS:-512} --attention split --chunks ${CHUNKS:-64} --context-multiple 128
   --batch-tokens 12288 --max-blocks 2048 --warmup 2 --block 16)
 for phase in $phases; do
   case $phase in
@@ -79,7 +80,7 @@ for phase in $phases; do
       for bin in $B/dflash $old; do
         echo "== dflash block 16, $bin, round $round"
         timeout 100 $bin bench-step "${usual[@]}" --batches 12 --steps ${STEPS:-10} --variant dflash \
-          --json "$J/layers-usual-${ANCHORS:-512}-$(basename $bin)-$round.json" 2>&1 | quiet | tail -1
+          --json "$J/layers-usual-${ANCHORS:-512}-${CHUNKS:-64}-$(basename $bin)-$round.json" 2>&1 | quiet | tail -1
         echo "== 32K tokens, $bin, round $round"
         timeout 100 $bin bench-step --shape qwen3-8b --device 0 --layers 5 --block 16 --anchors 512 --chunks 32 \
           --attention split --batch-tokens 32768 --min-len 32768 --max-len 32768 --batches 3 --steps 6 --warmup 2 \
