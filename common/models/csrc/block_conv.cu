@@ -1,7 +1,7 @@
 // DFlash2's in-block dynamic convolution on the GPU (csrc/block_conv.cpp
 // calls these through src/block_conv_cuda.rs), compiled at run time by
-// NVRTC for one input kind: -DIN_BF16=<1: bf16; 0: f32>, and for the
-// kernel's longest tap count -DKMAX.
+// NVRTC for one input kind: -DIN_BF16=<1: bf16; 0: f32>; the backward is
+// one kernel per bound on the taps (TAPS below).
 //
 //   out[r][c] = sum_{t <= pos(r)} (base[t][c] + dyn[r][t][c / gs]) * x[r - t][c]
 //
@@ -28,6 +28,7 @@ __device__ __forceinline__ void tap_kernel(const in_t* base, const in_t* dyn, i6
     const in_t* d = dyn + r * ds + (i64)t * groups;
 #pragma unroll
     for (int e = 0; e < VEC; e++) w[e] += ld(d[(c0 + e) / gs]);
+}
 }
 
 extern "C" __global__ void block_conv_forward(const in_t* __restrict__ x, const in_t* __restrict__ dyn,
@@ -61,19 +62,27 @@ extern "C" __global__ void block_conv_forward(const in_t* __restrict__ x, const 
 // adjacent threads (a power of two up to 32, reduced by shuffles) or, where
 // gs < VEC, VEC / gs groups lie within one thread. Every thread of a warp
 // takes part in the shuffles; those past h compute on zeros and write nothing.
-extern "C" __global__ void block_conv_backward(const in_t* __restrict__ x, const in_t* __restrict__ dyn,
-                                               const in_t* __restrict__ base, i64 rows, i64 h, int bl, int k,
-                                               int groups, int gs, i64 ds, int chunk_rows, in_t* __restrict__ gx,
-                                               const in_t* __restrict__ g, in_t* __restrict__ gdyn,
-                                               float* __restrict__ gbase) {
+//
+// TAPS (>= k) is how many base-kernel gradients each thread keeps in
+// registers: one kernel per bound (block_conv_backward_2, _4, _8; the
+// launcher takes the smallest that holds k): an array sized for eight taps
+// held the kernel at 141 registers, 12 resident warps per SM, where
+// DFlash2's default two taps take 96 registers and 20 warps (bounding the
+// registers further spills).
+template <int TAPS>
+__device__ __forceinline__ void backward(const in_t* __restrict__ x, const in_t* __restrict__ dyn,
+                                         const in_t* __restrict__ base, i64 rows, i64 h, int bl, int k, int groups,
+                                         int gs, i64 ds, int chunk_rows, in_t* __restrict__ gx,
+                                         const in_t* __restrict__ g, in_t* __restrict__ gdyn,
+                                         float* __restrict__ gbase) {
     const i64 c0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     const bool live = c0 < h;
     const int lanes = gs >= VEC ? gs / VEC : 1;
     const i64 first = (i64)blockIdx.y * chunk_rows;
     const i64 last = min(first + chunk_rows, rows);
-    float gb[KMAX][VEC];
+    float gb[TAPS][VEC];
 #pragma unroll
-    for (int t = 0; t < KMAX; t++)
+    for (int t = 0; t < TAPS; t++)
 #pragma unroll
         for (int e = 0; e < VEC; e++) gb[t][e] = 0.f;
     for (i64 r = first; r < last; r++) {
@@ -98,7 +107,7 @@ extern "C" __global__ void block_conv_backward(const in_t* __restrict__ x, const
         }
         // The coefficients' gradients: row r's product with each earlier row.
 #pragma unroll
-        for (int t = 0; t < KMAX; t++) {
+        for (int t = 0; t < TAPS; t++) {
             if (t >= k) break;
             float p[VEC] = {};
             if (live && t <= pos) {
@@ -118,9 +127,14 @@ extern "C" __global__ void block_conv_backward(const in_t* __restrict__ x, const
                 for (int o = lanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
                 if (live && (c0 / VEC) % lanes == 0) d[c0 / gs] = st(s);
             } else if (live) {
-                for (int e0 = 0; e0 < VEC; e0 += gs) {
+                // Indices known at compile time keep p in registers (a
+                // runtime index would put it in local memory for every path).
+#pragma unroll
+                for (int e0 = 0; e0 < VEC; e0++) {
+                    if (e0 % gs != 0) continue;
                     float s = 0.f;
-                    for (int e = e0; e < e0 + gs; e++) s += p[e];
+#pragma unroll
+                    for (int e = 0; e < VEC; e++) s += e >= e0 && e < e0 + gs ? p[e] : 0.f;
                     d[(c0 + e0) / gs] = st(s);
                 }
             }
@@ -129,9 +143,20 @@ extern "C" __global__ void block_conv_backward(const in_t* __restrict__ x, const
     if (!live) return;
     float* partial = gbase + (i64)blockIdx.y * k * h;
 #pragma unroll
-    for (int t = 0; t < KMAX; t++) {
+    for (int t = 0; t < TAPS; t++) {
         if (t >= k) break;
 #pragma unroll
         for (int e = 0; e < VEC; e++) partial[t * h + c0 + e] = gb[t][e];
     }
 }
+
+#define BACKWARD(T)                                                                                                    \
+    extern "C" __global__ void block_conv_backward_##T(                                                                \
+        const in_t* __restrict__ x, const in_t* __restrict__ dyn, const in_t* __restrict__ base, i64 rows, i64 h,      \
+        int bl, int k, int groups, int gs, i64 ds, int chunk_rows, in_t* __restrict__ gx, const in_t* __restrict__ g, \
+        in_t* __restrict__ gdyn, float* __restrict__ gbase) {                                                          \
+        backward<T>(x, dyn, base, rows, h, bl, k, groups, gs, ds, chunk_rows, gx, g, gdyn, gbase);                     \
+    }
+BACKWARD(2)
+BACKWARD(4)
+BACKWARD(8)

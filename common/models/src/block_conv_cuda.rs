@@ -18,6 +18,10 @@ use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
 const SOURCE: &str = concat!(include_str!("../csrc/vec_kind.cuh"), include_str!("../csrc/block_conv.cu"));
 /// Taps the backward kernel keeps base-kernel gradients of in registers.
 pub const MAX_TAPS: i32 = 8;
+/// The backward's tap bounds, one kernel each (`block_conv_backward_<T>`):
+/// a call takes the smallest that holds its taps, which keeps its registers,
+/// hence the warps an SM can hold, to what the taps need.
+const TAP_BOUNDS: [i32; 3] = [2, 4, MAX_TAPS];
 /// Threads per block: 128 vectors of channels.
 const THREADS: u32 = 128;
 
@@ -51,16 +55,18 @@ pub static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 struct Kernels {
     ctx: Arc<CudaContext>,
     forward: CudaFunction,
-    backward: CudaFunction,
+    /// One per bound of [`TAP_BOUNDS`].
+    backward: Vec<CudaFunction>,
 }
 
 fn kernels(ordinal: usize, bf16: bool) -> Option<Arc<Kernels>> {
     static COMPILED: crate::nvrtc::Compiled<Kernels> = crate::nvrtc::Compiled::new();
     COMPILED.get(ordinal, bf16, "block convolution kernels", || {
-        let defines = [format!("-DIN_BF16={}", i32::from(bf16)), format!("-DKMAX={MAX_TAPS}")];
+        let defines = [format!("-DIN_BF16={}", i32::from(bf16))];
         let (ctx, m) = crate::nvrtc::compile(ordinal, SOURCE, "block_conv.cu", &defines)?;
         let f = |name: &str| m.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
-        Ok(Kernels { forward: f("block_conv_forward")?, backward: f("block_conv_backward")?, ctx })
+        let backward = TAP_BOUNDS.iter().map(|t| f(&format!("block_conv_backward_{t}"))).collect::<Result<_, _>>()?;
+        Ok(Kernels { forward: f("block_conv_forward")?, backward, ctx })
     })
 }
 
@@ -130,7 +136,8 @@ fn run(k: &Kernels, c: &Call) -> Result<(), String> {
     // and passes; `applies` checked alignment; libtorch's stream orders the
     // tensors' lifetimes.
     let launched = unsafe {
-        let mut b = stream.launch_builder(if c.backward == 0 { &k.forward } else { &k.backward });
+        let bound = TAP_BOUNDS.iter().position(|&t| t >= c.k).expect("applies: k <= MAX_TAPS");
+        let mut b = stream.launch_builder(if c.backward == 0 { &k.forward } else { &k.backward[bound] });
         b.arg(&c.x).arg(&c.dynamic).arg(&c.base).arg(&c.rows).arg(&c.h).arg(&bl).arg(&kk).arg(&groups).arg(&gs);
         b.arg(&c.dyn_stride).arg(&chunk_rows).arg(&c.out);
         if c.backward != 0 {
