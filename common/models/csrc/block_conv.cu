@@ -26,9 +26,16 @@ __device__ __forceinline__ void tap_kernel(const in_t* base, const in_t* dyn, i6
                                            int groups, int gs, i64 ds, float* w) {
     load(base + t * h + c0, w);
     const in_t* d = dyn + r * ds + (i64)t * groups;
+    if (gs >= VEC) {
+        // One group holds the whole vector: one load, not VEC of the same
+        // coefficient (the compiler cannot see that the indices agree).
+        const float c = ld(d[c0 / gs]);
 #pragma unroll
-    for (int e = 0; e < VEC; e++) w[e] += ld(d[(c0 + e) / gs]);
-}
+        for (int e = 0; e < VEC; e++) w[e] += c;
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; e++) w[e] += ld(d[(c0 + e) / gs]);
+    }
 }
 
 extern "C" __global__ void block_conv_forward(const in_t* __restrict__ x, const in_t* __restrict__ dyn,
