@@ -565,9 +565,10 @@ impl DrafterLayer {
         // The split attention takes the query heads group-major (head
         // g*kv + j reads kv head j; see split_attention): q_proj's rows and
         // o_proj's columns are reordered here, a copy of two weights, so that
-        // the queries, the outputs and their gradients need none.
+        // the queries, the outputs and their gradients need none (with one
+        // query head per kv head the order is already that).
         let split = matches!(attn, BlockAttention::Split(_));
-        let reordered = split.then(|| group_major(a, kv, nh / kv));
+        let reordered = (split && nh != kv).then(|| group_major(a, kv, nh / kv));
         let (q_proj, o_proj) = reordered.as_ref().map_or((&a.q_proj, &a.o_proj), |(q, o)| (q, o));
         // Queries come from the block only; keys/values from the context and
         // the block through the SAME projections.

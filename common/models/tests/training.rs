@@ -77,6 +77,34 @@ fn loss(o: StepOutcome) -> f64 {
     }
 }
 
+/// One step on batch `b` of a drafter of `dc` in `kind` on `reference`'s
+/// device, holding `reference`'s weights and set up by `configure`: the loss
+/// and every gradient in f64 on the CPU.
+fn step_like(
+    reference: &Drafter,
+    dc: &DrafterConfig,
+    kind: Kind,
+    (embed, head): (&Tensor, &Tensor),
+    b: &DeviceBatch,
+    configure: impl FnOnce(&mut Drafter),
+) -> (f64, Vec<Tensor>) {
+    let device = reference.device();
+    let mut d = Drafter::new(dc.clone(), device, kind);
+    d.vs.copy(&reference.vs).unwrap();
+    configure(&mut d);
+    let mut t = Trainer::new(d, embed.to_kind(kind), head.to_kind(kind), settings(1000, 1000));
+    let l = loss(t.train_batch(&batch_as(b, kind, device)));
+    (l, grads(&t).iter().map(|g| g.to_kind(Kind::Double).to_device(Device::Cpu)).collect())
+}
+
+/// The relative L2 distance of gradients `g` from `reference`, over all
+/// parameters together.
+fn gradient_error(g: &[Tensor], reference: &[Tensor]) -> f64 {
+    let num: f64 = g.iter().zip(reference).map(|(a, r)| (a - r).square().sum(Kind::Double).double_value(&[])).sum();
+    let den: f64 = reference.iter().map(|r| r.square().sum(Kind::Double).double_value(&[])).sum();
+    (num / den).sqrt()
+}
+
 #[test]
 fn chunked_attention_and_micro_batches_match_one_dense_forward() {
     let b = batch();
@@ -136,20 +164,10 @@ fn an_f32_residual_stream_brings_a_bf16_drafters_gradients_closer_to_f64() {
     let head = Tensor::randn([tc.vocab_size, tc.hidden_size], (Kind::Double, Device::Cpu)) * 0.1;
     let b = batch();
     let run = |kind: Kind, f32_residual: bool| {
-        let mut d = Drafter::new(dc.clone(), Device::Cpu, kind);
-        d.vs.copy(&reference.vs).unwrap();
-        d.set_f32_residual(f32_residual);
-        let mut t = Trainer::new(d, embed.to_kind(kind), head.to_kind(kind), settings(1000, 1000));
-        let kb = batch_as(&b, kind, Device::Cpu);
-        let l = loss(t.train_batch(&kb));
-        (l, grads(&t).iter().map(|g| g.to_kind(Kind::Double)).collect::<Vec<_>>())
+        step_like(&reference, &dc, kind, (&embed, &head), &b, |d| d.set_f32_residual(f32_residual))
     };
     let (l_ref, g_ref) = run(Kind::Double, false);
-    let error = |(l, g): (f64, Vec<Tensor>)| {
-        let num: f64 = g.iter().zip(&g_ref).map(|(a, r)| (a - r).square().sum(Kind::Double).double_value(&[])).sum();
-        let den: f64 = g_ref.iter().map(|r| r.square().sum(Kind::Double).double_value(&[])).sum();
-        ((l - l_ref).abs(), (num / den).sqrt())
-    };
+    let error = |(l, g): (f64, Vec<Tensor>)| ((l - l_ref).abs(), gradient_error(&g, &g_ref));
     let (loss_bf16, grad_bf16) = error(run(Kind::BFloat16, false));
     let (loss_mixed, grad_mixed) = error(run(Kind::BFloat16, true));
     // Both are bf16 drafters (loose), the f32 stream the closer of the two.
@@ -192,20 +210,10 @@ fn an_fp8_step_stays_within_a_stated_tolerance_of_the_bf16_and_f32_steps() {
     let head = Tensor::randn([tc.vocab_size, tc.hidden_size], (Kind::Float, gpu)) * 0.1;
     let b = batch();
     let run = |kind: Kind, fp8: bool| {
-        let mut d = Drafter::new(dc.clone(), gpu, kind);
-        d.vs.copy(&reference.vs).unwrap();
-        d.set_fp8_matmuls(fp8).unwrap();
-        let mut t = Trainer::new(d, embed.to_kind(kind), head.to_kind(kind), settings(1000, 1000));
-        let kb = batch_as(&b, kind, gpu);
-        let l = loss(t.train_batch(&kb));
-        (l, grads(&t).iter().map(|g| g.to_kind(Kind::Double).to_device(Device::Cpu)).collect::<Vec<_>>())
+        step_like(&reference, &dc, kind, (&embed, &head), &b, |d| d.set_fp8_matmuls(fp8).unwrap())
     };
     let (l_ref, g_ref) = run(Kind::Float, false);
-    let error = |(l, g): (f64, Vec<Tensor>)| {
-        let num: f64 = g.iter().zip(&g_ref).map(|(a, r)| (a - r).square().sum(Kind::Double).double_value(&[])).sum();
-        let den: f64 = g_ref.iter().map(|r| r.square().sum(Kind::Double).double_value(&[])).sum();
-        ((l - l_ref).abs() / l_ref.abs(), (num / den).sqrt())
-    };
+    let error = |(l, g): (f64, Vec<Tensor>)| ((l - l_ref).abs() / l_ref.abs(), gradient_error(&g, &g_ref));
     let (loss_bf16, grad_bf16) = error(run(Kind::BFloat16, false));
     let (loss_fp8, grad_fp8) = error(run(Kind::BFloat16, true));
     eprintln!(
@@ -236,19 +244,14 @@ fn the_split_attention_step_matches_the_masked_step_on_a_gpu() {
     let head = Tensor::randn([tc.vocab_size, tc.hidden_size], (Kind::BFloat16, gpu)) * 0.1;
     let b = batch();
     let run = |split: bool| {
-        let mut d = Drafter::new(dc.clone(), gpu, Kind::BFloat16);
-        d.vs.copy(&reference.vs).unwrap();
-        d.set_split_attention(split);
-        assert_eq!(d.uses_split_attention(), split);
-        let mut t = Trainer::new(d, embed.shallow_clone(), head.shallow_clone(), settings(1000, 1000));
-        let l = loss(t.train_batch(&batch_as(&b, Kind::BFloat16, gpu)));
-        (l, grads(&t).iter().map(|g| g.to_kind(Kind::Double).to_device(Device::Cpu)).collect::<Vec<_>>())
+        step_like(&reference, &dc, Kind::BFloat16, (&embed, &head), &b, |d| {
+            d.set_split_attention(split);
+            assert_eq!(d.uses_split_attention(), split);
+        })
     };
     let (l_mask, g_mask) = run(false);
     let (l_split, g_split) = run(true);
-    let num: f64 = g_split.iter().zip(&g_mask).map(|(a, r)| (a - r).square().sum(Kind::Double).double_value(&[])).sum();
-    let den: f64 = g_mask.iter().map(|r| r.square().sum(Kind::Double).double_value(&[])).sum();
-    let (loss_err, grad_err) = ((l_split - l_mask).abs() / l_mask.abs(), (num / den).sqrt());
+    let (loss_err, grad_err) = ((l_split - l_mask).abs() / l_mask.abs(), gradient_error(&g_split, &g_mask));
     eprintln!("split against masked: loss {loss_err:.3e}, gradients {grad_err:.3e} (relative)");
     assert!(loss_err < 1e-2 && grad_err < 3e-2, "loss off by {loss_err}, gradients by {grad_err}");
 }
