@@ -122,6 +122,12 @@ impl AdamW {
     /// each gradient (norm accumulated in fp32, or f64 for f64), one host
     /// sync in all.
     pub fn grad_norm(&self) -> f64 {
+        self.grad_norm_tensor().map_or(0.0, |n| n.double_value(&[]))
+    }
+
+    /// [`AdamW::grad_norm`] left on the device (a one-element f64 tensor),
+    /// for the caller to read with other values; `None` without gradients.
+    pub fn grad_norm_tensor(&self) -> Option<Tensor> {
         let _guard = tch::no_grad_guard();
         let norms: Vec<Tensor> = self
             .slots
@@ -133,10 +139,7 @@ impl AdamW {
                 g.norm_scalaropt_dtype(2, acc).to_kind(Kind::Double)
             })
             .collect();
-        if norms.is_empty() {
-            return 0.0;
-        }
-        Tensor::stack(&norms, 0).square().sum(Kind::Double).sqrt().double_value(&[])
+        (!norms.is_empty()).then(|| Tensor::stack(&norms, 0).square().sum(Kind::Double).sqrt())
     }
 
     /// Clips the gradients' global norm to at most `max_norm` (0: no clip)
@@ -144,9 +147,14 @@ impl AdamW {
     /// returns the norm before clipping.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
         let norm = self.grad_norm();
+        self.clip_to(norm, max_norm);
+        norm
+    }
+
+    /// [`AdamW::clip_grad_norm`] given the gradients' norm `norm`.
+    pub fn clip_to(&mut self, norm: f64, max_norm: f64) {
         self.grad_divisor =
             if max_norm > 0.0 && norm.is_finite() && norm > max_norm { (norm + 1e-6) / max_norm } else { 1.0 };
-        norm
     }
 
     /// One AdamW update at learning rate `lr` (decoupled weight decay scaled

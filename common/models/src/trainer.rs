@@ -151,18 +151,37 @@ struct PendingMetrics {
     blocks: f64,
 }
 
+/// The batch's input checks as the device computes them: one f64 flag
+/// each (1: passed), read with the step's metrics, and what a failure of
+/// each means (the first failed one is reported).
+struct InputChecks {
+    flags: Vec<Tensor>,
+    reasons: Vec<&'static str>,
+}
+
+impl InputChecks {
+    /// The first failed check's reason, given the flags' values as read.
+    fn failed(&self, values: &[f64]) -> Option<String> {
+        self.reasons.iter().zip(values).find(|(_, v)| **v != 1.0).map(|(r, _)| (*r).to_string())
+    }
+}
+
 impl Tally {
     /// Adds every micro-batch's metrics, in order (the sums the host made
-    /// when it read each micro-batch's at once), in one read from the device.
-    fn settle(&mut self, pending: &[PendingMetrics]) {
-        if pending.is_empty() {
-            return;
+    /// when it read each micro-batch's at once), in one read from the device
+    /// that also brings back `extra` (one-element f64 tensors: the input
+    /// checks, the gradient norm), whose values it returns.
+    fn settle(&mut self, pending: &[PendingMetrics], extra: &[Tensor]) -> Vec<f64> {
+        let mut parts: Vec<Tensor> = extra.iter().map(|t| t.view([1])).collect();
+        parts.extend(pending.iter().map(|p| p.values.shallow_clone()));
+        if parts.is_empty() {
+            return Vec::new();
         }
-        let all = Tensor::stack(&pending.iter().map(|p| p.values.shallow_clone()).collect::<Vec<_>>(), 0);
-        let per = all.size()[1] as usize;
-        let values = Vec::<f64>::try_from(all.to_device(tch::Device::Cpu).view([-1])).expect("f64 metrics");
+        let values = Vec::<f64>::try_from(Tensor::cat(&parts, 0).to_device(tch::Device::Cpu)).expect("f64 metrics");
+        let (head, rows) = values.split_at(extra.len());
+        let per = pending.first().map_or(1, |p| p.values.size()[0] as usize);
         let slots = self.correct.len();
-        for (row, p) in values.chunks(per).zip(pending) {
+        for (row, p) in rows.chunks(per).zip(pending) {
             self.loss_sum += row[0];
             self.recalled += row[2];
             for k in 0..slots {
@@ -172,6 +191,7 @@ impl Tally {
             self.accept_sum += row[1] + p.blocks;
             self.blocks += p.blocks;
         }
+        head.to_vec()
     }
 }
 
@@ -225,11 +245,14 @@ impl Trainer {
     }
 
     /// Trains on one batch: one optimizer step, or a skip when features,
-    /// loss or gradients are not finite (the weights stay untouched).
+    /// loss or gradients are not finite (the weights stay untouched). The
+    /// gradient norm comes back with the step's metrics, in the one read
+    /// from the device a step makes before its optimizer update.
     pub fn train_batch(&mut self, batch: &DeviceBatch) -> StepOutcome {
-        match self.compute_gradients(batch) {
-            StepOutcome::Trained(m) => self.apply_gradients(m),
-            skipped => skipped,
+        match self.compute_gradients_with_norm(batch) {
+            (StepOutcome::Trained(m), Some(norm)) => self.apply_gradients_with_norm(m, norm),
+            (StepOutcome::Trained(m), None) => self.apply_gradients(m),
+            (skipped, _) => skipped,
         }
     }
 
@@ -238,36 +261,68 @@ impl Trainer {
     /// [`Trainer::apply_gradients`]). Non-finite features or loss: skipped,
     /// gradients left at zero.
     pub fn compute_gradients(&mut self, batch: &DeviceBatch) -> StepOutcome {
+        self.gradients(batch, false).0
+    }
+
+    /// [`Trainer::compute_gradients`] and the gradients' global norm, read
+    /// from the device with the metrics, for a trainer whose gradients no
+    /// exchange will change (no replicas): give it to
+    /// [`Trainer::apply_gradients_with_norm`]. `None` when skipped.
+    pub fn compute_gradients_with_norm(&mut self, batch: &DeviceBatch) -> (StepOutcome, Option<f64>) {
+        self.gradients(batch, true)
+    }
+
+    /// [`Trainer::compute_gradients`], and with `norm_now` the gradients'
+    /// global norm, read with the metrics.
+    ///
+    /// The batch's inputs are checked on the device and the verdict read
+    /// with the metrics too: a read before the forward would make the host
+    /// wait for the previous step's optimizer and leave the GPU idle while
+    /// it plans this batch. A batch that fails the checks is skipped after
+    /// its forward and backward, which its non-finite values cannot harm:
+    /// the gradients are zeroed, the weights untouched.
+    fn gradients(&mut self, batch: &DeviceBatch, norm_now: bool) -> (StepOutcome, Option<f64>) {
         self.opt.zero_grad();
-        let teacher = match self.checked_teacher(batch) {
+        let skipped = |why: String| (StepOutcome::Skipped(format!("batch {}: {why}", batch.batch_id)), None);
+        let (teacher, checks) = match self.input_checks(batch) {
             Ok(t) => t,
-            Err(skipped) => return skipped,
+            Err(why) => return skipped(why),
         };
         let plan = self.plan_micro_batches(batch);
         let total_weight: f64 = match self.settings.objective {
             Objective::CrossEntropy | Objective::Distill => plan.layouts.iter().map(BlockLayout::total_weight).sum(),
             Objective::Dpace { .. } => plan.layouts.iter().map(|l| l.supervised_slots() as f64).sum(),
         };
-        if total_weight <= 0.0 {
-            return StepOutcome::Skipped(format!("batch {}: no trainable block positions", batch.batch_id));
-        }
-
         let b = self.settings.blocks.block_size;
         let mut tally = Tally { correct: vec![0.0; b - 1], counted: vec![0.0; b - 1], ..Tally::default() };
+        if total_weight <= 0.0 {
+            // Nothing to train on; the checks still name bad inputs first.
+            return match checks.failed(&tally.settle(&[], &checks.flags)) {
+                Some(why) => skipped(why),
+                None => skipped("no trainable block positions".into()),
+            };
+        }
         let pending: Vec<PendingMetrics> = plan
             .members
             .iter()
             .zip(&plan.layouts)
             .map(|(feats, layout)| self.micro_batch(&batch.features, teacher, feats, layout, total_weight))
             .collect();
-        tally.settle(&pending);
+        let mut extra = checks.flags.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
+        extra.extend(norm_now.then(|| self.opt.grad_norm_tensor()).flatten());
+        let head = tally.settle(&pending, &extra);
+        if let Some(why) = checks.failed(&head) {
+            self.opt.zero_grad();
+            return skipped(why);
+        }
         let loss = tally.loss_sum / total_weight;
         if !loss.is_finite() {
             self.opt.zero_grad();
-            return StepOutcome::Skipped(format!("batch {}: non-finite loss {loss}", batch.batch_id));
+            return skipped(format!("non-finite loss {loss}"));
         }
+        let norm = norm_now.then(|| head.get(checks.flags.len()).copied().unwrap_or(0.0));
         let counted: f64 = tally.counted.iter().sum();
-        StepOutcome::Trained(StepMetrics {
+        let metrics = StepMetrics {
             step: self.opt.step,
             loss,
             accuracy: tally.correct.iter().sum::<f64>() / counted.max(1.0),
@@ -278,34 +333,34 @@ impl Trainer {
             candidate_recall: self.drafter.selector().map(|_| tally.recalled / counted.max(1.0)),
             grad_norm: 0.0,
             lr: 0.0,
-        })
+        };
+        (StepOutcome::Trained(metrics), norm)
     }
 
-    /// The batch's inputs checked before any work: finite features, and
-    /// for distillation the target's top-k present and without NaN or +inf
-    /// (-inf is a probability that underflowed: weight 0). Returns the
-    /// teacher (distillation) or why the batch is skipped.
-    fn checked_teacher<'b>(&self, batch: &'b DeviceBatch) -> Result<Option<&'b crate::TopK>, StepOutcome> {
-        if !bool::try_from(batch.features.isfinite().all()).unwrap_or(false) {
-            return Err(StepOutcome::Skipped(format!("batch {}: non-finite target features", batch.batch_id)));
-        }
-        match (self.settings.objective, &batch.target_top_k) {
-            (Objective::Distill, None) => Err(StepOutcome::Skipped(format!(
-                "batch {}: distillation needs the target's top-k next tokens; the batch has none",
-                batch.batch_id
-            ))),
+    /// The batch's inputs checked before any work: the teacher present for
+    /// distillation (on the host), then on the device finite features and
+    /// the teacher's log-probabilities without NaN or +inf (-inf is a
+    /// probability that underflowed: weight 0). Returns the teacher and the
+    /// device checks, or why the batch is skipped.
+    fn input_checks<'b>(&self, batch: &'b DeviceBatch) -> Result<(Option<&'b crate::TopK>, InputChecks), String> {
+        let finite = |ok: Tensor| ok.to_kind(Kind::Double);
+        let mut checks = InputChecks {
+            flags: vec![finite(batch.features.isfinite().all())],
+            reasons: vec!["non-finite target features"],
+        };
+        let teacher = match (self.settings.objective, &batch.target_top_k) {
+            (Objective::Distill, None) => {
+                return Err("distillation needs the target's top-k next tokens; the batch has none".into());
+            }
             (Objective::Distill, Some(t)) => {
                 let lp = &t.log_probs;
-                if bool::try_from(lp.isnan().logical_or(&lp.isposinf()).any()).unwrap_or(true) {
-                    return Err(StepOutcome::Skipped(format!(
-                        "batch {}: non-finite log-probabilities in the target's top-k",
-                        batch.batch_id
-                    )));
-                }
-                Ok(Some(t))
+                checks.flags.push(finite(lp.isnan().logical_or(&lp.isposinf()).any().logical_not()));
+                checks.reasons.push("non-finite log-probabilities in the target's top-k");
+                Some(t)
             }
-            _ => Ok(None),
-        }
+            _ => None,
+        };
+        Ok((teacher, checks))
     }
 
     /// The batch's anchors (deterministic in (seed, batch id), so a redone
@@ -363,8 +418,15 @@ impl Trainer {
 
     /// Clips the accumulated gradients and takes the optimizer step;
     /// skipped (weights untouched) when the gradient norm is not finite.
-    pub fn apply_gradients(&mut self, mut m: StepMetrics) -> StepOutcome {
-        let grad_norm = self.opt.clip_grad_norm(self.settings.grad_clip);
+    pub fn apply_gradients(&mut self, m: StepMetrics) -> StepOutcome {
+        let norm = self.opt.grad_norm();
+        self.apply_gradients_with_norm(m, norm)
+    }
+
+    /// [`Trainer::apply_gradients`] with the gradients' norm already read
+    /// ([`Trainer::compute_gradients_with_norm`]).
+    pub fn apply_gradients_with_norm(&mut self, mut m: StepMetrics, grad_norm: f64) -> StepOutcome {
+        self.opt.clip_to(grad_norm, self.settings.grad_clip);
         if !grad_norm.is_finite() {
             self.opt.zero_grad();
             return StepOutcome::Skipped("non-finite gradient norm".into());
@@ -672,7 +734,7 @@ mod tests {
             let _ = p.grad().zero_();
         }
         let pending = trainer.micro_batch(&features, teacher.as_ref(), &[(0, 19)], &layout, total);
-        tally.settle(&[pending]);
+        tally.settle(&[pending], &[]);
         let (loss, got) = (tally.loss_sum / total, grads(&trainer));
 
         for (_, p) in trainer.drafter.named_parameters() {

@@ -135,6 +135,10 @@ fn a_fixed_batch_is_learned() {
     assert!(last < 0.5 * first, "loss {first} -> {last}");
 }
 
+/// Bad inputs are checked on the device and the verdict read with the
+/// step's metrics (after the forward and backward): the reason names the
+/// input, not the loss the NaN also spoils; the weights, step and
+/// optimizer are untouched, the gradients zeroed, and the next batch trains.
 #[test]
 fn non_finite_features_are_skipped_without_touching_the_weights() {
     let b = batch();
@@ -142,13 +146,44 @@ fn non_finite_features_are_skipped_without_touching_the_weights() {
     let mut t = trainer(2, 1000);
     let before: Vec<Tensor> = t.drafter().named_parameters().into_iter().map(|(_, p)| p.copy()).collect();
     match t.train_batch(&b) {
-        StepOutcome::Skipped(r) => assert!(r.contains("non-finite"), "{r}"),
+        StepOutcome::Skipped(r) => assert_eq!(r, "batch 9: non-finite target features"),
         StepOutcome::Trained(_) => panic!("trained on NaN features"),
     }
     for (p, q) in t.drafter().named_parameters().iter().zip(&before) {
         assert!(p.1.equal(q));
     }
+    assert!(grads(&t).iter().all(|g| g.abs().sum(Kind::Double).double_value(&[]) == 0.0), "gradients left behind");
     assert_eq!(t.step(), 0);
+    assert!(loss(t.train_batch(&batch())).is_finite());
+    assert_eq!(t.step(), 1);
+}
+
+/// Distillation: a NaN or +inf among the target's log-probabilities skips
+/// the batch by name (an -inf is an underflowed probability and trains).
+#[test]
+fn a_teacher_with_non_finite_log_probabilities_is_skipped() {
+    let mut s = settings(2, 1000);
+    s.objective = dflash_models::Objective::Distill;
+    let mut t = trainer(2, 1000);
+    t.settings = s;
+    let with_teacher = |bad: f64| {
+        let mut b = batch();
+        let rows = b.features.size()[0];
+        let ids = Tensor::arange(rows * 3, (Kind::Int64, Device::Cpu)).remainder(200).view([rows, 3]) + 20;
+        let log_probs = Tensor::full([rows, 3], -1.0986, (Kind::Double, Device::Cpu));
+        let _ = log_probs.get(7).get(1).fill_(bad);
+        b.target_top_k = Some(dflash_models::TopK { ids, log_probs });
+        b
+    };
+    for bad in [f64::NAN, f64::INFINITY] {
+        match t.train_batch(&with_teacher(bad)) {
+            StepOutcome::Skipped(r) => assert_eq!(r, "batch 9: non-finite log-probabilities in the target's top-k"),
+            StepOutcome::Trained(_) => panic!("trained on a teacher with {bad}"),
+        }
+    }
+    assert_eq!(t.step(), 0);
+    assert!(loss(t.train_batch(&with_teacher(f64::NEG_INFINITY))).is_finite());
+    assert_eq!(t.step(), 1);
 }
 
 /// A bf16 drafter's loss and gradients against the same drafter in f64,

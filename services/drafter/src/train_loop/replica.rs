@@ -5,8 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use dflash_models::StepOutcome;
 use dflash_models::collective::Collective;
+use dflash_models::{StepMetrics, StepOutcome};
 use dflash_role::KindExt;
 use dflash_telemetry::ErrorKind;
 
@@ -107,10 +107,16 @@ impl ReplicaStep {
         if let Some(b) = &batch {
             let dup = self.trained.contains(b.batch_id);
             if !dup {
-                match trainer.compute_gradients(b) {
+                // Alone, the gradients' norm is final now and comes back
+                // with the metrics; replicas read it after the exchange.
+                let (outcome, norm) = match self.group {
+                    None => trainer.compute_gradients_with_norm(b),
+                    Some(_) => (trainer.compute_gradients(b), None),
+                };
+                match outcome {
                     StepOutcome::Trained(m) => {
                         contributes = true;
-                        pending = Some(m);
+                        pending = Some((m, norm));
                     }
                     StepOutcome::Skipped(r) => report.outcome = ReplicaOutcome::Skipped(r),
                 }
@@ -130,7 +136,12 @@ impl ReplicaStep {
             if let Some(g) = &self.group {
                 g.average_gradients(&trainer.drafter().named_parameters(), agreed[0]).kind(ErrorKind::Device)?;
             }
-            match trainer.apply_gradients(pending.take().unwrap_or_default()) {
+            let applied = match pending.take() {
+                Some((m, Some(norm))) => trainer.apply_gradients_with_norm(m, norm),
+                Some((m, None)) => trainer.apply_gradients(m),
+                None => trainer.apply_gradients(StepMetrics::default()),
+            };
+            match applied {
                 StepOutcome::Trained(m) if contributes => report.outcome = ReplicaOutcome::Trained(m),
                 StepOutcome::Trained(_) => {}
                 StepOutcome::Skipped(r) if contributes => report.outcome = ReplicaOutcome::Skipped(r),
