@@ -574,12 +574,9 @@ impl DrafterLayer {
         // the block through the SAME projections.
         let [q, kb, vb] = project_many([q_proj, &a.k_proj, &a.v_proj], &xn, fp8);
         let [kc, vc] = project_many([&a.k_proj, &a.v_proj], ctx, fp8);
-        let q = a.q_norm.forward(&q.view([n, q_len, nh, d]));
-        let q = fused_layers::rope(&q, &rope.blk_cos, &rope.blk_sin);
-        let kc = a.k_norm.forward(&kc.view([n, s, kv, d]));
-        let kc = fused_layers::rope(&kc, &rope.ctx_cos, &rope.ctx_sin);
-        let kb = a.k_norm.forward(&kb.view([n, q_len, kv, d]));
-        let kb = fused_layers::rope(&kb, &rope.blk_cos, &rope.blk_sin);
+        let q = fused_layers::norm_rope(&q.view([n, q_len, nh, d]), &a.q_norm, &rope.blk_cos, &rope.blk_sin);
+        let kc = fused_layers::norm_rope(&kc.view([n, s, kv, d]), &a.k_norm, &rope.ctx_cos, &rope.ctx_sin);
+        let kb = fused_layers::norm_rope(&kb.view([n, q_len, kv, d]), &a.k_norm, &rope.blk_cos, &rope.blk_sin);
         let vc = vc.view([n, s, kv, d]);
         let vb = vb.view([n, q_len, kv, d]);
         let o = match attn {

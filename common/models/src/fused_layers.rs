@@ -6,6 +6,10 @@
 //! tensors of the shapes below and run the libtorch ops otherwise (the CPU,
 //! partial rotary tables, views that are not contiguous, and
 //! `DFLASH_FUSED_OPS=off`), so the CPU's arithmetic is unchanged.
+//! [`norm_rope`] is the per-head QK norm and the RoPE after it as one
+//! function (`csrc/norm_rope.cu`: one warp per head vector, the weight's
+//! gradient summed per thread block): the normalized queries and keys are
+//! never written, nor their gradient read.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -13,10 +17,15 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
 use tch::{Kind, Tensor};
 
+use crate::layers::RmsNorm;
 use crate::nvrtc::{call_shim, raw};
 use crate::rope::apply_rope;
 
-const SOURCE: &str = concat!(include_str!("../csrc/vec_kind.cuh"), include_str!("../csrc/fused_layers.cu"));
+const SOURCE: &str = concat!(
+    include_str!("../csrc/vec_kind.cuh"),
+    include_str!("../csrc/fused_layers.cu"),
+    include_str!("../csrc/norm_rope.cu")
+);
 const THREADS: u32 = 256;
 
 /// One call, as `csrc/fused_layers.cpp` lays out `DflashFusedLayerCall`.
@@ -35,12 +44,22 @@ pub struct Call {
     c: u64,
     out0: u64,
     out1: u64,
+    d: u64,
+    e: u64,
+    f: u64,
+    eps: f64,
+    blocks: i64,
 }
 
 const ROPE_FORWARD: i32 = 0;
 const ROPE_BACKWARD: i32 = 1;
 const SWIGLU_FORWARD: i32 = 2;
 const SWIGLU_BACKWARD: i32 = 3;
+const NORM_ROPE_FORWARD: i32 = 4;
+const NORM_ROPE_BACKWARD: i32 = 5;
+
+/// Head sizes the norm + RoPE kernels take: 32 lanes of 2, 4 or 8 elements.
+const NORM_ROPE_DIMS: [i32; 3] = [64, 128, 256];
 
 /// Kernels launched so far in this process: how a test tells the kernels
 /// from the libtorch ops they replace.
@@ -51,6 +70,9 @@ struct Kernels {
     rope: CudaFunction,
     swiglu_forward: CudaFunction,
     swiglu_backward: CudaFunction,
+    /// Norm + RoPE forward and backward for head sizes 64, 128, 256.
+    norm_rope_forward: [CudaFunction; 3],
+    norm_rope_backward: [CudaFunction; 3],
 }
 
 fn kernels(ordinal: usize, bf16: bool) -> Option<Arc<Kernels>> {
@@ -63,6 +85,8 @@ fn kernels(ordinal: usize, bf16: bool) -> Option<Arc<Kernels>> {
             rope: f("rope")?,
             swiglu_forward: f("swiglu_forward")?,
             swiglu_backward: f("swiglu_backward")?,
+            norm_rope_forward: [f("norm_rope_forward_2")?, f("norm_rope_forward_4")?, f("norm_rope_forward_8")?],
+            norm_rope_backward: [f("norm_rope_backward_2")?, f("norm_rope_backward_4")?, f("norm_rope_backward_8")?],
             ctx,
         })
     })
@@ -90,6 +114,16 @@ unsafe extern "C" {
         err_len: i32,
     ) -> *mut std::ffi::c_void;
     /// csrc/fused_layers.cpp: a new `at::Tensor*` or null with `err` filled.
+    fn dflash_fused_norm_rope(
+        x: *mut std::ffi::c_void,
+        w: *mut std::ffi::c_void,
+        cos: *mut std::ffi::c_void,
+        sin: *mut std::ffi::c_void,
+        eps: f64,
+        err: *mut std::ffi::c_char,
+        err_len: i32,
+    ) -> *mut std::ffi::c_void;
+    /// csrc/fused_layers.cpp: a new `at::Tensor*` or null with `err` filled.
     fn dflash_fused_swiglu(
         gate: *mut std::ffi::c_void,
         up: *mut std::ffi::c_void,
@@ -103,10 +137,14 @@ fn vec_len(c: &Call) -> i64 {
     if c.bf16 != 0 { 8 } else { 4 }
 }
 
-/// Threads of the call's kernel: one per vector (of a head's half for RoPE).
+/// Threads of the call's kernel: one per vector (of a head's half for
+/// RoPE); a warp per head vector for the norm + RoPE forward, and the
+/// backward's fixed grid.
 fn threads(c: &Call) -> i64 {
     match c.op {
         ROPE_FORWARD | ROPE_BACKWARD => c.rows * i64::from(c.heads) * i64::from(c.dim / 2) / vec_len(c),
+        NORM_ROPE_FORWARD => c.rows * i64::from(c.heads) * 32,
+        NORM_ROPE_BACKWARD => c.blocks * i64::from(THREADS),
         _ => c.numel / vec_len(c),
     }
 }
@@ -124,11 +162,20 @@ fn applies(c: &Call) -> bool {
             c.heads > 0 && c.dim > 0 && i64::from(c.dim / 2) % vec == 0 && c.rows > 0 && c.table_rows > 0
         }
         SWIGLU_FORWARD | SWIGLU_BACKWARD => c.numel > 0 && c.numel % vec == 0,
+        NORM_ROPE_FORWARD | NORM_ROPE_BACKWARD => {
+            NORM_ROPE_DIMS.contains(&c.dim)
+                && c.heads > 0
+                && c.rows > 0
+                && c.table_rows > 0
+                && (c.op == NORM_ROPE_FORWARD || (1..=1024).contains(&c.blocks))
+        }
         _ => false,
     };
     let pointers: &[u64] = match c.op {
         SWIGLU_FORWARD => &[c.a, c.b, c.out0],
         SWIGLU_BACKWARD => &[c.a, c.b, c.c, c.out0, c.out1],
+        NORM_ROPE_FORWARD => &[c.a, c.b, c.c, c.d, c.out0, c.out1],
+        NORM_ROPE_BACKWARD => &[c.a, c.b, c.c, c.d, c.e, c.f, c.out0, c.out1],
         _ => &[c.a, c.b, c.c, c.out0],
     };
     crate::fused_cuda::enabled()
@@ -172,6 +219,41 @@ fn run(k: &Kernels, c: &Call) -> Result<(), String> {
                 .launch(cfg),
             SWIGLU_FORWARD => {
                 stream.launch_builder(&k.swiglu_forward).arg(&c.a).arg(&c.b).arg(&vectors).arg(&c.out0).launch(cfg)
+            }
+            NORM_ROPE_FORWARD | NORM_ROPE_BACKWARD => {
+                let which = NORM_ROPE_DIMS.iter().position(|&d| d == c.dim).expect("`applies` checked the head size");
+                let head_vectors = c.rows * i64::from(c.heads);
+                if c.op == NORM_ROPE_FORWARD {
+                    let eps = c.eps as f32;
+                    stream
+                        .launch_builder(&k.norm_rope_forward[which])
+                        .arg(&c.a)
+                        .arg(&c.d)
+                        .arg(&c.b)
+                        .arg(&c.c)
+                        .arg(&head_vectors)
+                        .arg(&c.heads)
+                        .arg(&c.table_rows)
+                        .arg(&eps)
+                        .arg(&c.out0)
+                        .arg(&c.out1)
+                        .launch(cfg)
+                } else {
+                    stream
+                        .launch_builder(&k.norm_rope_backward[which])
+                        .arg(&c.a)
+                        .arg(&c.e)
+                        .arg(&c.f)
+                        .arg(&c.d)
+                        .arg(&c.b)
+                        .arg(&c.c)
+                        .arg(&head_vectors)
+                        .arg(&c.heads)
+                        .arg(&c.table_rows)
+                        .arg(&c.out0)
+                        .arg(&c.out1)
+                        .launch(cfg)
+                }
             }
             _ => stream
                 .launch_builder(&k.swiglu_backward)
@@ -224,6 +306,48 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     // SAFETY: the three are live tensors borrowed for the call; the shim
     // keeps its own references.
     let out = call_shim(|err, len| unsafe { dflash_fused_rope(raw(&flat), raw(&c), raw(&s), err, len) });
+    out.view(xs.as_slice())
+}
+
+/// `rope(norm(x), cos, sin)` for `x` `[.., heads, d]` and the tables as
+/// [`rope`] takes them, with `norm` the per-head RMS norm (weight `[d]`):
+/// on a GPU one fused autograd function (64, 128 or 256 per head; the
+/// weight of x's kind), else the two as they are.
+pub fn norm_rope(x: &Tensor, norm: &RmsNorm, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let (xs, cs, w) = (x.size(), cos.size(), &norm.weight);
+    let d = *xs.last().expect("norm + rope input has a head dimension");
+    let fused = x.device().is_cuda()
+        && crate::fused_cuda::enabled()
+        && xs.len() >= 2
+        && [64, 128, 256].contains(&d)
+        && cs.len() >= 2
+        && cs.len() <= xs.len()
+        && cs[cs.len() - 1] == d
+        && cs[cs.len() - 2] == 1
+        && cs[..cs.len() - 2] == xs[xs.len() - cs.len()..xs.len() - 2]
+        && sin.size() == cs
+        && fused_kind(x.kind())
+        && [w.kind(), cos.kind(), sin.kind()].iter().all(|&k| k == x.kind())
+        && w.size() == [d]
+        && [w.device(), cos.device(), sin.device()].iter().all(|&dv| dv == x.device())
+        && !cos.requires_grad()
+        && !sin.requires_grad()
+        && x.is_contiguous()
+        && w.is_contiguous()
+        && cos.is_contiguous()
+        && sin.is_contiguous();
+    if !fused {
+        return rope(&norm.forward(x), cos, sin);
+    }
+    register();
+    let heads = xs[xs.len() - 2];
+    let (flat, table) = (x.view([-1, heads, d]), [-1, d]);
+    let (c, s) = (cos.view(table), sin.view(table));
+    // SAFETY: the four are live tensors borrowed for the call; the shim
+    // keeps its own references.
+    let out = call_shim(|err, len| unsafe {
+        dflash_fused_norm_rope(raw(&flat), raw(w), raw(&c), raw(&s), norm.eps, err, len)
+    });
     out.view(xs.as_slice())
 }
 
@@ -295,6 +419,97 @@ mod tests {
             call_shim(|err, len| unsafe { dflash_fused_rope(raw(&bad), raw(&bad), raw(&bad), err, len) })
         }));
         assert!(refused.is_err(), "a 2-D input is refused");
+    }
+
+    /// The norm + RoPE function on the CPU (the launcher declines: the ops,
+    /// and a backward through them recomputed) against the two functions
+    /// it fuses, in f64: output and the gradients of x and the weight.
+    #[test]
+    fn the_norm_rope_function_matches_the_norm_then_rope() {
+        tch::manual_seed(13);
+        let opts = (Kind::Double, Device::Cpu);
+        let (n, s, heads, d) = (2, 5, 3, 16);
+        let x = Tensor::randn([n, s, heads, d], opts).set_requires_grad(true);
+        let norm = RmsNorm { weight: (Tensor::randn([d], opts) * 0.3 + 1.0).set_requires_grad(true), eps: 1e-6 };
+        let (cos, sin) = (Tensor::randn([s, 1, d], opts), Tensor::randn([s, 1, d], opts));
+        let dy = Tensor::randn([n, s, heads, d], opts);
+        let want = apply_rope(&norm.forward(&x), &cos, &sin);
+        let want_g = Tensor::run_backward(&[(&want * &dy).sum(Kind::Double)], &[&x, &norm.weight], false, false);
+        let (flat, t) = (x.view([-1, heads, d]), [-1, d]);
+        // SAFETY: live tensors borrowed for the call.
+        let got = call_shim(|err, len| unsafe {
+            dflash_fused_norm_rope(raw(&flat), raw(&norm.weight), raw(&cos.view(t)), raw(&sin.view(t)), 1e-6, err, len)
+        })
+        .view([n, s, heads, d]);
+        let got_g = Tensor::run_backward(&[(&got * &dy).sum(Kind::Double)], &[&x, &norm.weight], false, false);
+        assert!(got.allclose(&want, 1e-12, 1e-12, false), "output");
+        for (name, (g, w)) in ["x", "weight"].iter().zip(got_g.iter().zip(&want_g)) {
+            assert!(g.allclose(w, 1e-10, 1e-10, false), "gradient of {name}");
+        }
+        // A weight of another size is refused by name.
+        let short = Tensor::ones([d - 2], opts);
+        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: live tensors borrowed for the call.
+            call_shim(|err, len| unsafe {
+                dflash_fused_norm_rope(raw(&flat), raw(&short), raw(&cos.view(t)), raw(&sin.view(t)), 1e-6, err, len)
+            })
+        }));
+        assert!(refused.is_err(), "a weight of {} for heads of {d} is refused", d - 2);
+    }
+
+    /// On a GPU the norm + RoPE kernels (launched) give the two ops'
+    /// output and gradients (x's and the weight's, summed over more head
+    /// vectors than the backward has warps, so its grid stride runs) for
+    /// each head size they take: f32 within 1e-5 of the f64 ops, bf16
+    /// within its rounding; NaN in a head stays in that head.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn the_norm_rope_kernels_match_the_ops_on_a_gpu() {
+        let dev = crate::cuda::tch_device(Some(0)).expect("a CUDA device");
+        tch::manual_seed(14);
+        let rel = |a: &Tensor, b: &Tensor| {
+            let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+            (a - &b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(1e-30)
+        };
+        for (kind, tol) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2e-2)] {
+            for (n, s, heads, d) in [(2, 2100, 8, 128), (1, 700, 4, 64), (3, 300, 2, 256)] {
+                let x64 = Tensor::randn([n, s, heads, d], (Kind::Double, dev)) * 3.0;
+                let w64 = Tensor::randn([d], (Kind::Double, dev)) * 0.3 + 1.0;
+                let angle = Tensor::randn([s, 1, d], (Kind::Double, dev));
+                let dy = Tensor::randn([n, s, heads, d], (Kind::Double, dev));
+                let x = x64.to_kind(kind).set_requires_grad(true);
+                let norm = RmsNorm { weight: w64.to_kind(kind).set_requires_grad(true), eps: 1e-6 };
+                let (cos, sin) = (angle.cos().to_kind(kind), angle.sin().to_kind(kind));
+                // The reference: the ops in f64 on the same (rounded) inputs.
+                let xr = x.to_kind(Kind::Double).detach().set_requires_grad(true);
+                let wr = norm.weight.to_kind(Kind::Double).detach().set_requires_grad(true);
+                let r = RmsNorm { weight: wr.shallow_clone(), eps: 1e-6 };
+                let want = apply_rope(&r.forward(&xr), &cos.to_kind(Kind::Double), &sin.to_kind(Kind::Double));
+                let want_g = Tensor::run_backward(&[(&want * &dy).sum(Kind::Double)], &[&xr, &wr], false, false);
+                let before = LAUNCHES.load(Ordering::Relaxed);
+                let got = norm_rope(&x, &norm, &cos, &sin);
+                let got_g = Tensor::run_backward(
+                    &[(got.to_kind(Kind::Double) * &dy).sum(Kind::Double)],
+                    &[&x, &norm.weight],
+                    false,
+                    false,
+                );
+                let shape = [n, s, heads, d];
+                assert!(LAUNCHES.load(Ordering::Relaxed) - before >= 2, "{kind:?} {shape:?}: both kernels");
+                assert!(rel(&got, &want) < tol, "{kind:?} {shape:?} output: {}", rel(&got, &want));
+                for (name, (g, w)) in ["x", "weight"].iter().zip(got_g.iter().zip(&want_g)) {
+                    assert!(rel(g, w) < tol, "{kind:?} {shape:?} gradient of {name}: {}", rel(g, w));
+                }
+            }
+            let x = Tensor::randn([4, 3, 128], (kind, dev));
+            let _ = x.get(2).get(1).get(7).fill_(f64::NAN);
+            let norm = RmsNorm { weight: Tensor::ones([128], (kind, dev)), eps: 1e-6 };
+            let (cos, sin) = (Tensor::ones([4, 1, 128], (kind, dev)), Tensor::zeros([4, 1, 128], (kind, dev)));
+            let y = norm_rope(&x, &norm, &cos, &sin);
+            let nan = y.isnan().to_kind(Kind::Int64).sum_dim_intlist(-1, false, Kind::Int64);
+            assert_eq!(nan.int64_value(&[2, 1]), 128, "{kind:?}: the NaN head is NaN");
+            assert_eq!(nan.sum(Kind::Int64).int64_value(&[]), 128, "{kind:?}: the other heads are not");
+        }
     }
 
     /// On a GPU the kernels (launched: the counter moves) give the ops'
