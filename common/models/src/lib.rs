@@ -4,6 +4,7 @@
 //! step, AdamW, checkpoints in the served layout, and CUDA loading.
 
 pub mod acceptance;
+pub mod adamw_cuda;
 pub mod attention;
 pub mod block_conv_cuda;
 pub mod blocks;
