@@ -1,4 +1,4 @@
-// Pinned (page-locked) host copies of CPU tensors, and pinned tensors to fill. tch's pin_memory takes
+// Pinned (page-locked) host copies of CPU tensors. tch's pin_memory takes
 // a device argument that libtorch has deprecated and warns about on every
 // call (a line in the log per upload of a training step); at::Tensor's own
 // pin_memory() without it pins for the loaded accelerator, as intended.
@@ -10,18 +10,6 @@
 extern "C" void* dflash_pin_memory(void* t, char* err, int err_len) {
   try {
     return new at::Tensor(static_cast<at::Tensor*>(t)->pin_memory());
-  } catch (const std::exception& e) {
-    std::snprintf(err, err_len, "%s", e.what());
-    return nullptr;
-  }
-}
-
-// Returns a new at::Tensor* (an uninitialized pinned 1-D tensor of `numel` elements of the
-// ScalarType `kind`, from libtorch's caching host allocator), or null with `err` filled.
-extern "C" void* dflash_empty_pinned(int64_t numel, int32_t kind, char* err, int err_len) {
-  try {
-    auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(kind)).pinned_memory(true);
-    return new at::Tensor(at::empty({numel}, options));
   } catch (const std::exception& e) {
     std::snprintf(err, err_len, "%s", e.what());
     return nullptr;

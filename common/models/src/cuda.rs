@@ -149,69 +149,28 @@ pub fn probe_device(device: tch::Device) -> Result<(), String> {
     }
 }
 
-/// The values `data` as a 1-D tensor on `device`, without the host waiting
-/// for the device. On a GPU they are written once, straight into a pinned
-/// block of libtorch's caching host allocator (page-locked and reused: no
-/// page is first touched or pinned here), and moved by a non-blocking copy
-/// ordered on the current stream before the kernels that read them
-/// (libtorch keeps the block until the copy is done). A plain `to_device`
-/// from pageable memory synchronizes the stream, and the GPU idles until
-/// the host has launched the next kernels; `Tensor::from_slice` then
-/// pinning zero-fills fresh pages and copies twice. The training step
-/// uploads its index plans this way at every micro-batch. On the CPU,
-/// `Tensor::from_slice`.
-pub fn upload_slice<T: tch::kind::Element>(data: &[T], device: tch::Device) -> tch::Tensor {
-    if !device.is_cuda() {
-        return tch::Tensor::from_slice(data);
-    }
-    let staged = empty_pinned(data.len(), T::KIND).inspect(|p| {
-        if !data.is_empty() {
-            // SAFETY: `p` is a fresh contiguous 1-D host tensor of
-            // `data.len()` elements of T's kind, owned here.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p.data_ptr().cast::<T>(), data.len()) };
-        }
-    });
-    match staged {
-        Ok(p) => p.to_device_(device, T::KIND, true, false),
-        // No pinned memory to be had: the blocking copy still works.
-        Err(_) => tch::Tensor::from_slice(data).to_device(device),
+/// `host` (a CPU tensor) on `device`, without the host waiting for the
+/// device. On a GPU the bytes go through pinned memory by a non-blocking
+/// copy, ordered on the current stream before the kernels that read them
+/// (libtorch keeps the pinned block until the copy is done). A plain
+/// `to_device` from pageable memory synchronizes the stream: the GPU then
+/// idles from the end of the work queued before it until the host has
+/// launched the next kernels. The training step uploads its index plans
+/// this way at every micro-batch.
+pub fn upload(host: &tch::Tensor, device: tch::Device) -> tch::Tensor {
+    match device {
+        tch::Device::Cuda(_) => match pinned(host) {
+            Ok(p) => p.to_device_(device, host.kind(), true, false),
+            // No pinned memory to be had: the blocking copy still works.
+            Err(_) => host.to_device(device),
+        },
+        _ => host.to_device(device),
     }
 }
 
 unsafe extern "C" {
     /// csrc/host_memory.cpp: a new `at::Tensor*` or null with `err` filled.
     fn dflash_pin_memory(t: *mut std::ffi::c_void, err: *mut std::ffi::c_char, err_len: i32) -> *mut std::ffi::c_void;
-    /// csrc/host_memory.cpp: a new `at::Tensor*` or null with `err` filled.
-    fn dflash_empty_pinned(numel: i64, kind: i32, err: *mut std::ffi::c_char, err_len: i32) -> *mut std::ffi::c_void;
-}
-
-/// An uninitialized pinned 1-D host tensor of `numel` elements of `kind`.
-fn empty_pinned(numel: usize, kind: tch::Kind) -> Result<tch::Tensor, ModelError> {
-    use tch::Kind::*;
-    // at::ScalarType's codes (tch keeps its own mapping private).
-    let code = match kind {
-        Uint8 => 0,
-        Int8 => 1,
-        Int16 => 2,
-        Int => 3,
-        Int64 => 4,
-        Half => 5,
-        Float => 6,
-        Double => 7,
-        Bool => 11,
-        BFloat16 => 15,
-        other => return Err(ModelError::Device(format!("pinned host memory: no staging for {other:?}"))),
-    };
-    let mut err = [0u8; 512];
-    // SAFETY: the shim returns a new heap tensor or null, and writes at most
-    // err.len() bytes.
-    let out = unsafe { dflash_empty_pinned(numel as i64, code, err.as_mut_ptr().cast(), err.len() as i32) };
-    if out.is_null() {
-        let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
-        return Err(ModelError::Device(format!("pinned host memory: {}", String::from_utf8_lossy(&err[..end]))));
-    }
-    // SAFETY: a fresh at::Tensor* from the shim, owned from here on.
-    Ok(unsafe { tch::Tensor::from_ptr(out.cast()) })
 }
 
 /// A pinned (page-locked) copy of the CPU tensor `host`, for the CUDA
@@ -229,48 +188,4 @@ pub fn pinned(host: &tch::Tensor) -> Result<tch::Tensor, ModelError> {
     }
     // SAFETY: a fresh at::Tensor* from the shim, owned from here on.
     Ok(unsafe { tch::Tensor::from_ptr(out.cast()) })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// On the CPU the values are the tensor itself.
-    #[test]
-    fn a_slice_uploaded_to_the_cpu_is_the_slice() {
-        let v = [3i64, -1, 7];
-        assert_eq!(Vec::<i64>::try_from(upload_slice(&v, tch::Device::Cpu)).unwrap(), v);
-    }
-
-    /// On a GPU every kind the training step uploads arrives intact, and so
-    /// do many uploads queued back to back behind a long kernel, each from a
-    /// pinned block the allocator hands out again once its copy is done (a
-    /// block reused early would show another upload's values).
-    #[test]
-    #[ignore = "needs a CUDA GPU"]
-    fn slices_uploaded_to_a_gpu_arrive_intact() {
-        let dev = tch_device(Some(0)).expect("a CUDA device");
-        let back = |t: tch::Tensor| t.to_device(tch::Device::Cpu);
-        let ints: Vec<i64> = (0..100_003).map(|i| i * 7 - 3).collect();
-        assert_eq!(Vec::<i64>::try_from(back(upload_slice(&ints, dev))).unwrap(), ints);
-        let small: Vec<i32> = vec![1, -2, 3];
-        assert_eq!(Vec::<i32>::try_from(back(upload_slice(&small, dev))).unwrap(), small);
-        let floats: Vec<f32> = (0..5000).map(|i| i as f32 * 0.5).collect();
-        assert_eq!(Vec::<f32>::try_from(back(upload_slice(&floats, dev))).unwrap(), floats);
-        let doubles = [1.5f64, f64::NAN, -0.0];
-        let got = Vec::<f64>::try_from(back(upload_slice(&doubles, dev))).unwrap();
-        assert!(got[0] == 1.5 && got[1].is_nan() && got[2].to_bits() == (-0.0f64).to_bits());
-        let bytes: Vec<u8> = (0..=255).collect();
-        assert_eq!(Vec::<u8>::try_from(back(upload_slice(&bytes, dev))).unwrap(), bytes);
-        assert_eq!(upload_slice::<i64>(&[], dev).numel(), 0);
-        // A long product keeps the stream busy while the uploads queue.
-        let big = tch::Tensor::randn([4096, 4096], (tch::Kind::Float, dev));
-        let _busy = big.matmul(&big).matmul(&big);
-        let sent: Vec<tch::Tensor> =
-            (0..64i64).map(|k| upload_slice(&(0..20_000i64).map(|i| i + k).collect::<Vec<_>>(), dev)).collect();
-        for (k, t) in sent.into_iter().enumerate() {
-            let got = Vec::<i64>::try_from(back(t)).unwrap();
-            assert!(got.iter().enumerate().all(|(i, &v)| v == i as i64 + k as i64), "upload {k} changed");
-        }
-    }
 }

@@ -441,8 +441,8 @@ impl Drafter {
     pub fn forward_layout(&self, features: &Tensor, embed: &Tensor, layout: &BlockLayout) -> Tensor {
         let dev = self.device();
         let (n, q_len) = (layout.n as i64, (layout.blocks * layout.block_size) as i64);
-        let ids = crate::cuda::upload_slice(&layout.block_ids, dev).view([n, q_len]);
-        let positions = crate::cuda::upload_slice(&layout.block_positions, dev).view([n, q_len]);
+        let ids = crate::cuda::upload(&Tensor::from_slice(&layout.block_ids).view([n, q_len]), dev);
+        let positions = crate::cuda::upload(&Tensor::from_slice(&layout.block_positions).view([n, q_len]), dev);
         let block_embeds = Tensor::embedding(embed, &ids, -1, false, false);
         let input =
             |attention| DrafterInput { features, block_embeds: &block_embeds, block_positions: &positions, attention };

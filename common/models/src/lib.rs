@@ -4,7 +4,6 @@
 //! step, AdamW, checkpoints in the served layout, and CUDA loading.
 
 pub mod acceptance;
-pub mod adamw_cuda;
 pub mod attention;
 pub mod block_conv_cuda;
 pub mod blocks;

@@ -158,56 +158,26 @@ impl AdamW {
     }
 
     /// One AdamW update at learning rate `lr` (decoupled weight decay scaled
-    /// by `lr`, bias-corrected moments). bf16 parameters on a GPU take one
-    /// pass each ([`crate::adamw_cuda`]: bf16 gradient in, master and
-    /// moments updated, parameter written). The others go through
-    /// libtorch's fused multi-tensor kernel: each fp32 master weight, moment
-    /// and gradient read once, in a few launches for all tensors, instead of
-    /// a kernel per term and tensor (13.5 against 39.1 ms for 1.05B
-    /// parameters on an H200, BENCHMARKS.md), gradients cast to fp32 first
-    /// and half-precision parameters refreshed from their masters after.
+    /// by `lr`, bias-corrected moments), through libtorch's fused
+    /// multi-tensor kernel: each fp32 master weight, moment and gradient is
+    /// read once, in a few launches for all tensors, instead of a kernel per
+    /// term and tensor (13.5 against 39.1 ms for 1.05B parameters on an
+    /// H200, BENCHMARKS.md). bf16 parameters are then refreshed from their
+    /// masters.
     pub fn step(&mut self, lr: f64) {
         let _guard = tch::no_grad_guard();
         self.step += 1;
         let AdamWSettings { beta1, beta2, eps, weight_decay } = self.settings;
-        // libtorch's kernel takes one dtype per list: gradients as fp32, like
-        // the masters (cast below, for the parameters it updates).
-        let (live, grads): (Vec<usize>, Vec<Tensor>) = (0..self.slots.len())
+        // The kernel takes one dtype per list: gradients as fp32, like the masters.
+        let (live, mut grads): (Vec<usize>, Vec<Tensor>) = (0..self.slots.len())
             .filter_map(|i| {
                 let g = self.slots[i].param.grad();
-                g.defined().then_some((i, g))
+                g.defined().then(|| (i, g.to_kind(Kind::Float)))
             })
             .unzip();
         if live.is_empty() {
             return;
         }
-        // bf16 parameters on a GPU: one pass each (crate::adamw_cuda); the
-        // kernel declines the others, which take libtorch's fused kernel.
-        let t = self.step as f32;
-        let (b1, b2) = (beta1 as f32, beta2 as f32);
-        let one = crate::adamw_cuda::StepSettings {
-            divisor: self.grad_divisor as f32,
-            lr: lr as f32,
-            beta1: b1,
-            beta2: b2,
-            weight_decay: weight_decay as f32,
-            eps: eps as f32,
-            step_size: lr as f32 / (1.0 - b1.powf(t)),
-            bias2_sqrt: (1.0 - b2.powf(t)).sqrt(),
-        };
-        let (live, grads): (Vec<usize>, Vec<Tensor>) = live
-            .into_iter()
-            .zip(grads)
-            .filter(|&(i, ref g)| {
-                let s = &self.slots[i];
-                !crate::adamw_cuda::step(&s.param, g, &s.master, &s.exp_avg, &s.exp_avg_sq, &one)
-            })
-            .unzip();
-        if live.is_empty() {
-            self.grad_divisor = 1.0;
-            return;
-        }
-        let mut grads: Vec<Tensor> = grads.iter().map(|g| g.to_kind(Kind::Float)).collect();
         let _ = self.step_count.fill_(self.step as f64);
         let _ = self.grad_divisor_t.fill_(self.grad_divisor);
         self.grad_divisor = 1.0;
@@ -384,25 +354,14 @@ mod tests {
         assert!((m - (0.9 * 0.06 + 0.1 * 0.3)).abs() < 1e-6, "exp_avg after an unclipped step: {m}");
     }
 
-    /// The update on CUDA (bf16 parameters, fp32 masters) against the CPU's
-    /// (fp32 parameters) over steps with clipping and decay: through the
-    /// one-pass kernel (crate::adamw_cuda) for a size of whole vectors, and
-    /// through libtorch's fused kernel for one it declines (4097).
+    /// The fused kernel on CUDA (bf16 parameters, fp32 masters) against
+    /// the CPU one (fp32 parameters) over steps with clipping and decay.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn fused_adamw_on_cuda_matches_the_cpu_update() {
-        for (n, one_pass) in [(4097, false), (3 * 4096, true)] {
-            let launches = crate::adamw_cuda::LAUNCHES.load(std::sync::atomic::Ordering::Relaxed);
-            adamw_on_cuda_matches_the_cpu(n);
-            let launched = crate::adamw_cuda::LAUNCHES.load(std::sync::atomic::Ordering::Relaxed) - launches;
-            assert_eq!(launched > 0, one_pass, "{n} elements: the one-pass kernel ran {launched} times");
-        }
-    }
-
-    fn adamw_on_cuda_matches_the_cpu(n: i64) {
         let gpu = crate::cuda::tch_device(Some(0)).expect("a CUDA device");
         tch::manual_seed(1);
-        let init = Tensor::randn([n], (Kind::Float, tch::Device::Cpu)).to_kind(Kind::BFloat16);
+        let init = Tensor::randn([4097], (Kind::Float, tch::Device::Cpu)).to_kind(Kind::BFloat16);
         let p_cpu = init.to_kind(Kind::Float).set_requires_grad(true);
         let p_gpu = init.to_device(gpu).set_requires_grad(true);
         let settings = AdamWSettings { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
@@ -410,7 +369,7 @@ mod tests {
         let mut cuda = AdamW::new(vec![("p".into(), p_gpu.shallow_clone())], settings);
         for (step, lr) in [0.01, 0.02, 0.0, 0.005].into_iter().enumerate() {
             // Gradients exactly representable in bf16, the same on both.
-            let g = (Tensor::randn([n], (Kind::Float, tch::Device::Cpu)) * 3.0).to_kind(Kind::BFloat16);
+            let g = (Tensor::randn([4097], (Kind::Float, tch::Device::Cpu)) * 3.0).to_kind(Kind::BFloat16);
             for (opt, p) in [(&mut cpu, &p_cpu), (&mut cuda, &p_gpu)] {
                 opt.zero_grad();
                 (p * g.to_device(p.device()).to_kind(p.kind())).sum(Kind::Float).backward();

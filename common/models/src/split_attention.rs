@@ -124,9 +124,9 @@ pub struct DevicePart {
 impl DevicePart {
     fn new(p: &PartPlan, device: Device) -> Self {
         DevicePart {
-            key_rows: crate::cuda::upload_slice(&p.key_rows, device),
-            cu_q: crate::cuda::upload_slice(&p.cu_q, device),
-            cu_k: crate::cuda::upload_slice(&p.cu_k, device),
+            key_rows: crate::cuda::upload(&Tensor::from_slice(&p.key_rows), device),
+            cu_q: crate::cuda::upload(&Tensor::from_slice(&p.cu_q), device),
+            cu_k: crate::cuda::upload(&Tensor::from_slice(&p.cu_k), device),
             max_q: p.max_q,
             max_k: p.max_k,
         }

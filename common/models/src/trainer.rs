@@ -8,7 +8,7 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
 
 use crate::blocks::{BlockLayout, BlockSequence, BlockSettings, sample_anchors};
-use crate::cuda::upload_slice;
+use crate::cuda::upload;
 use crate::drafter::Drafter;
 use crate::objective::{ChunkObjective, ChunkRows, SelectorPick, probability_kind};
 pub use crate::objective::{Objective, dpace_weights};
@@ -455,18 +455,18 @@ impl Trainer {
         let padded = self.padded_features(features, members, layout);
         let hidden = self.drafter.forward_layout(&padded, &self.embed, layout);
         let h = hidden.size()[2];
-        let rows_idx = upload_slice(&layout.rows, device);
+        let rows_idx = upload(&Tensor::from_slice(&layout.rows), device);
         let rows = hidden.view([-1, h]).index_select(0, &rows_idx); // [M, H]
-        let labels = upload_slice(&layout.labels, device);
-        let weights = upload_slice(&layout.weights, device);
+        let labels = upload(&Tensor::from_slice(&layout.labels), device);
+        let weights = upload(&Tensor::from_slice(&layout.weights), device);
         let selector = self.drafter.selector();
-        let predecessors = selector.map(|_| upload_slice(&layout.predecessors(), device));
+        let predecessors = selector.map(|_| upload(&Tensor::from_slice(&layout.predecessors()), device));
         // Distillation: each row's target top-k, read where its label's
         // distribution is (the position before the label), renormalized.
         let teacher = teacher.map(|t| {
             let at: Vec<i64> =
                 layout.sources.iter().map(|&(i, p)| (members[i as usize].0 + p as usize) as i64).collect();
-            let r = t.rows(&upload_slice(&at, device));
+            let r = t.rows(&upload(&Tensor::from_slice(&at), device));
             (r.ids, r.log_probs.softmax(-1, if kind == Kind::Double { Kind::Double } else { Kind::Float }))
         });
         let mut picks = Vec::new(); // DFlash2: each chunk's candidates, for the selector's backward
