@@ -13,7 +13,7 @@
 #   4. one profiled step of $PROFILE_VARIANT (default dflash2) and one profiled
 #      32K step;
 #   5. `layers`: the DFlash step on the usual shape and the 32K step with
-#      this build against the build in $OLD (a binary without the kernels
+#      this build against the builds in $OLD (binaries, space-separated, without the kernels
 #      being measured: the fused RoPE and SwiGLU, csrc/fused_layers.cu; the
 #      loss softmax, csrc/softmax_rows.cu), alternated, in $ROUNDS (default 1 2);
 #   6. `softmax`: the loss softmax kernel at each row-cache size against the
@@ -75,7 +75,7 @@ for phase in $phases; do
       --attention split --batch-tokens 32768 --min-len 32768 --max-len 32768 --batches 1 --steps 2 --warmup 2 \
       --profile --json "$J/profile-32k.json" 2>&1 | quiet | tail -30 ;;
   layers)
-    old=${OLD:?OLD names the binary to compare with}
+    old=${OLD:?OLD names the binaries to compare with}
     for round in ${ROUNDS:-1 2}; do
       for bin in $B/dflash $old; do
         echo "== dflash block 16, $bin, round $round"
