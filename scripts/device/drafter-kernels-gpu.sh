@@ -69,11 +69,11 @@ for phase in $phases; do
     pv=${PROFILE_VARIANT:-dflash2}
     echo "== $pv block 16, profiled"
     timeout 120 $B/dflash bench-step "${usual[@]}" --variant $pv --batches 2 --steps 3 --profile \
-      --json "$J/profile-$pv.json" 2>&1 | quiet | tail -30
+      --json "$J/profile-$pv.json" 2>&1 | quiet | tail -50
     echo "== 32K tokens, chunk 32, profiled"
     timeout 120 $B/dflash bench-step --shape qwen3-8b --device 0 --layers 5 --block 16 --anchors 512 --chunks 32 \
       --attention split --batch-tokens 32768 --min-len 32768 --max-len 32768 --batches 1 --steps 2 --warmup 2 \
-      --profile --json "$J/profile-32k.json" 2>&1 | quiet | tail -30 ;;
+      --profile --json "$J/profile-32k.json" 2>&1 | quiet | tail -50 ;;
   layers)
     old=${OLD:?OLD names the binaries to compare with}
     for round in ${ROUNDS:-1 2}; do
