@@ -275,20 +275,29 @@ fn fused_kind(k: Kind) -> bool {
     matches!(k, Kind::BFloat16 | Kind::Float)
 }
 
+/// Whether tables `cos`/`sin` `[.., 1, d]` fit `x`'s sizes `xs` `[.., heads,
+/// d]` as the fused functions take them: their leading dimensions the
+/// trailing ones of `x`'s (`[S, 1, d]` against `[n, S, heads, d]`).
+fn tables_fit(xs: &[i64], cos: &Tensor, sin: &Tensor) -> bool {
+    let cs = cos.size();
+    let d = xs.last().copied();
+    xs.len() >= 2
+        && cs.len() >= 2
+        && cs.len() <= xs.len()
+        && cs.last().copied() == d
+        && cs[cs.len() - 2] == 1
+        && cs[..cs.len() - 2] == xs[xs.len() - cs.len()..xs.len() - 2]
+        && sin.size() == cs
+}
+
 /// [`apply_rope`] of `x` `[.., heads, d]` with tables `cos`/`sin` `[.., 1,
 /// d]` whose leading dimensions are the trailing ones of `x`'s (`[S, 1, d]`
 /// against `[n, S, heads, d]`: one table for every sequence), as the fused
 /// autograd function on a GPU.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
-    let (xs, cs) = (x.size(), cos.size());
+    let xs = x.size();
     let d = *xs.last().expect("rope input has a head dimension");
-    let fits = xs.len() >= 2
-        && cs.len() >= 2
-        && cs.len() <= xs.len()
-        && cs[cs.len() - 1] == d
-        && cs[cs.len() - 2] == 1
-        && cs[..cs.len() - 2] == xs[xs.len() - cs.len()..xs.len() - 2]
-        && sin.size() == cs;
+    let fits = tables_fit(&xs, cos, sin);
     let on_gpu = x.device().is_cuda() && crate::fused_cuda::enabled();
     // The function gives the tables no gradient: a learned table takes the ops.
     let tables_frozen = !cos.requires_grad() && !sin.requires_grad();
@@ -314,18 +323,13 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
 /// on a GPU one fused autograd function (64, 128 or 256 per head; the
 /// weight of x's kind), else the two as they are.
 pub fn norm_rope(x: &Tensor, norm: &RmsNorm, cos: &Tensor, sin: &Tensor) -> Tensor {
-    let (xs, cs, w) = (x.size(), cos.size(), &norm.weight);
+    let (xs, w) = (x.size(), &norm.weight);
     let d = *xs.last().expect("norm + rope input has a head dimension");
     let fused = x.device().is_cuda()
         && crate::fused_cuda::enabled()
         && xs.len() >= 2
         && [64, 128, 256].contains(&d)
-        && cs.len() >= 2
-        && cs.len() <= xs.len()
-        && cs[cs.len() - 1] == d
-        && cs[cs.len() - 2] == 1
-        && cs[..cs.len() - 2] == xs[xs.len() - cs.len()..xs.len() - 2]
-        && sin.size() == cs
+        && tables_fit(&xs, cos, sin)
         && fused_kind(x.kind())
         && [w.kind(), cos.kind(), sin.kind()].iter().all(|&k| k == x.kind())
         && w.size() == [d]
@@ -373,6 +377,12 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
 mod tests {
     use super::*;
     use tch::Device;
+
+    /// The largest difference of `a` from `b`, relative to `b`'s largest magnitude.
+    fn rel(a: &Tensor, b: &Tensor) -> f64 {
+        let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+        (a - &b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(1e-30)
+    }
 
     /// The shim's autograd functions on the CPU (their libtorch form: the
     /// launcher declines what is not CUDA) against the ops they replace, in
@@ -467,10 +477,6 @@ mod tests {
     fn the_norm_rope_kernels_match_the_ops_on_a_gpu() {
         let dev = crate::cuda::tch_device(Some(0)).expect("a CUDA device");
         tch::manual_seed(14);
-        let rel = |a: &Tensor, b: &Tensor| {
-            let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
-            (a - &b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(1e-30)
-        };
         for (kind, tol) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2e-2)] {
             for (n, s, heads, d) in [(2, 2100, 8, 128), (1, 700, 4, 64), (3, 300, 2, 256)] {
                 let x64 = Tensor::randn([n, s, heads, d], (Kind::Double, dev)) * 3.0;
@@ -521,10 +527,6 @@ mod tests {
     fn the_fused_layer_kernels_match_the_ops_on_a_gpu() {
         let dev = crate::cuda::tch_device(Some(0)).expect("a CUDA device");
         tch::manual_seed(12);
-        let rel = |a: &Tensor, b: &Tensor| {
-            let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
-            (a - &b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(1e-30)
-        };
         for (kind, tol) in [(Kind::Float, 1e-5), (Kind::BFloat16, 1e-2)] {
             let (n, s, heads, d) = (2, 300, 8, 128);
             for table in [vec![s, 1, d], vec![n, s, 1, d]] {
