@@ -4,8 +4,9 @@
 //! layer takes (ARCHITECTURE.md, "Targets larger than one device", says why
 //! stages and not tensor or expert parallelism).
 //!
-//! The first part also holds the input embedding and receives the captured
-//! layers; the last holds the final norm and LM head when they are loaded.
+//! The first part also holds the input embedding, the last the final norm
+//! and LM head when they are loaded; each part keeps the captures of its
+//! own layers (they are copied to the host from where they were computed).
 
 use std::fmt;
 use std::ops::Range;
@@ -36,15 +37,31 @@ pub struct Footprint {
     pub cost: Vec<f64>,
     /// Activations of one forward on every part (see [`workspace_bytes`]).
     pub workspace: u64,
-    /// What the first part holds besides: the captured layers of the
-    /// batches in flight there, and the feature cache.
-    pub captures: u64,
+    /// Per layer, what its part holds besides for its captures: the
+    /// captured batches in flight and the layer's share of the feature
+    /// cache (0 for a layer not captured; missing entries count 0).
+    pub captures: Vec<u64>,
 }
 
 impl Footprint {
     /// Bytes of the tensors alone, whole.
     pub fn weight_bytes(&self) -> u64 {
         self.embed + self.layers.iter().sum::<u64>() + self.tail
+    }
+
+    /// Sets `per_layer` capture bytes on each of `layer_ids` (the rest 0).
+    pub fn capture(&mut self, layer_ids: &[i64], per_layer: u64) {
+        self.captures = vec![0; self.layers.len()];
+        for &i in layer_ids {
+            if let Some(c) = self.captures.get_mut(i as usize) {
+                *c = per_layer;
+            }
+        }
+    }
+
+    /// Capture bytes of `layers`.
+    fn captures_of(&self, layers: Range<i64>) -> u64 {
+        layers.filter_map(|i| self.captures.get(i as usize)).sum()
     }
 }
 
@@ -94,8 +111,8 @@ impl Placement {
         self.parts.iter().position(|p| p.layers.contains(&layer)).unwrap_or(self.parts.len() - 1)
     }
 
-    /// Bytes each part holds: its layers, the embedding (first), the tail
-    /// (last), the workspace and (first) the captures.
+    /// Bytes each part holds: its layers and their captures, the embedding
+    /// (first), the tail (last) and the workspace.
     pub fn bytes(&self, f: &Footprint) -> Vec<u64> {
         let n = self.parts.len();
         self.parts.iter().enumerate().map(|(i, p)| part_bytes(f, p.layers.clone(), i == 0, i + 1 == n)).collect()
@@ -195,13 +212,13 @@ impl Placement {
 fn part_bytes(f: &Footprint, layers: Range<i64>, first: bool, last: bool) -> u64 {
     let held: u64 = f.layers[layers.start as usize..layers.end as usize].iter().sum();
     let tail = if last { f.tail + if f.tied_head && !first { f.embed } else { 0 } } else { 0 };
-    held + f.workspace + if first { f.embed + f.captures } else { 0 } + tail
+    held + f.captures_of(layers) + f.workspace + if first { f.embed } else { 0 } + tail
 }
 
 /// The refusal: what the target needs in all and at least on one device,
 /// against what the devices have.
 fn does_not_fit(devices: &[Device], f: &Footprint, cap: &[u64]) -> String {
-    let need = f.weight_bytes() + f.captures + f.workspace * devices.len() as u64;
+    let need = f.weight_bytes() + f.captures.iter().sum::<u64>() + f.workspace * devices.len() as u64;
     let largest = f.layers.iter().max().copied().unwrap_or(0) + f.workspace;
     let have: Vec<String> = devices
         .iter()
@@ -284,7 +301,8 @@ mod tests {
             cost: layers.iter().map(|&b| b as f64).collect(),
             tied_head: false,
             workspace: 5,
-            captures: 10,
+            // The first layer captured: its part holds 10 more.
+            captures: vec![10],
         }
     }
 
@@ -305,8 +323,12 @@ mod tests {
         let p = Placement::plan(&three, &f, None).unwrap();
         assert_eq!(ranges(&p), [0..2, 2..5, 5..8]);
         assert_eq!((p.home(), p.last(), p.part_of(4), p.part_of(5)), (Device::Cuda(0), Device::Cuda(2), 1, 2));
-        // Bytes: layers + workspace, the embedding and captures first, the tail last.
+        // Bytes: layers + workspace, the embedding first, the tail last, and
+        // each captured layer's captures on its own part.
         assert_eq!(p.bytes(&f), vec![30 + 5 + 50 + 10, 30 + 5, 30 + 5 + 60]);
+        let mut g = f.clone();
+        g.capture(&[1, 3, 7], 7);
+        assert_eq!(p.bytes(&g), vec![30 + 5 + 50 + 7, 30 + 5 + 7, 30 + 5 + 60 + 7]);
         // Equal costs: the first part (which holds the embedding) takes fewer layers.
         let f = footprint(&[10, 10, 10]);
         assert_eq!(ranges(&Placement::plan(&two, &f, None).unwrap()), [0..1, 1..3]);

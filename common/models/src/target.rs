@@ -303,11 +303,11 @@ impl TargetModel {
 
     /// Runs packed sequences (`input_ids` `[T]`, lengths summing to T) up to
     /// the last requested layer and returns the residual stream after each
-    /// layer in `layer_ids` (HF `hidden_states[id + 1]`), each `[T, H]`.
-    /// Attention is causal within each sequence; positions restart at 0.
+    /// layer in `layer_ids` (HF `hidden_states[id + 1]`), each `[T, H]`, on
+    /// the home device. Attention is causal within each sequence; positions
+    /// restart at 0.
     pub fn capture_packed(&self, input_ids: &Tensor, seq_lengths: &[i64], layer_ids: &[i64]) -> Vec<Tensor> {
-        let last = *layer_ids.iter().max().expect("at least one captured layer");
-        self.run_packed(input_ids, seq_lengths, layer_ids, last).1
+        self.capture_packed_in_place(input_ids, seq_lengths, layer_ids, 0).0.into_iter().map(|t| self.home(t)).collect()
     }
 
     /// [`TargetModel::capture_packed`], then the remaining layers, the final
@@ -320,18 +320,47 @@ impl TargetModel {
         layer_ids: &[i64],
         k: i64,
     ) -> (Vec<Tensor>, TopK) {
+        assert!(k > 0, "the top-k of at least one token");
+        let (captured, top) = self.capture_packed_in_place(input_ids, seq_lengths, layer_ids, k);
+        let top = top.expect("asked for a top-k");
+        let captured = captured.into_iter().map(|t| self.home(t)).collect();
+        (captured, TopK { ids: self.home(top.ids), log_probs: self.home(top.log_probs) })
+    }
+
+    /// The captures of [`TargetModel::capture_packed`] (and with `top_k` > 0
+    /// those of [`TargetModel::capture_packed_with_top_k`]) left on the
+    /// device of the part that computed them. Nothing is gathered onto the
+    /// home device, so its stream never waits for a later part: a split
+    /// instance's first part can take the next batch while the later parts
+    /// finish this one (the copies of the residual stream between parts are
+    /// the only order between devices). Serving copies each capture to the
+    /// host from its own device.
+    pub fn capture_packed_in_place(
+        &self,
+        input_ids: &Tensor,
+        seq_lengths: &[i64],
+        layer_ids: &[i64],
+        top_k: i64,
+    ) -> (Vec<Tensor>, Option<TopK>) {
         let _guard = tch::no_grad_guard();
+        if top_k == 0 {
+            let last = *layer_ids.iter().max().expect("at least one captured layer");
+            return (self.run_packed(input_ids, seq_lengths, layer_ids, last).1, None);
+        }
         let norm = self.norm.as_ref().expect("distillation targets need a fully loaded target");
         let head = self.lm_head.as_ref().expect("distillation targets need a fully loaded target");
         let (x, captured) = self.run_packed(input_ids, seq_lengths, layer_ids, self.config.num_layers - 1);
-        let top = TopK::of_hidden(&norm.forward(&x), head, k);
-        let home = |t: Tensor| t.to_device(self.device);
-        (captured, TopK { ids: home(top.ids), log_probs: home(top.log_probs) })
+        (captured, Some(TopK::of_hidden(&norm.forward(&x), head, top_k)))
+    }
+
+    /// A tensor moved to the home device (a no-op where it is).
+    fn home(&self, t: Tensor) -> Tensor {
+        t.to_device(self.device)
     }
 
     /// Layers `0..=last` over packed sequences: the final residual stream
-    /// (on the device of layer `last`) and the captures of `layer_ids` (on
-    /// the home device).
+    /// (on the device of layer `last`) and the captures of `layer_ids` (each
+    /// on the device of its layer).
     fn run_packed(
         &self,
         input_ids: &Tensor,
@@ -345,10 +374,8 @@ impl TargetModel {
     /// Runs layers `0..=last` part by part: the residual stream moves to
     /// each part's device (device-to-device copies queued without a host
     /// wait), with the positions' RoPE tables and the linear-attention
-    /// layout made once per part; captured layers are copied to the home
-    /// device (which waits for them there: parts on different GPUs do not
-    /// overlap yet, see ARCHITECTURE.md). `mark(stage)` after each stage of
-    /// each layer.
+    /// layout made once per part; captured layers stay on the part's device.
+    /// `mark(stage)` after each stage of each layer.
     fn run_layers(
         &self,
         input_ids: &Tensor,
@@ -375,7 +402,7 @@ impl TargetModel {
             for i in part.layers.start..part.layers.end.min(last + 1) {
                 x = self.layers[i as usize].forward_packed(&x, &cos, &sin, seq_lengths, linear.as_ref(), mark);
                 if layer_ids.contains(&i) {
-                    captured.push(x.to_device(self.device));
+                    captured.push(x.shallow_clone());
                 }
             }
         }

@@ -27,7 +27,7 @@ const SPLIT: &[&str] = &["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwe
 
 fn planned(name: &str, parts: usize, scope: LoadScope) -> Placement {
     let inspection = TargetModel::inspect(&fixture(name), Kind::Float, scope).unwrap();
-    let f = Footprint { workspace: 0, captures: 0, ..inspection.footprint };
+    let f = Footprint { workspace: 0, captures: Vec::new(), ..inspection.footprint };
     Placement::plan(&vec![Device::Cpu; parts], &f, None).unwrap()
 }
 
@@ -58,7 +58,9 @@ fn a_target_split_over_cpu_parts_captures_and_decodes_exactly_as_the_whole() {
             assert_eq!(plan.parts().last().unwrap().layers.end, n, "{name}: every layer placed");
             let split = TargetModel::load_placed(&dir, &plan, Kind::Float, LoadScope::Full).unwrap();
             let what = format!("{name} in {parts} parts");
-            let (layers, top) = split.capture_packed_with_top_k(&ids, &lens, &all, 4);
+            // What serving ships: each capture on the device of its part.
+            let (layers, top) = split.capture_packed_in_place(&ids, &lens, &all, 4);
+            let top = top.expect("a top-k was asked for");
             assert_eq!(layers.len(), want_layers.len());
             for (l, (got, want)) in layers.iter().zip(&want_layers).enumerate() {
                 assert_same(got, want, &format!("{what}: captured layer {l}"));

@@ -19,9 +19,11 @@ pub struct CapturedBatch {
     pub layers: Vec<Tensor>,
     /// Distillation: the target's top-k next tokens at every position.
     pub top_k: Option<TopK>,
-    /// On CUDA: completes when the forward that produces `layers` is done.
-    /// The forward loop does not wait for it.
-    pub ready: Option<cudarc::driver::CudaEvent>,
+    /// On CUDA: one event per device of the instance (the home device first,
+    /// [`crate::forward::CudaFeed::devices`]' order), each completing when
+    /// that device's share of the forward is done. Layers stay on the device
+    /// that computed them; the forward loop waits for none of these.
+    pub ready: Vec<cudarc::driver::CudaEvent>,
     /// On CUDA: the ids the forward reads, held until the batch is dropped
     /// (after postprocessing has waited for the forward).
     #[allow(dead_code, reason = "held for ownership, never read")]

@@ -94,21 +94,44 @@ pub struct ForwardLoop {
     pub(crate) sink: PostprocessSink,
 }
 
-/// How a CUDA forward loop gets its inputs onto the device.
+/// How a CUDA forward loop gets its inputs onto the device, and the devices
+/// whose work a batch's events mark.
 pub struct CudaFeed {
+    /// The home device: ids go in there.
     pub ctx: std::sync::Arc<cudarc::driver::CudaContext>,
     pub upload: IdsUploader,
+    /// Every device of the instance, the home device first: one for a
+    /// one-GPU instance, one per distinct GPU of a split one.
+    pub devices: Vec<std::sync::Arc<cudarc::driver::CudaContext>>,
 }
 
 impl CudaFeed {
-    /// Uploads for batches of up to `max_tokens`, `in_flight` at a time.
+    /// Uploads for batches of up to `max_tokens`, `in_flight` at a time, on
+    /// an instance of one GPU.
     pub fn new(
         ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
         ordinal: usize,
         max_tokens: usize,
         in_flight: usize,
     ) -> anyhow::Result<Self> {
-        Ok(Self { ctx: ctx.clone(), upload: IdsUploader::new(ctx, ordinal, max_tokens, in_flight)? })
+        Ok(Self {
+            ctx: ctx.clone(),
+            upload: IdsUploader::new(ctx, ordinal, max_tokens, in_flight)?,
+            devices: vec![ctx.clone()],
+        })
+    }
+
+    /// The same feed for an instance over `devices` (the home device first).
+    pub fn over(mut self, devices: Vec<std::sync::Arc<cudarc::driver::CudaContext>>) -> Self {
+        debug_assert!(devices.first().is_some_and(|d| d.ordinal() == self.ctx.ordinal()), "home device first");
+        self.devices = devices;
+        self
+    }
+
+    /// An event after everything queued so far on each device's libtorch
+    /// stream: postprocessing waits on them, the forward loop does not.
+    fn record_ready(&self) -> anyhow::Result<Vec<cudarc::driver::CudaEvent>> {
+        Ok(self.devices.iter().map(dflash_models::gpu::record_torch_event).collect::<Result<_, _>>()?)
     }
 }
 
@@ -116,7 +139,7 @@ impl CudaFeed {
 struct Forwarded {
     layers: Vec<Tensor>,
     top_k: Option<TopK>,
-    ready: Option<cudarc::driver::CudaEvent>,
+    ready: Vec<cudarc::driver::CudaEvent>,
     ids: Option<UploadedIds>,
     from_cache: bool,
 }
@@ -163,8 +186,8 @@ impl ForwardLoop {
         let lens: Vec<i64> = work.seq_lengths.iter().map(|&l| l as i64).collect();
         if let Some(mut layers) = self.cache.assemble(&work.sample_ids) {
             let ready = match &self.cuda {
-                Some(feed) => Some(dflash_models::gpu::record_torch_event(&feed.ctx)?),
-                None => None,
+                Some(feed) => feed.record_ready()?,
+                None => Vec::new(),
             };
             // The cache holds the top-k after the layers, as two more tensors.
             let top_k = (self.top_k > 0).then(|| {
@@ -183,14 +206,14 @@ impl ForwardLoop {
                 // ends and move on; postprocessing waits on the event.
                 gpu_busy.finish(&feed.ctx, queued, start)?;
                 ids.release_after_torch_work()?;
-                let ready = Some(dflash_models::gpu::record_torch_event(&feed.ctx)?);
+                let ready = feed.record_ready()?;
                 Forwarded { layers, top_k, ready, ids: Some(ids), from_cache: false }
             }
             None => {
                 let ids: Vec<i64> = work.input_ids.iter().map(|&i| i as i64).collect();
                 let ids = Tensor::from_slice(&ids).to_device(self.model.device);
                 let (layers, top_k) = self.capture(&ids, &lens);
-                Forwarded { layers, top_k, ready: None, ids: None, from_cache: false }
+                Forwarded { layers, top_k, ready: Vec::new(), ids: None, from_cache: false }
             }
         };
         if self.cache.enabled() {
@@ -203,14 +226,12 @@ impl ForwardLoop {
         Ok(f)
     }
 
-    /// The captured layers, and (distillation) the top-k next tokens.
+    /// The captured layers, and (distillation) the top-k next tokens, each
+    /// on the device that computed it: a split instance's home device never
+    /// waits for its later parts, so it takes the next batch while they
+    /// finish this one (ARCHITECTURE.md, "Targets larger than one device").
     fn capture(&self, ids: &Tensor, lens: &[i64]) -> (Vec<Tensor>, Option<TopK>) {
-        if self.top_k > 0 {
-            let (layers, top_k) = self.model.capture_packed_with_top_k(ids, lens, &self.layer_ids, self.top_k);
-            (layers, Some(top_k))
-        } else {
-            (self.model.capture_packed(ids, lens, &self.layer_ids), None)
-        }
+        self.model.capture_packed_in_place(ids, lens, &self.layer_ids, self.top_k)
     }
 
     /// Counts one batch in the metrics, the shared stats and the periodic log line.

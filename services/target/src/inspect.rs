@@ -131,7 +131,7 @@ pub fn run(a: &InspectArgs) -> anyhow::Result<()> {
         println!("  {:<18} {capture_ids:?} (for {} drafter layers)", "captured layers:", a.drafter_layers);
     }
     let placed = match &a.devices {
-        Some(groups) => Some(print_layouts(a, groups, &c, capture.footprint, capture_ids.len(), last, kind, &full)?),
+        Some(groups) => Some(print_layouts(a, groups, &c, capture.footprint, &capture_ids, last, kind, &full)?),
         None => None,
     };
     if a.ids.is_empty() {
@@ -186,6 +186,7 @@ pub fn run(a: &InspectArgs) -> anyhow::Result<()> {
 
 /// Prints how each instance of `groups` splits the model to capture up to
 /// layer `last` (`captured` layers, `a.tokens` a batch) over its devices,
+/// each part holding the captures of its own layers,
 /// against their free memory; a layout that does not fit is an error.
 /// Returns the whole model's placement on the first group (for `--ids`).
 #[allow(clippy::too_many_arguments)]
@@ -194,7 +195,7 @@ fn print_layouts(
     groups: &dflash_config::TargetDevices,
     c: &TargetConfig,
     mut f: Footprint,
-    captured: usize,
+    captured: &[u32],
     last: i64,
     kind: Kind,
     full: &Footprint,
@@ -202,7 +203,8 @@ fn print_layouts(
     let elem = kind.elt_size_in_bytes() as u64;
     f.workspace = placement::workspace_bytes(c, a.tokens, elem, false);
     // As serve counts them at the default postprocess depth: three batches.
-    f.captures = 3 * a.tokens * c.hidden_size as u64 * elem * captured as u64;
+    let ids: Vec<i64> = captured.iter().map(|&i| i as i64).collect();
+    f.capture(&ids, 3 * a.tokens * c.hidden_size as u64 * elem);
     let mut first = None;
     for group in groups.instances() {
         let devices: Vec<Device> = group.devices().iter().map(dflash_models::cuda::torch_device).collect();
@@ -221,7 +223,8 @@ fn print_layouts(
         }
         if first.is_none() {
             // `--ids` runs the whole model (to its logits) on the first group.
-            first = Some(Placement::plan(&devices, &Footprint { workspace: 0, captures: 0, ..full.clone() }, None)?);
+            let whole = Footprint { workspace: 0, captures: Vec::new(), ..full.clone() };
+            first = Some(Placement::plan(&devices, &whole, None)?);
         }
     }
     first.context("no device groups")

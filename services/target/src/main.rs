@@ -174,11 +174,15 @@ fn plan_instance(
     let elem = kind_of(spec.dtype).elt_size_in_bytes() as u64;
     let mut f = i.inspection.footprint.clone();
     f.workspace = placement::workspace_bytes(config, tokens, elem, spec.target_top_k > 0);
-    // Batches whose captures live on the first device at once: the forward
-    // loop's, the postprocess queue's and the worker's; and the feature cache.
+    // Batches whose captures are on the devices at once: the forward loop's,
+    // the postprocess queue's and the worker's; and the feature cache. Each
+    // captured layer stays on the device of its part, with its share of the
+    // cache.
     let held = c.pipeline.target_postprocess_depth as u64 + 2;
     let cache = (c.pipeline.target_feature_cache_mib as u64) << 20;
-    f.captures = held * tokens * config.hidden_size as u64 * elem * spec.layer_ids.len() as u64 + cache;
+    let ids: Vec<i64> = spec.layer_ids.iter().map(|&i| i as i64).collect();
+    let captured = ids.len().max(1) as u64;
+    f.capture(&ids, held * tokens * config.hidden_size as u64 * elem + cache.div_ceil(captured));
     let capacity = placement::capacities(devices);
     let plan = Placement::plan(devices, &f, Some(&capacity))
         .map_err(|e| anyhow::anyhow!("{}: {e}", i.model_dir.display()))

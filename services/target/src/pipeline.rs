@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
-use dflash_models::TargetModel;
+use dflash_models::{ModelError, TargetModel};
 use dflash_role::{KindExt, Stop};
 use dflash_telemetry::ErrorKind;
 use dflash_wire::FeatureSpec;
@@ -81,18 +81,21 @@ impl CapturePipeline {
         let hidden = model.config.hidden_size as usize;
         let layer_ids: Vec<i64> = s.spec.layer_ids.iter().map(|&i| i as i64).collect();
         let top_k = s.spec.target_top_k as i64;
+        let devices = match &cuda {
+            Some((ctx, _)) => instance_devices(&model, ctx).kind(ErrorKind::Device)?,
+            None => Vec::new(),
+        };
         let gpu = match &cuda {
             Some((ctx, _)) => {
                 let bytes = s.spec.payload_bytes(s.token_budget, hidden);
                 let pool = dflash_models::gpu::pinned_pool(ctx, s.pinned_buffers, bytes).kind(ErrorKind::Device)?;
-                let stream = dflash_models::gpu::side_stream(ctx).kind(ErrorKind::Device)?;
                 tracing::info!(
                     "{}: {} pinned buffers of {} MiB for device-to-host copies",
                     s.label,
                     s.pinned_buffers,
                     bytes >> 20
                 );
-                Some(GpuCopy { ctx: ctx.clone(), stream, pool })
+                Some(GpuCopy::new(&devices, pool).kind(ErrorKind::Device)?)
             }
             None => None,
         };
@@ -107,7 +110,7 @@ impl CapturePipeline {
         let in_flight = s.postprocess_depth + 3;
         let feed = match &cuda {
             Some((ctx, ordinal)) => {
-                Some(CudaFeed::new(ctx, *ordinal, s.token_budget, in_flight).kind(ErrorKind::Device)?)
+                Some(CudaFeed::new(ctx, *ordinal, s.token_budget, in_flight).kind(ErrorKind::Device)?.over(devices))
             }
             None => None,
         };
@@ -123,4 +126,18 @@ impl CapturePipeline {
         };
         Ok(Self { forward, postprocess })
     }
+}
+
+/// The CUDA contexts of the GPUs `model` is placed on, `home` (its first
+/// part's) first, each GPU once: one for a one-GPU instance.
+fn instance_devices(model: &TargetModel, home: &Arc<CudaContext>) -> Result<Vec<Arc<CudaContext>>, ModelError> {
+    let mut devices = vec![home.clone()];
+    for part in model.placement().parts() {
+        if let tch::Device::Cuda(ordinal) = part.device
+            && !devices.iter().any(|d| d.ordinal() == ordinal)
+        {
+            devices.push(dflash_models::gpu::context(ordinal)?);
+        }
+    }
+    Ok(devices)
 }

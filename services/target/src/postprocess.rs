@@ -31,13 +31,59 @@ pub struct OutboundBatch {
     pub lease: Lease,
 }
 
-/// The device-to-host path of one GPU: a side stream and a bounded pool of
-/// pinned buffers that the sender hands back by dropping the payload.
+/// The device-to-host path of one instance: a side stream per device and a
+/// bounded pool of pinned buffers (page-locked for every GPU) that the
+/// sender hands back by dropping the payload.
 #[derive(Clone)]
 pub struct GpuCopy {
+    /// The instance's devices, the home device first (the forward's events
+    /// come in this order).
+    pub(crate) devices: Vec<DeviceCopy>,
+    pub(crate) pool: gpu::Pool<gpu::PinnedMem>,
+}
+
+/// One device's copy stream.
+#[derive(Clone)]
+pub struct DeviceCopy {
     pub(crate) ctx: std::sync::Arc<cudarc::driver::CudaContext>,
     pub(crate) stream: std::sync::Arc<cudarc::driver::CudaStream>,
-    pub(crate) pool: gpu::Pool<gpu::PinnedMem>,
+}
+
+impl GpuCopy {
+    /// Side streams on each of `devices` (home first), the pinned pool shared.
+    pub fn new(
+        devices: &[std::sync::Arc<cudarc::driver::CudaContext>],
+        pool: gpu::Pool<gpu::PinnedMem>,
+    ) -> Result<Self, dflash_models::ModelError> {
+        let devices = devices
+            .iter()
+            .map(|ctx| Ok(DeviceCopy { ctx: ctx.clone(), stream: gpu::side_stream(ctx)? }))
+            .collect::<Result<_, dflash_models::ModelError>>()?;
+        Ok(Self { devices, pool })
+    }
+
+    /// The copy stream of the device `t` lives on, made current for the
+    /// raw driver calls that follow.
+    fn of(&self, t: &Tensor) -> anyhow::Result<&DeviceCopy> {
+        let tch::Device::Cuda(ordinal) = t.device() else {
+            anyhow::bail!("a captured tensor on {:?} in a GPU instance", t.device());
+        };
+        let d = self
+            .devices
+            .iter()
+            .find(|d| d.ctx.ordinal() == ordinal)
+            .ok_or_else(|| anyhow::anyhow!("a captured tensor on GPU {ordinal}, not one of the instance's"))?;
+        d.ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("binding GPU {ordinal}'s context: {e:?}"))?;
+        Ok(d)
+    }
+
+    /// Waits (on the host) for every device's copies.
+    fn sync_all(&self) -> anyhow::Result<()> {
+        for d in &self.devices {
+            gpu::sync(&d.stream)?;
+        }
+        Ok(())
+    }
 }
 
 /// Contiguous host bytes of a tensor.
@@ -50,10 +96,15 @@ fn host_bytes(t: &Tensor) -> Bytes {
 }
 
 impl Postprocessor {
-    /// PACKED features: the layers concatenated, noised as the spec says.
+    /// PACKED features: the layers concatenated, noised as the spec says,
+    /// on the first layer's device. A split instance's later layers are
+    /// gathered there for it (the home device's stream then waits for its
+    /// later parts: only SPLIT, the default, keeps the parts overlapping).
     fn packed(&self, c: &CapturedBatch) -> Tensor {
         let key = noise_key(self.seed, c.work.batch_id);
-        add_uniform_noise(Tensor::cat(&c.layers, 1), self.spec.target_noise_std(), key)
+        let home = c.layers[0].device();
+        let layers: Vec<Tensor> = c.layers.iter().map(|l| l.to_device(home)).collect();
+        add_uniform_noise(Tensor::cat(&layers, 1), self.spec.target_noise_std(), key)
     }
 
     /// Pinned payload of a CUDA batch: wait for the forward on the copy
@@ -75,29 +126,34 @@ impl Postprocessor {
         match self.spec.layout {
             Layout::Packed => {
                 let packed = self.packed(c);
-                let done = gpu::record_torch_event(&g.ctx)?;
-                gpu::wait_event(&g.stream, &done)?;
-                buf.copy_from_device_async(0, &packed, &g.stream)?;
-                gpu::sync(&g.stream)?;
+                let d = g.of(&packed)?;
+                let done = gpu::record_torch_event(&d.ctx)?;
+                gpu::wait_event(&d.stream, &done)?;
+                buf.copy_from_device_async(0, &packed, &d.stream)?;
+                gpu::sync(&d.stream)?;
             }
             Layout::Split => {
-                if let Some(ev) = &c.ready {
-                    gpu::wait_event(&g.stream, ev)?;
+                // Each device's copies wait for that device's share of the
+                // forward only, never for another device's.
+                for (d, ev) in g.devices.iter().zip(&c.ready) {
+                    gpu::wait_event(&d.stream, ev)?;
                 }
                 for (i, l) in c.layers.iter().enumerate() {
-                    buf.copy_from_device_async(i * t * row, l, &g.stream)?;
+                    buf.copy_from_device_async(i * t * row, l, &g.of(l)?.stream)?;
                 }
-                gpu::sync(&g.stream)?;
+                g.sync_all()?;
             }
         }
         if let Some(k) = &c.top_k {
-            // Computed by the forward (already int32 and f32, contiguous: the
-            // conversions are no-ops); the event orders the copy after them anyway.
+            // Computed by the forward on the last part's device (already int32
+            // and f32, contiguous: the conversions are no-ops); the event
+            // orders the copy after them anyway.
             let [ids, log_probs] = k.wire_parts();
-            gpu::wait_event(&g.stream, &gpu::record_torch_event(&g.ctx)?)?;
-            buf.copy_from_device_async(features, &ids, &g.stream)?;
-            buf.copy_from_device_async(features + t * k.k() as usize * 4, &log_probs, &g.stream)?;
-            gpu::sync(&g.stream)?;
+            let d = g.of(&ids)?;
+            gpu::wait_event(&d.stream, &gpu::record_torch_event(&d.ctx)?)?;
+            buf.copy_from_device_async(features, &ids, &d.stream)?;
+            buf.copy_from_device_async(features + t * k.k() as usize * 4, &log_probs, &d.stream)?;
+            gpu::sync(&d.stream)?;
         }
         tracing::debug!(
             batch = c.work.batch_id,
