@@ -96,7 +96,7 @@ impl Placement {
         &self.parts
     }
 
-    /// The device inputs come in on and captured layers leave from.
+    /// The device inputs come in on (each captured layer leaves from its own part's).
     pub fn home(&self) -> Device {
         self.parts[0].device
     }

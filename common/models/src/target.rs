@@ -371,10 +371,11 @@ impl TargetModel {
         self.run_layers(input_ids, seq_lengths, layer_ids, last, &mut |_| {})
     }
 
-    /// Runs layers `0..=last` part by part: the residual stream moves to
-    /// each part's device (device-to-device copies queued without a host
-    /// wait), with the positions' RoPE tables and the linear-attention
-    /// layout made once per part; captured layers stay on the part's device.
+    /// Runs layers `0..=last` part by part: the residual stream and the
+    /// positions' RoPE tables move from each part's device to the next
+    /// (device-to-device copies queued without a host wait), the
+    /// linear-attention layout is made once per part; captured layers stay
+    /// on the part's device.
     /// `mark(stage)` after each stage of each layer.
     fn run_layers(
         &self,
@@ -391,14 +392,17 @@ impl TargetModel {
             0,
         );
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
-        let (cos, sin) = (cos.unsqueeze(1), sin.unsqueeze(1));
+        let (mut cos, mut sin) = (cos.unsqueeze(1), sin.unsqueeze(1));
         let mut x = self.embed_tokens.embedding_for(input_ids);
         let mut captured = Vec::with_capacity(layer_ids.len());
         for part in self.placement.parts().iter().filter(|p| p.layers.start <= last) {
             let dev = part.device;
-            let (cos, sin) = (cos.to_device(dev), sin.to_device(dev));
+            // Everything a part needs comes from the part before it, never
+            // from the home device: a copy between devices orders both
+            // streams, and one from home would hold part 1 of the next batch
+            // behind this part.
+            (cos, sin, x) = (cos.to_device(dev), sin.to_device(dev), x.to_device(dev));
             let linear = self.packed_layout(seq_lengths, dev);
-            x = x.to_device(dev);
             for i in part.layers.start..part.layers.end.min(last + 1) {
                 x = self.layers[i as usize].forward_packed(&x, &cos, &sin, seq_lengths, linear.as_ref(), mark);
                 if layer_ids.contains(&i) {

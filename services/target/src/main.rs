@@ -210,7 +210,8 @@ fn load_scope(spec: &FeatureSpec, last_layer: i64) -> LoadScope {
 /// One instance's model (on its devices) and its capture pipeline (the
 /// postprocess stage -- a worker, or inline at depth 0 -- feeding
 /// `host_tx`, started here; the forward loop that drives it, returned).
-/// Ids come in, and captured layers leave, on the instance's first device.
+/// Ids come in on the instance's first device; each captured layer leaves
+/// from the device of the part that computed it.
 fn instance_pipeline(
     session: &Session,
     stages: &Stages,

@@ -62,18 +62,22 @@ impl GpuCopy {
         Ok(Self { devices, pool })
     }
 
-    /// The copy stream of the device `t` lives on, made current for the
-    /// raw driver calls that follow.
-    fn of(&self, t: &Tensor) -> anyhow::Result<&DeviceCopy> {
+    /// The index in `devices` of the device `t` lives on.
+    fn index_of(&self, t: &Tensor) -> anyhow::Result<usize> {
         let tch::Device::Cuda(ordinal) = t.device() else {
             anyhow::bail!("a captured tensor on {:?} in a GPU instance", t.device());
         };
-        let d = self
-            .devices
+        self.devices
             .iter()
-            .find(|d| d.ctx.ordinal() == ordinal)
-            .ok_or_else(|| anyhow::anyhow!("a captured tensor on GPU {ordinal}, not one of the instance's"))?;
-        d.ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("binding GPU {ordinal}'s context: {e:?}"))?;
+            .position(|d| d.ctx.ordinal() == ordinal)
+            .ok_or_else(|| anyhow::anyhow!("a captured tensor on GPU {ordinal}, not one of the instance's"))
+    }
+
+    /// Device `i`'s copy stream, its context made current for the raw
+    /// driver calls that follow.
+    fn bound(&self, i: usize) -> anyhow::Result<&DeviceCopy> {
+        let d = &self.devices[i];
+        d.ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("binding GPU {}'s context: {e:?}", d.ctx.ordinal()))?;
         Ok(d)
     }
 
@@ -83,6 +87,16 @@ impl GpuCopy {
             gpu::sync(&d.stream)?;
         }
         Ok(())
+    }
+
+    /// Runs `queue` (which queues copies into a pinned buffer) and then
+    /// waits for every device's copies, also when `queue` failed part-way:
+    /// the buffer and the device tensors must outlive the copies already
+    /// queued.
+    fn copies(&self, queue: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+        let queued = queue();
+        self.sync_all()?;
+        queued
     }
 }
 
@@ -126,22 +140,25 @@ impl Postprocessor {
         match self.spec.layout {
             Layout::Packed => {
                 let packed = self.packed(c);
-                let d = g.of(&packed)?;
+                let d = g.bound(g.index_of(&packed)?)?;
                 let done = gpu::record_torch_event(&d.ctx)?;
                 gpu::wait_event(&d.stream, &done)?;
-                buf.copy_from_device_async(0, &packed, &d.stream)?;
-                gpu::sync(&d.stream)?;
+                g.copies(|| Ok(buf.copy_from_device_async(0, &packed, &d.stream)?))?;
             }
             Layout::Split => {
+                debug_assert_eq!(g.devices.len(), c.ready.len(), "one event per device of the instance");
                 // Each device's copies wait for that device's share of the
                 // forward only, never for another device's.
                 for (d, ev) in g.devices.iter().zip(&c.ready) {
                     gpu::wait_event(&d.stream, ev)?;
                 }
-                for (i, l) in c.layers.iter().enumerate() {
-                    buf.copy_from_device_async(i * t * row, l, &g.of(l)?.stream)?;
-                }
-                g.sync_all()?;
+                let on: Vec<usize> = c.layers.iter().map(|l| g.index_of(l)).collect::<anyhow::Result<_>>()?;
+                g.copies(|| {
+                    for (i, (l, &d)) in c.layers.iter().zip(&on).enumerate() {
+                        buf.copy_from_device_async(i * t * row, l, &g.bound(d)?.stream)?;
+                    }
+                    Ok(())
+                })?;
             }
         }
         if let Some(k) = &c.top_k {
@@ -149,11 +166,12 @@ impl Postprocessor {
             // and f32, contiguous: the conversions are no-ops); the event
             // orders the copy after them anyway.
             let [ids, log_probs] = k.wire_parts();
-            let d = g.of(&ids)?;
+            let d = g.bound(g.index_of(&ids)?)?;
             gpu::wait_event(&d.stream, &gpu::record_torch_event(&d.ctx)?)?;
-            buf.copy_from_device_async(features, &ids, &d.stream)?;
-            buf.copy_from_device_async(features + t * k.k() as usize * 4, &log_probs, &d.stream)?;
-            gpu::sync(&d.stream)?;
+            g.copies(|| {
+                buf.copy_from_device_async(features, &ids, &d.stream)?;
+                Ok(buf.copy_from_device_async(features + t * k.k() as usize * 4, &log_probs, &d.stream)?)
+            })?;
         }
         tracing::debug!(
             batch = c.work.batch_id,
